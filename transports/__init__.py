@@ -1,0 +1,40 @@
+"""Point-to-point transports between two ranks: shared memory, TCP, RDMA.
+
+This package is the lower layer of pycoll and stands alone: it never imports
+``pycoll`` or mpi4py.  It deals in byte ranges and opaque endpoint blobs that the
+layer above exchanges.  :mod:`transports.base` holds the interface.
+"""
+
+from __future__ import annotations
+
+from transports.base import (
+    Backoff,
+    BlobError,
+    ConnectError,
+    Connection,
+    Deadline,
+    DoneRequest,
+    PeerClosedError,
+    Request,
+    Transport,
+    TransportError,
+    TransportOptions,
+    TransportTimeout,
+    wait_all,
+)
+
+__all__ = [
+    "Backoff",
+    "BlobError",
+    "ConnectError",
+    "Connection",
+    "Deadline",
+    "DoneRequest",
+    "PeerClosedError",
+    "Request",
+    "Transport",
+    "TransportError",
+    "TransportOptions",
+    "TransportTimeout",
+    "wait_all",
+]

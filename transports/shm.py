@@ -1,0 +1,510 @@
+"""Shared-memory transport for ranks on one host.
+
+One segment per pair of ranks, created by the lower rank and named
+``pycoll-<token>-<lo>-<hi>`` under ``/dev/shm`` (mode 0600).  The higher rank
+attaches and unlinks it at once, so after set-up nothing is left in the
+filesystem and a crash leaks nothing; the creator also unlinks on close.
+
+Layout (offsets in bytes)::
+
+    0      header: magic, version, nslots, slot_bytes, pid and "closed" flag per side
+    4096   direction 0 (lo -> hi) control: head, tail (own cache lines), slot metadata
+    6144   direction 1 (hi -> lo) control
+    8192   direction 0 slots, then direction 1 slots; each slot is slot_bytes + 4096
+
+Flow control per direction is a ring of ``nslots`` slots with two counters:
+the sender owns ``head`` (slots published), the receiver owns ``tail`` (slots
+released).  The sender fills slot ``head % nslots`` when ``head - tail < nslots``,
+writes the slot's metadata, then stores ``head + 1`` with release semantics; the
+receiver loads ``head`` with acquire semantics, hands the slot's bytes to the
+sink (which copies or reduces straight out of the slot), then stores ``tail + 1``
+with release semantics.  :mod:`transports._atomic` states why this ordering
+holds on x86-64 and on weakly ordered CPUs such as aarch64.
+
+A piece is written into its slot at the same offset within a 4 KiB page as its
+source: memcpy between addresses whose page offsets differ by a few bytes runs
+several times slower on the machines we measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import struct
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from transports import _atomic
+from transports.base import (
+    PIECE_ALIGN,
+    Backoff,
+    BlobError,
+    ConnectError,
+    Connection,
+    Deadline,
+    DoneRequest,
+    PeerClosedError,
+    Request,
+    Sink,
+    Transport,
+    TransportError,
+    TransportOptions,
+)
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_MAGIC = 0x70636F6C6C73686D  # "pcollshm"
+_VERSION = 1
+_PAGE = 4096
+_HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, nslots, slot_bytes
+_CTRL0 = 4096
+_CTRL_SIZE = 2048
+_DATA0 = 8192
+# per-side words in the header: pid and closed flag, on their own cache lines
+_PID_OFF = (256, 384)
+_CLOSED_OFF = (512, 640)
+_META = struct.Struct("<QQ")  # piece length, offset within the slot
+
+_BLOB = struct.Struct("<4sHH16sQQQQQ")  # tag, version, rank... see _Identity
+_BLOB_TAG = b"PCSM"
+
+
+def _read_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ns_inode(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+class _Identity:
+    """What decides whether two ranks can share memory.
+
+    Same kernel boot (``boot_id``), same IPC namespace, and the same ``/dev/shm``
+    filesystem instance (tmpfs device number).  Containers on one machine with
+    their own IPC namespace or their own /dev/shm fail one of these and fall back
+    to a network transport instead of failing.
+    """
+
+    def __init__(self, rank: int, token: bytes) -> None:
+        self.rank = rank
+        self.token = token  # 8 random bytes naming this rank's segments
+        boot = _read_boot_id().replace("-", "")
+        self.boot = bytes.fromhex(boot) if len(boot) == 32 else b"\0" * 16
+        self.ipc_ns = _ns_inode("ipc")
+        self.pid_ns = _ns_inode("pid")
+        try:
+            self.shm_dev = os.stat(SHM_DIR).st_dev
+        except OSError:
+            self.shm_dev = 0
+        self.pid = os.getpid()
+
+    def pack(self) -> bytes:
+        return _BLOB.pack(
+            _BLOB_TAG,
+            _VERSION,
+            0,
+            self.boot,
+            int.from_bytes(self.token, "little"),
+            self.ipc_ns,
+            self.pid_ns,
+            self.shm_dev,
+            (self.rank << 32) | self.pid,
+        )
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> _Identity:
+        if len(blob) != _BLOB.size:
+            raise BlobError(f"shm endpoint blob has {len(blob)} bytes, expected {_BLOB.size}")
+        tag, ver, _, boot, token, ipc, pidns, dev, rp = _BLOB.unpack(blob)
+        if tag != _BLOB_TAG or ver != _VERSION:
+            raise BlobError(f"not a shm endpoint blob (tag {tag!r}, version {ver})")
+        self = cls.__new__(cls)
+        self.boot, self.ipc_ns, self.pid_ns, self.shm_dev = boot, ipc, pidns, dev
+        self.token = token.to_bytes(8, "little")
+        self.rank, self.pid = rp >> 32, rp & 0xFFFFFFFF
+        return self
+
+
+def _segment_bytes(nslots: int, slot_bytes: int) -> int:
+    return _DATA0 + 2 * nslots * (slot_bytes + _PAGE)
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class ShmTransport(Transport):
+    """Connections through a shared segment per pair of ranks on one host."""
+
+    name = "shm"
+
+    def __init__(self, options: TransportOptions) -> None:
+        super().__init__(options)
+        self._me = _Identity(options.rank, secrets.token_bytes(8))
+        self.nslots = max(2, options.nslots)
+        slot = max(_PAGE, options.slot_bytes // _PAGE * _PAGE)
+        # Containers often give /dev/shm only 64 MiB.  If every pair of ranks were on
+        # this host, all segments together should take at most half of what is free.
+        try:
+            pairs = max(1, options.size * (options.size - 1) // 2)
+            budget = _free_bytes(SHM_DIR) // 2 // pairs
+            fit = (budget - _DATA0) // (2 * self.nslots) - _PAGE
+            if fit < slot:
+                slot = max(_PAGE, fit // _PAGE * _PAGE)
+                log.info("shm: %s is small; using %d-byte slots", SHM_DIR, slot)
+        except OSError:
+            pass
+        self.slot_bytes = slot
+        self._conns: list[ShmConnection] = []
+
+    def listen(self) -> bytes:
+        return self._me.pack()
+
+    def can_connect(self, local: bytes, peer: bytes) -> tuple[bool, str]:
+        a, b = _Identity.unpack(local), _Identity.unpack(peer)
+        ok, why = _atomic.available()
+        if not ok:
+            return False, why
+        if not os.path.isdir(SHM_DIR):
+            return False, f"{SHM_DIR} does not exist"
+        if a.boot != b.boot or a.boot == b"\0" * 16:
+            return False, "different kernel boot (another host)"
+        if a.ipc_ns != b.ipc_ns:
+            return False, "different IPC namespace (another container or simulated host)"
+        if a.shm_dev != b.shm_dev:
+            return False, f"different {SHM_DIR} filesystem"
+        return True, f"same host, IPC namespace and {SHM_DIR}"
+
+    def connect(self, peer_rank: int, peer: bytes) -> Connection:
+        other = _Identity.unpack(peer)
+        if other.rank != peer_rank:
+            raise BlobError(f"shm blob for rank {peer_rank} says rank {other.rank}")
+        me = self._me
+        lo, hi = (me, other) if me.rank < other.rank else (other, me)
+        name = f"pycoll-{lo.token.hex()}-{lo.rank}-{hi.rank}"
+        creator = me is lo
+        deadline = Deadline.after(self.options.timeout)
+        if creator:
+            mm = self._create(name, _segment_bytes(self.nslots, self.slot_bytes), peer_rank)
+        else:
+            mm = self._attach(name, peer_rank, deadline)
+        try:
+            conn = ShmConnection(
+                mm, name, creator, peer_rank, other.pid if other.pid_ns == me.pid_ns else 0
+            )
+        except BaseException:
+            mm.close()
+            if creator:
+                os.unlink(os.path.join(SHM_DIR, name))
+            raise
+        self._conns.append(conn)
+        log.debug(
+            "shm: rank %d %s %s (%d bytes)",
+            me.rank,
+            "created" if creator else "attached",
+            name,
+            len(mm),
+        )
+        return conn
+
+    def _create(self, name: str, size: int, peer: int) -> mmap.mmap:
+        path = os.path.join(SHM_DIR, name)
+        free = _free_bytes(SHM_DIR)
+        if size > free:
+            raise ConnectError(
+                f"shm segment for peer {peer} needs {size} bytes but {SHM_DIR} has only "
+                f"{free} free; enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
+                peer=peer,
+                transport="shm",
+            )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                # Reserve the pages now: a tmpfs that runs out later kills us with SIGBUS.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.unlink(path)
+                raise ConnectError(
+                    f"shm segment for peer {peer} needs {size} bytes in {SHM_DIR} "
+                    f"({free} free): {exc.strerror}; enlarge it (docker --shm-size) or "
+                    "lower PYCOLL_CHUNK_BYTES",
+                    peer=peer,
+                    transport="shm",
+                    errno=exc.errno,
+                ) from exc
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _HDR.pack_into(mm, 8, _VERSION, self.nslots, self.slot_bytes)
+        struct.pack_into("<Q", mm, _PID_OFF[0], os.getpid())
+        # magic last: the attacher waits for it before trusting the rest
+        struct.pack_into("<Q", mm, 0, _MAGIC)
+        return mm
+
+    def _attach(self, name: str, peer: int, deadline: Deadline) -> mmap.mmap:
+        path = os.path.join(SHM_DIR, name)
+        size = 0
+        bo = Backoff(spins=0, yields=16)
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    size = os.fstat(fd).st_size
+                    if size >= _DATA0:
+                        mm = mmap.mmap(fd, size)
+                        if struct.unpack_from("<Q", mm, 0)[0] == _MAGIC:
+                            break
+                        mm.close()
+                finally:
+                    os.close(fd)
+            if deadline.expired():
+                raise ConnectError(
+                    f"shm segment {name} from rank {peer} never appeared within "
+                    f"{self.options.timeout:g} s",
+                    peer=peer,
+                    transport="shm",
+                )
+            bo.pause()
+        ver, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
+        # The creator chose the geometry (it sized the segment to fit /dev/shm).
+        if (
+            ver != _VERSION
+            or nslots < 2
+            or slot_bytes % _PAGE
+            or _segment_bytes(nslots, slot_bytes) != size
+        ):
+            mm.close()
+            raise ConnectError(
+                f"shm segment {name} has version {ver} and geometry {nslots}x{slot_bytes}, "
+                f"which does not match its size {size}: ranks run different pycoll versions?",
+                peer=peer,
+                transport="shm",
+            )
+        struct.pack_into("<Q", mm, _PID_OFF[1], os.getpid())
+        # Both sides are attached now; unlink so that nothing outlives the job.
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return mm
+
+    def close(self) -> None:
+        for c in self._conns:
+            c.close()
+        self._conns.clear()
+
+
+class _Direction:
+    """One ring of slots: counters, metadata and data views."""
+
+    __slots__ = ("base", "data", "head", "meta_off", "nslots", "slot_bytes", "stride", "tail")
+
+    def __init__(self, mm: mmap.mmap, d: int, nslots: int, slot_bytes: int) -> None:
+        ctrl = _CTRL0 + d * _CTRL_SIZE
+        self.head = _atomic.Counter(mm, ctrl)
+        self.tail = _atomic.Counter(mm, ctrl + 128)
+        self.meta_off = ctrl + 256
+        self.nslots = nslots
+        self.slot_bytes = slot_bytes
+        self.stride = slot_bytes + _PAGE
+        self.base = _DATA0 + d * nslots * self.stride
+        self.data = np.frombuffer(mm, dtype=np.uint8)
+
+
+class ShmConnection(Connection):
+    transport = "shm"
+
+    def __init__(self, mm: mmap.mmap, name: str, creator: bool, peer: int, peer_pid: int) -> None:
+        self.peer = peer
+        self._mm = mm
+        self._name = name
+        self._creator = creator
+        self._side = 0 if creator else 1
+        self._peer_pid = peer_pid
+        _, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
+        out_d, in_d = (0, 1) if creator else (1, 0)
+        self._out = _Direction(mm, out_d, nslots, slot_bytes)
+        self._in = _Direction(mm, in_d, nslots, slot_bytes)
+        self._sends: deque[_ShmSend] = deque()
+        self._recvs: deque[_ShmRecv] = deque()
+        self._closed = False
+        self._sent = 0  # local copies of our own counters
+        self._recvd = 0
+        self._closed_peer = _atomic.Counter(mm, _CLOSED_OFF[1 - self._side])
+        self._closed_me = _atomic.Counter(mm, _CLOSED_OFF[self._side])
+
+    # ------------------------------------------------------------------ posting
+    def isend(self, data: memoryview) -> Request:
+        self._check_open()
+        n = data.nbytes
+        if n == 0:
+            return DoneRequest(self.peer)
+        req = _ShmSend(self, np.frombuffer(data, dtype=np.uint8))
+        self._sends.append(req)
+        return req
+
+    def irecv(self, nbytes: int, sink: Sink) -> Request:
+        self._check_open()
+        if nbytes == 0:
+            return DoneRequest(self.peer)
+        req = _ShmRecv(self, nbytes, sink)
+        self._recvs.append(req)
+        return req
+
+    # ------------------------------------------------------------------ progress
+    def _progress_sends(self) -> None:
+        out = self._out
+        q = self._sends
+        while q:
+            req = q[0]
+            src = req.src
+            total = src.size
+            tail = out.tail.load()
+            head = self._sent
+            while req.off < total and head - tail < out.nslots:
+                n = min(out.slot_bytes, total - req.off)
+                piece = src[req.off : req.off + n]
+                # same page offset as the source: see the module docstring
+                o = (req.addr + req.off) % _PAGE
+                start = out.base + (head % out.nslots) * out.stride
+                out.data[start + o : start + o + n] = piece
+                _META.pack_into(self._mm, out.meta_off + 16 * (head % out.nslots), n, o)
+                head += 1
+                out.head.store(head)
+                req.off += n
+            self._sent = head
+            if req.off < total:
+                return
+            req._done = True
+            q.popleft()
+
+    def _progress_recvs(self) -> None:
+        inn = self._in
+        q = self._recvs
+        while q:
+            req = q[0]
+            head = inn.head.load()
+            tail = self._recvd
+            while req.off < req.nbytes and tail < head:
+                slot = tail % inn.nslots
+                n, o = _META.unpack_from(self._mm, inn.meta_off + 16 * slot)
+                want = min(inn.slot_bytes, req.nbytes - req.off)
+                if n != want:
+                    raise TransportError(
+                        f"shm: peer {self.peer} sent a {n}-byte piece where {want} were "
+                        "expected (mismatched messages: do both ranks run the same collective?)",
+                        peer=self.peer,
+                        transport="shm",
+                    )
+                start = inn.base + slot * inn.stride + o
+                req.sink(req.off, memoryview(inn.data[start : start + n]))  # type: ignore[arg-type]
+                tail += 1
+                inn.tail.store(tail)
+                req.off += n
+            self._recvd = tail
+            if req.off < req.nbytes:
+                return
+            req._done = True
+            q.popleft()
+
+    # ------------------------------------------------------------------ health
+    def check_peer(self) -> None:
+        if self._closed:
+            return
+        if self._closed_peer.load():
+            raise PeerClosedError(
+                f"shm: peer {self.peer} closed its connection", peer=self.peer, transport="shm"
+            )
+        pid = self._peer_pid
+        if pid:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise PeerClosedError(
+                    f"shm: peer {self.peer} (pid {pid}) has exited", peer=self.peer, transport="shm"
+                ) from None
+            except PermissionError:
+                pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(
+                f"shm connection to peer {self.peer} is closed", peer=self.peer, transport="shm"
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._closed_me.store(1)
+        except ValueError:
+            pass
+        for c in (self._out.head, self._out.tail, self._in.head, self._in.tail):
+            c.release_buffer()
+        self._closed_peer.release_buffer()
+        self._closed_me.release_buffer()
+        self._out.data = self._in.data = None  # type: ignore[assignment]
+        self._sends.clear()
+        self._recvs.clear()
+        try:
+            self._mm.close()
+        except BufferError:  # a view escaped; the mapping goes with the process
+            log.warning("shm: segment %s still has views; not unmapped", self._name)
+        if self._creator:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self._name))
+            except FileNotFoundError:
+                pass
+
+
+class _ShmSend(Request):
+    def __init__(self, conn: ShmConnection, src: Any) -> None:
+        self.conn = conn
+        self.peer = conn.peer
+        self.src = src
+        self.addr = src.__array_interface__["data"][0]
+        self.off = 0
+
+    def _progress(self) -> bool:
+        self.conn._progress_sends()
+        return self._done
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
+class _ShmRecv(Request):
+    def __init__(self, conn: ShmConnection, nbytes: int, sink: Sink) -> None:
+        self.conn = conn
+        self.peer = conn.peer
+        self.nbytes = nbytes
+        self.sink = sink
+        self.off = 0
+
+    def _progress(self) -> bool:
+        self.conn._progress_recvs()
+        return self._done
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
+assert PIECE_ALIGN <= _PAGE
