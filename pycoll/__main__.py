@@ -1,0 +1,45 @@
+"""``python -m pycoll``: small command-line tools.
+
+``python -m pycoll info`` prints what this machine offers pycoll's RDMA
+transport: GPUs, RDMA NICs, peer memory, dma-buf support, PCIe distances and
+which memory path (dmabuf, gdr, host) can be used, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _info(args: argparse.Namespace) -> int:
+    from transports.rdma import caps
+
+    soft_caps = frozenset(c for c in (args.soft_caps or "").split(",") if c)
+    found = caps.detect(provider=args.provider, soft_caps=soft_caps, gdr_level=args.gdr_level)
+    print(caps.report(found))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pycoll", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="report GPUs, RDMA devices and usable memory paths")
+    info.add_argument("--provider", default=os.environ.get("PYCOLL_RDMA_PROVIDER", "auto"))
+    info.add_argument(
+        "--soft-caps",
+        default="",
+        help="capabilities the soft provider claims (peermem,dmabuf)",
+    )
+    info.add_argument(
+        "--gdr-level",
+        default="PXB",
+        help="farthest GPU-NIC distance for GDR (PIX..SYS)",
+    )
+    info.set_defaults(func=_info)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Collective algorithms over :class:`~pycoll.algorithms.links.Links`.
+
+Each algorithm is one function in one module, registered under a name for a
+collective; ``auto`` picks by :mod:`pycoll.algorithms.cost`.
+"""
+
+from __future__ import annotations
+
+from pycoll.algorithms import ring, tree  # noqa: F401 - registers the algorithms
+from pycoll.algorithms.registry import ALGORITHMS, get, names
+
+__all__ = ["ALGORITHMS", "get", "names"]

@@ -1,0 +1,65 @@
+"""The ``auto`` policy: a latency/bandwidth (alpha-beta-gamma) cost model.
+
+For each algorithm the model counts sequential steps (each costs ``alpha``),
+bytes on the busiest link (``beta`` per byte) and bytes reduced (``gamma`` per
+byte), and ``auto`` takes the cheapest.  The constants are per transport kind
+and come from measurements on the machine in ``benchmarks/RESULTS.md``
+(``benchmarks/fit_cost.py`` refits them from a sweep's JSON).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Constants:
+    alpha: float  # seconds per sequential step
+    beta: float  # seconds per byte on a link
+    gamma: float  # seconds per byte reduced
+
+
+#: Fitted from benchmarks/results (see RESULTS.md); shm on the 2-core CI machine.
+DEFAULT = Constants(alpha=12e-6, beta=1 / 3.0e9, gamma=1 / 4.0e9)
+
+
+def estimate(
+    collective: str, algorithm: str, n: int, nbytes: int, chunk: int, k: Constants = DEFAULT
+) -> float:
+    """Modelled seconds for one call; ``nbytes`` is the per-rank input size."""
+    if n <= 1:
+        return 0.0
+    lg = math.ceil(math.log2(n))
+    slices = max(1, math.ceil(nbytes / (chunk * n)))
+    chunks = max(1, math.ceil(nbytes / chunk))
+    f = (n - 1) / n
+    if collective == "allreduce":
+        if algorithm == "ring":
+            return 2 * (n - 1) * slices * k.alpha + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+        if algorithm == "tree":
+            half = max(1, math.ceil(chunks / 2))
+            return (2 * lg + half) * k.alpha + 2 * nbytes * k.beta + nbytes * k.gamma
+    if collective in ("allgather", "reduce_scatter"):
+        red = nbytes * k.gamma if collective == "reduce_scatter" else 0.0
+        total = nbytes * n if collective == "allgather" else nbytes
+        if algorithm == "ring":
+            return (n - 1) * k.alpha + f * total * k.beta + f * red
+        if algorithm == "tree":
+            return 2 * lg * k.alpha + 2 * total * k.beta + red
+    if collective == "broadcast":
+        if algorithm == "ring":
+            return (n - 1 + chunks) * k.alpha + nbytes * k.beta
+        if algorithm == "tree":
+            return (lg + chunks) * k.alpha + 2 * nbytes * k.beta
+    if collective == "reduce":
+        if algorithm == "ring":
+            return (n - 1) * slices * k.alpha + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+        if algorithm == "tree":
+            return (lg + chunks) * k.alpha + 2 * nbytes * k.beta + nbytes * k.gamma
+    return math.inf
+
+
+def choose(collective: str, candidates: tuple[str, ...], n: int, nbytes: int, chunk: int) -> str:
+    """The cheapest of ``candidates`` by the model (ties go to the first)."""
+    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk))

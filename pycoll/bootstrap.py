@@ -1,0 +1,162 @@
+"""Wire up a communicator through mpi4py: secrets, endpoint blobs, transports.
+
+1. Rank 0 draws the job's secret and broadcasts it (network transports drop
+   peers that cannot present it).
+2. Each transport allowed by ``PYCOLL_TRANSPORT`` is created and ``listen``\\ s;
+   the endpoint blobs are allgathered.  A transport that cannot be created
+   (missing library, no device) is skipped with its reason.
+3. Each rank asks every transport, in priority order, whether it can reach each
+   peer; the verdicts are allgathered too, and a pair uses the first transport
+   that *both* ends accept, so the two sides always agree.
+4. Connections are made; a pair with no common transport fails loudly, naming
+   every refusal (like NCCL's "No transport found for rank a -> rank b").
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from pycoll.config import Config
+from pycoll.errors import ConnectError, PycollError, translate
+from transports.base import Connection, Transport, TransportOptions
+from transports.registry import transport_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Wiring:
+    """What the bootstrap built: connections per peer and the transports behind them."""
+
+    rank: int
+    size: int
+    conns: dict[int, Connection] = field(default_factory=dict)
+    kind: dict[int, str] = field(default_factory=dict)  # peer -> "shm", "tcp", "rdma:host"...
+    why: dict[int, str] = field(default_factory=dict)
+    transports: list[Transport] = field(default_factory=list)
+
+    def close(self) -> None:
+        for c in reversed(list(self.conns.values())):
+            try:
+                c.close()
+            except Exception as exc:
+                log.warning("closing connection to %d: %s", c.peer, exc)
+        self.conns.clear()
+        for t in reversed(self.transports):
+            try:
+                t.close()
+            except Exception as exc:
+                log.warning("closing transport %s: %s", t.name, exc)
+        self.transports.clear()
+
+
+def _options(cfg: Config, rank: int, size: int, secret: bytes) -> TransportOptions:
+    return TransportOptions(
+        rank=rank,
+        size=size,
+        timeout=cfg.timeout,
+        secret=secret,
+        socket_ifname=cfg.socket_ifname,
+        slot_bytes=cfg.chunk_bytes,
+        nslots=4,
+        extra=(("rdma_memory", cfg.rdma_memory), ("rdma_provider", cfg.rdma_provider)),
+    )
+
+
+def wire(mpi_comm: Any, cfg: Config) -> Wiring:
+    """Build every connection of this rank.
+
+    Raises:
+        ConnectError: no transport reaches some peer, or a connection failed.
+    """
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    w = Wiring(rank, size)
+    if size == 1:
+        return w
+    secret = mpi_comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
+    opts = _options(cfg, rank, size, secret)
+
+    # 2. create and listen
+    mine: list[tuple[str, Transport | None, bytes | None, str]] = []
+    for name in cfg.transports:
+        try:
+            t = transport_class(name)(opts)
+            blob = t.listen()
+            mine.append((name, t, blob, ""))
+            w.transports.append(t)
+        except Exception as exc:
+            log.info("transport %s unavailable on rank %d: %s", name, rank, exc)
+            mine.append((name, None, None, f"{type(exc).__name__}: {exc}"))
+    blobs = mpi_comm.allgather([b for _, _, b, _ in mine])
+
+    # 3. verdicts: mine[i] accepts peer p?
+    verdict: dict[int, list[bool]] = {}
+    reasons: dict[int, list[str]] = {}
+    for p in range(size):
+        if p == rank:
+            continue
+        ok_list, why_list = [], []
+        for i, (_name, tr, my_blob, err) in enumerate(mine):
+            peer_blob = blobs[p][i]
+            if tr is None or my_blob is None:
+                ok, why = False, f"not available here ({err})"
+            elif peer_blob is None:
+                ok, why = False, f"not available on rank {p}"
+            else:
+                try:
+                    ok, why = tr.can_connect(my_blob, peer_blob)
+                except Exception as exc:
+                    ok, why = False, f"{type(exc).__name__}: {exc}"
+            ok_list.append(ok)
+            why_list.append(why)
+        verdict[p] = ok_list
+        reasons[p] = why_list
+    table = mpi_comm.allgather({p: v for p, v in verdict.items()})
+
+    # 4. connect
+    errors: list[str] = []
+    for p in range(size):
+        if p == rank:
+            continue
+        theirs = table[p][rank]
+        chosen = None
+        for i, (name, _t, _, _) in enumerate(mine):
+            if verdict[p][i] and theirs[i]:
+                chosen = i
+                break
+            side = "here" if not verdict[p][i] else f"on rank {p}"
+            log.info(
+                "rank %d -> %d: %s refused %s: %s",
+                rank,
+                p,
+                name,
+                side,
+                reasons[p][i] if not verdict[p][i] else "(see that rank's log)",
+            )
+        if chosen is None:
+            detail = "; ".join(f"{mine[i][0]}: {reasons[p][i]}" for i in range(len(mine)))
+            errors.append(f"No transport found for rank {rank} -> rank {p} ({detail})")
+            continue
+        name, chosen_t, _, _ = mine[chosen]
+        assert chosen_t is not None
+        try:
+            with translate(rank, f"connecting to rank {p} over {name}", {p: name}):
+                conn = chosen_t.connect(p, blobs[p][chosen])
+        except PycollError as exc:
+            errors.append(str(exc))
+            continue
+        w.conns[p] = conn
+        w.kind[p] = conn.transport
+        w.why[p] = reasons[p][chosen]
+        log.info("rank %d -> %d: using %s (%s)", rank, p, conn.transport, reasons[p][chosen])
+    failed = mpi_comm.allreduce(1 if errors else 0)
+    if errors or failed:
+        w.close()
+        msg = "; ".join(errors) if errors else f"connection set-up failed on {failed} other rank(s)"
+        raise ConnectError(f"rank {rank}: {msg}", rank=rank)
+    # nobody may leave until every segment is attached (and so unlinked)
+    mpi_comm.Barrier()
+    return w

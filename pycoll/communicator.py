@@ -1,0 +1,656 @@
+"""The Communicator: validated collectives over the bootstrap's connections."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pycoll import algorithms
+from pycoll.algorithms import cost
+from pycoll.algorithms.links import Links
+from pycoll.bootstrap import Wiring, wire
+from pycoll.buffers import Buffer, as_buffer
+from pycoll.config import TRACE, Config, setup_logging
+from pycoll.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    PycollError,
+    translate,
+)
+from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
+from transports.base import Backoff, Deadline
+
+log = logging.getLogger(__name__)
+
+_COLL_IDS = {
+    "allreduce": 1,
+    "allgather": 2,
+    "broadcast": 3,
+    "reduce_scatter": 4,
+    "reduce": 5,
+    "barrier": 6,
+}
+_DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
+_OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
+
+
+class Request:
+    """An asynchronous collective (``async_op=True``).
+
+    ``wait(timeout)`` blocks until it finishes and returns its output (or raises
+    its error); ``test()`` says whether it has finished; ``exception()`` gives the
+    error, if any, once finished.
+    """
+
+    def __init__(self, future: Future[Any], what: str) -> None:
+        self._future = future
+        self._what = what
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the output array.
+
+        Raises:
+            CollectiveTimeout: still running after ``timeout`` seconds (the
+                collective itself goes on, bounded by PYCOLL_TIMEOUT).
+        """
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"{self._what} still running after wait(timeout={timeout})"
+            ) from None
+
+    def test(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        return self._future.exception()
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<pycoll.Request {self._what} {state}>"
+
+
+@dataclass
+class Record:
+    """One entry of the flight recorder: the recent collectives of this rank."""
+
+    seq: int
+    collective: str
+    count: int
+    dtype: str
+    op: str
+    root: int
+    algorithm: str
+    started: float
+    ended: float | None = None
+    status: str = "running"
+
+    def __str__(self) -> str:
+        dur = "" if self.ended is None else f" {1e6 * (self.ended - self.started):.0f}us"
+        return (
+            f"#{self.seq} {self.collective}(count={self.count}, dtype={self.dtype}, "
+            f"op={self.op}, root={self.root}, algo={self.algorithm}) {self.status}{dur}"
+        )
+
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    Create it with :func:`pycoll.init`.  Every collective validates its
+    arguments before any byte moves, and all ranks of the group must call the
+    same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
+    """
+
+    def __init__(self, mpi_comm: Any, config: Config) -> None:
+        self.config = config
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        setup_logging(config.debug, self.rank)
+        self._wiring: Wiring | None = wire(mpi_comm, config)
+        self._conns = self._wiring.conns
+        self._kinds = dict(self._wiring.kind)
+        self._kinds[self.rank] = "self"
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._seq = 0
+        self._recent: collections.deque[Record] = collections.deque(maxlen=32)
+        self._backoff = Backoff()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public
+    def transport_of(self, peer: int) -> str:
+        """The transport used to reach ``peer``: "self", "shm", "tcp", "rdma:host"...
+
+        Raises:
+            InvalidArgumentError: ``peer`` is not a rank of this communicator.
+        """
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: transport_of: peer={peer!r} is not in [0, {self.size})"
+            )
+        return self._kinds[int(peer)]
+
+    def allreduce(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        op: str | ReduceOp = "sum",
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce ``sendbuf`` across ranks; every rank gets the result.
+
+        Args:
+            sendbuf: contiguous array; with ``recvbuf=None`` the result lands in it.
+            recvbuf: output of the same size and dtype, or None for in place.
+            op: "sum", "prod", "min", "max", "avg" or a :class:`ReduceOp`.
+            algorithm: "auto", "ring" or "tree".
+            async_op: return a :class:`Request` instead of waiting.
+
+        Returns:
+            The output array (or a Request).
+
+        Raises:
+            InvalidArgumentError: bad buffers, op, dtype or algorithm.
+            TransportError: the collective failed; the communicator is unusable.
+        """
+        what = "allreduce"
+        self._check_open(what)
+        rop = parse_op(op, self.rank, what)
+        x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=recvbuf is None)
+        out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
+        check_op_dtype(rop, x.dtype, self.rank, what)
+        algo = self._algorithm(what, algorithm, x.nbytes)
+
+        def run() -> Any:
+            def body(xa: Any, oa: Any) -> None:
+                if self.size == 1:
+                    if oa is not xa:
+                        oa[...] = xa
+                else:
+                    L = self._links(x.dtype, rop)
+                    algorithms.get(what, algo)(L, xa, oa)
+                if rop is ReduceOp.AVG:
+                    finish_avg(oa, self.size)
+
+            self._staged(body, x, out)
+            return out.obj
+
+        return self._submit(what, run, async_op, x, rop, 0, algo)
+
+    def allgather(
+        self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto", async_op: bool = False
+    ) -> Any:
+        """Gather every rank's ``sendbuf`` into everyone's output, rank-major.
+
+        Args:
+            sendbuf: contiguous array of k elements (may be block ``rank`` of
+                ``recvbuf`` itself, for in place).
+            recvbuf: output of ``size * k`` elements; None allocates one of shape
+                ``(size, *sendbuf.shape)``.
+
+        Returns:
+            The output array (or a Request).
+        """
+        what = "allgather"
+        self._check_open(what)
+        x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
+        if recvbuf is None:
+            recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
+        out = self._output(recvbuf, x, self.size * x.count, what)
+        algo = self._algorithm(what, algorithm, out.nbytes)
+        k, r = x.count, self.rank
+
+        def run() -> Any:
+            def body(xa: Any, oa: Any) -> None:
+                mine = oa[r * k : (r + 1) * k]
+                if not _same(mine, xa):
+                    mine[...] = xa
+                if self.size > 1 and k:
+                    algorithms.get(what, algo)(self._links(x.dtype, None), xa, oa)
+
+            self._staged(body, x, out)
+            return out.obj
+
+        return self._submit(what, run, async_op, x, None, 0, algo)
+
+    def broadcast(
+        self, buf: Any, *, root: int = 0, algorithm: str = "auto", async_op: bool = False
+    ) -> Any:
+        """Copy ``buf`` from ``root`` to every rank, in place.
+
+        Returns:
+            ``buf`` (or a Request).
+        """
+        what = "broadcast"
+        self._check_open(what)
+        self._check_root(root, what)
+        b = as_buffer(buf, self.rank, what, "buf", writable=self.rank != root)
+        algo = self._algorithm(what, algorithm, b.nbytes)
+
+        def run() -> Any:
+            def body(ba: Any, _: Any) -> None:
+                if self.size > 1 and b.count:
+                    algorithms.get(what, algo)(self._links(b.dtype, None), ba, root)
+
+            self._staged(body, b, b, copy_in=self.rank == root, copy_out=self.rank != root)
+            return b.obj
+
+        return self._submit(what, run, async_op, b, None, root, algo)
+
+    def reduce_scatter(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        op: str | ReduceOp = "sum",
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce ``sendbuf`` (``size * k`` elements); rank r gets reduced block r.
+
+        Returns:
+            The k-element output (or a Request); a new 1-D array if ``recvbuf`` is None.
+        """
+        what = "reduce_scatter"
+        self._check_open(what)
+        rop = parse_op(op, self.rank, what)
+        x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
+        if x.count % self.size:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: sendbuf has {x.count} elements, "
+                f"not a multiple of the communicator size {self.size}"
+            )
+        k = x.count // self.size
+        if recvbuf is None:
+            recvbuf = _empty_like(x, (k,))
+        out = self._output(recvbuf, x, k, what)
+        if _overlaps(x, out):
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: recvbuf overlaps sendbuf; use separate arrays"
+            )
+        check_op_dtype(rop, x.dtype, self.rank, what)
+        algo = self._algorithm(what, algorithm, x.nbytes)
+
+        def run() -> Any:
+            def body(xa: Any, oa: Any) -> None:
+                if self.size == 1:
+                    oa[...] = xa
+                elif k:
+                    algorithms.get(what, algo)(self._links(x.dtype, rop), xa, oa)
+                if rop is ReduceOp.AVG:
+                    finish_avg(oa, self.size)
+
+            self._staged(body, x, out)
+            return out.obj
+
+        return self._submit(what, run, async_op, x, rop, 0, algo)
+
+    def reduce(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        root: int = 0,
+        op: str | ReduceOp = "sum",
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce ``sendbuf`` across ranks into ``recvbuf`` on ``root``.
+
+        On the root, ``recvbuf=None`` means in place (into ``sendbuf``); other
+        ranks ignore ``recvbuf``.
+
+        Returns:
+            The output on the root, None elsewhere (or a Request).
+        """
+        what = "reduce"
+        self._check_open(what)
+        self._check_root(root, what)
+        rop = parse_op(op, self.rank, what)
+        is_root = self.rank == root
+        x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=is_root and recvbuf is None)
+        out: Buffer | None = None
+        if is_root:
+            out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
+        check_op_dtype(rop, x.dtype, self.rank, what)
+        algo = self._algorithm(what, algorithm, x.nbytes)
+
+        def run() -> Any:
+            def body(xa: Any, oa: Any) -> None:
+                if oa is None:
+                    oa = np.empty_like(xa)
+                if self.size == 1:
+                    if oa is not xa:
+                        oa[...] = xa
+                elif x.count:
+                    algorithms.get(what, algo)(self._links(x.dtype, rop), xa, oa, root)
+                if rop is ReduceOp.AVG and is_root:
+                    finish_avg(oa, self.size)
+
+            self._staged(body, x, out)
+            return out.obj if out is not None else None
+
+        return self._submit(what, run, async_op, x, rop, root, algo)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier (dissemination, log2 n rounds)."""
+        what = "barrier"
+        self._check_open(what)
+        token = np.zeros(1, np.uint8)
+
+        def run() -> None:
+            n, r = self.size, self.rank
+            L = self._links(token.dtype, None)
+            got = np.empty(1, np.uint8)
+            d = 1
+            while d < n:
+                L.send((r + d) % n, token)
+                L.wait(L.recv((r - d) % n, got))
+                d <<= 1
+            L.finish()
+
+        dummy = Buffer(token, token, -1)
+        self._submit(what, run, False, dummy, None, 0, "dissemination")
+
+    def close(self) -> None:
+        """Release every connection and segment; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._wiring is not None:
+            self._wiring.close()
+            self._wiring = None
+        self._conns = {}
+
+    def abort(self) -> None:
+        """Tear down at once without waiting for peers or queued collectives."""
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._wiring is not None:
+            self._wiring.close()
+            self._wiring = None
+        self._conns = {}
+
+    def recent(self) -> list[str]:
+        """The flight recorder: this rank's recent collectives, oldest first."""
+        return [str(r) for r in self._recent]
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<pycoll.Communicator rank {self.rank} of {self.size}>"
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: {what}: communicator is closed")
+        if self._failed is not None:
+            raise CommunicatorClosedError(
+                f"rank {self.rank}: {what}: communicator is unusable after an earlier "
+                f"failure: {self._failed}"
+            ) from self._failed
+
+    def _check_root(self, root: object, what: str) -> None:
+        if (
+            not isinstance(root, (int, np.integer))
+            or isinstance(root, bool)
+            or not 0 <= int(root) < self.size
+        ):
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: root={root!r} is not in [0, {self.size})"
+            )
+
+    def _output(self, recvbuf: Any, x: Buffer, count: int, what: str) -> Buffer:
+        out = as_buffer(recvbuf, self.rank, what, "recvbuf", writable=True)
+        if out.dtype != x.dtype:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: recvbuf dtype {out.dtype} differs from "
+                f"sendbuf dtype {x.dtype}"
+            )
+        if out.count != count:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: recvbuf has {out.count} elements, expected {count}"
+            )
+        if out.device != x.device:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: recvbuf is on "
+                f"{'host' if out.device < 0 else f'cuda:{out.device}'} but sendbuf on "
+                f"{'host' if x.device < 0 else f'cuda:{x.device}'}"
+            )
+        return out
+
+    def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
+        avail = algorithms.names(what)
+        if not isinstance(algorithm, str):
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: algorithm={algorithm!r} must be a string"
+            )
+        name = algorithm.lower()
+        if name == "auto":
+            name = self.config.algorithm_for(what) or "auto"
+        if name == "auto":
+            return cost.choose(what, avail, self.size, nbytes, self.config.chunk_bytes)
+        if name not in avail:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what}: algorithm={algorithm!r} is not one of "
+                f"{', '.join(('auto', *avail))}"
+            )
+        return name
+
+    def _links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
+        return Links(
+            self.rank,
+            self.size,
+            self._conns,
+            Deadline.after(self.config.timeout),
+            self.config.chunk_bytes,
+            dtype,
+            None if op is None else ufunc(op),
+            self._backoff,
+        )
+
+    def _staged(
+        self,
+        body: Callable[[Any, Any], None],
+        x: Buffer,
+        out: Buffer | None,
+        copy_in: bool = True,
+        copy_out: bool = True,
+    ) -> None:
+        """Run ``body`` on host arrays; device buffers go through host copies."""
+        if not x.is_device:
+            body(x.flat, None if out is None else out.flat)
+            return
+        hx = x.flat.get() if copy_in else np.empty(x.count, x.dtype)
+        if out is None:
+            ho = None
+        elif out.same_memory(x):
+            ho = hx
+        else:
+            ho = np.empty(out.count, out.dtype)
+        body(hx, ho)
+        if out is not None and copy_out:
+            out.flat.set(ho)
+
+    def _submit(
+        self,
+        what: str,
+        run: Callable[[], Any],
+        async_op: bool,
+        x: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+    ) -> Any:
+        if async_op:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="pycoll")
+                self._inflight += 1
+                fut = self._executor.submit(self._execute, what, run, x, op, root, algo)
+            fut.add_done_callback(self._done)
+            return Request(fut, what)
+        with self._lock:
+            queued = self._inflight > 0
+            if queued:
+                assert self._executor is not None
+                self._inflight += 1
+                fut = self._executor.submit(self._execute, what, run, x, op, root, algo)
+        if queued:
+            fut.add_done_callback(self._done)
+            return fut.result()
+        return self._execute(what, run, x, op, root, algo)
+
+    def _done(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+    def _execute(
+        self,
+        what: str,
+        run: Callable[[], Any],
+        x: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+    ) -> Any:
+        self._check_open(what)
+        self._seq += 1
+        rec = Record(
+            self._seq,
+            what,
+            x.count,
+            str(x.dtype),
+            op.value if op else "-",
+            root,
+            algo,
+            time.monotonic(),
+        )
+        self._recent.append(rec)
+        if log.isEnabledFor(TRACE):
+            log.log(TRACE, "start %s", rec)
+        try:
+            with translate(self.rank, f"{what} #{rec.seq}", self._kinds):
+                if self.config.check:
+                    self._check_match(rec, x, op)
+                result = run()
+        except PycollError as exc:
+            rec.status = f"failed: {type(exc).__name__}"
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            self._failed = exc
+            if isinstance(exc, CollectiveTimeout):
+                exc.args = (
+                    f"{exc.args[0]}; recent collectives on rank {self.rank}: "
+                    + " | ".join(self.recent()[-4:]),
+                )
+            log.error("%s", exc)
+            raise
+        except BaseException as exc:
+            rec.status = f"failed: {type(exc).__name__}"
+            self._failed = exc
+            raise
+        rec.ended = time.monotonic()
+        rec.status = "ok"
+        if log.isEnabledFor(TRACE):
+            log.log(TRACE, "done %s", rec)
+        return result
+
+    def _check_match(self, rec: Record, x: Buffer, op: ReduceOp | None) -> None:
+        """PYCOLL_CHECK=1: compare what every rank is about to run (one small allgather)."""
+        if self.size == 1:
+            return
+        sig = np.array(
+            [
+                _COLL_IDS[rec.collective],
+                x.count,
+                _DTYPE_IDS.get(x.dtype, 0),
+                _OP_IDS.get(op, 0) if op else 0,
+                rec.root,
+                hash(rec.algorithm) & 0xFFFF,
+            ],
+            np.int64,
+        )
+        if rec.collective == "broadcast":
+            sig[1] = x.count
+        allsig = np.empty((self.size, sig.size), np.int64)
+        allsig[self.rank] = sig
+        algorithms.get("allgather", "ring")(self._links(sig.dtype, None), sig, allsig.reshape(-1))
+        names = ("collective", "count", "dtype", "op", "root", "algorithm")
+        for col, name in enumerate(names):
+            vals = allsig[:, col]
+            if (vals != vals[0]).any():
+                decode = _decoder(name)
+                by = {r: decode(int(v)) for r, v in enumerate(vals)}
+                groups: dict[object, list[int]] = {}
+                for r, v in by.items():
+                    groups.setdefault(v, []).append(r)
+                detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: collective #{rec.seq}: ranks disagree on {name} ({detail})",
+                    rank=self.rank,
+                    ranks=[r for r, v in by.items() if v != by[self.rank]],
+                )
+
+
+def _decoder(name: str) -> Callable[[int], object]:
+    if name == "collective":
+        inv = {v: k for k, v in _COLL_IDS.items()}
+        return lambda v: inv.get(v, v)
+    if name == "dtype":
+        inv2 = {v: str(k) for k, v in _DTYPE_IDS.items()}
+        return lambda v: inv2.get(v, v)
+    if name == "op":
+        inv3 = {v: k.value for k, v in _OP_IDS.items()}
+        return lambda v: inv3.get(v, "-")
+    return lambda v: v
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+    return False
+
+
+def _overlaps(a: Buffer, b: Buffer) -> bool:
+    if a.device != b.device:
+        return False
+    from pycoll.buffers import data_ptr
+
+    pa, pb = data_ptr(a.flat), data_ptr(b.flat)
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+def _empty_like(x: Buffer, shape: tuple[int, ...]) -> Any:
+    if x.is_device:
+        import cupy
+
+        with cupy.cuda.Device(x.device):
+            return cupy.empty(shape, x.dtype)
+    return np.empty(shape, x.dtype)

@@ -1,0 +1,162 @@
+"""One frozen configuration, read from ``PYCOLL_*`` once per communicator."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pycoll.errors import InvalidArgumentError
+
+DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")
+KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    return int(float(t) * mult)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings; environment first, arguments of :func:`pycoll.init` win.
+
+    Attributes:
+        transports: allowed transports in priority order (``PYCOLL_TRANSPORT``).
+        rdma_memory: ``auto``, ``dmabuf``, ``gdr`` or ``host`` (``PYCOLL_RDMA_MEMORY``).
+        rdma_provider: ``auto``, ``pyverbs`` or ``soft`` (``PYCOLL_RDMA_PROVIDER``).
+        socket_ifname: interface selection for tcp and soft RDMA (``PYCOLL_SOCKET_IFNAME``).
+        algo: forced algorithm per collective; key ``"*"`` for all (``PYCOLL_ALGO``).
+        chunk_bytes: pipeline chunk size (``PYCOLL_CHUNK_BYTES``).
+        timeout: seconds before a blocked collective raises (``PYCOLL_TIMEOUT``).
+        check: verify that ranks call matching collectives (``PYCOLL_CHECK``).
+        debug: logging level name (``PYCOLL_DEBUG``): WARN, INFO or TRACE.
+    """
+
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    rdma_memory: str = "auto"
+    rdma_provider: str = "auto"
+    socket_ifname: str | None = None
+    algo: Mapping[str, str] = field(default_factory=dict)
+    chunk_bytes: int = 1 << 20
+    timeout: float = 600.0
+    check: bool = False
+    debug: str = "WARN"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """Read ``PYCOLL_*`` from ``env`` (default ``os.environ``); overrides win.
+
+        Raises:
+            InvalidArgumentError: a variable has a value pycoll does not understand.
+        """
+        e = os.environ if env is None else env
+        kw: dict[str, object] = {}
+
+        def bad(var: str, why: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{var}={e.get(var)!r}: {why}")
+
+        if v := e.get("PYCOLL_TRANSPORT", "").strip():
+            if v.lower() != "auto":
+                names = tuple(x.strip().lower() for x in v.split(",") if x.strip())
+                unknown = [x for x in names if x not in KNOWN_TRANSPORTS]
+                if unknown or not names:
+                    raise bad(
+                        "PYCOLL_TRANSPORT",
+                        f"unknown transport(s) {unknown}; "
+                        f"choose from {', '.join(KNOWN_TRANSPORTS)}",
+                    )
+                kw["transports"] = names
+        for var, key, allowed in (
+            ("PYCOLL_RDMA_MEMORY", "rdma_memory", ("auto", "dmabuf", "gdr", "host")),
+            ("PYCOLL_RDMA_PROVIDER", "rdma_provider", ("auto", "pyverbs", "soft")),
+        ):
+            if v := e.get(var, "").strip().lower():
+                if v not in allowed:
+                    raise bad(var, f"choose from {', '.join(allowed)}")
+                kw[key] = v
+        if v := e.get("PYCOLL_SOCKET_IFNAME", "").strip():
+            kw["socket_ifname"] = v
+        if v := e.get("PYCOLL_ALGO", "").strip():
+            kw["algo"] = parse_algo(v)
+        if v := e.get("PYCOLL_CHUNK_BYTES", "").strip():
+            try:
+                n = _parse_bytes(v)
+            except ValueError:
+                raise bad("PYCOLL_CHUNK_BYTES", "not a size (e.g. 1M, 65536)") from None
+            if n < 64:
+                raise bad("PYCOLL_CHUNK_BYTES", "must be at least 64 bytes")
+            kw["chunk_bytes"] = n
+        if v := e.get("PYCOLL_TIMEOUT", "").strip():
+            try:
+                t = float(v)
+            except ValueError:
+                raise bad("PYCOLL_TIMEOUT", "not a number of seconds") from None
+            if not t > 0:
+                raise bad("PYCOLL_TIMEOUT", "must be positive")
+            kw["timeout"] = t
+        if v := e.get("PYCOLL_CHECK", "").strip():
+            kw["check"] = v.lower() in ("1", "true", "yes", "on")
+        if v := e.get("PYCOLL_DEBUG", "").strip().upper():
+            if v == "WARNING":
+                v = "WARN"
+            if v not in ("WARN", "INFO", "TRACE", "DEBUG"):
+                raise bad("PYCOLL_DEBUG", "choose from WARN, INFO, TRACE")
+            kw["debug"] = v
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def algorithm_for(self, collective: str) -> str | None:
+        return self.algo.get(collective) or self.algo.get("*")
+
+
+def parse_algo(text: str) -> dict[str, str]:
+    """``tree`` or ``allreduce:tree,broadcast:ring`` -> {collective or "*": algorithm}."""
+    out: dict[str, str] = {}
+    for raw in text.split(","):
+        part = raw.strip().lower()
+        if not part:
+            continue
+        if ":" in part:
+            coll, _, algo = part.partition(":")
+            if coll not in COLLECTIVES:
+                raise InvalidArgumentError(
+                    f"PYCOLL_ALGO={text!r}: unknown collective {coll!r}; "
+                    f"choose from {', '.join(COLLECTIVES)}"
+                )
+            out[coll] = algo
+        else:
+            out["*"] = part
+    return out
+
+
+_handler: logging.Handler | None = None
+
+
+def setup_logging(level: str, rank: int) -> None:
+    """Route pycoll's and transports' logs to stderr at ``level`` (PYCOLL_DEBUG)."""
+    global _handler
+    lv = {"WARN": logging.WARNING, "INFO": logging.INFO, "DEBUG": logging.DEBUG, "TRACE": TRACE}[
+        level
+    ]
+    for name in ("pycoll", "transports"):
+        lg = logging.getLogger(name)
+        lg.setLevel(lv)
+        if _handler is None:
+            _handler = logging.StreamHandler(sys.stderr)
+        _handler.setFormatter(
+            logging.Formatter(f"%(asctime)s pycoll[{rank}] %(levelname)s %(name)s: %(message)s")
+        )
+        if _handler not in lg.handlers:
+            lg.addHandler(_handler)
+        lg.propagate = False

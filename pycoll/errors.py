@@ -1,0 +1,125 @@
+"""pycoll's exceptions: one root, user errors apart from system errors.
+
+::
+
+    PycollError
+    ├── InvalidArgumentError (also ValueError)   bad input, raised before any byte moves
+    ├── UnsupportedError                         a valid request this build/machine cannot do
+    ├── CommunicatorClosedError                  used after close() / after a failure
+    ├── CollectiveMismatchError                  ranks called different collectives (PYCOLL_CHECK=1)
+    └── TransportError                           a connection failed: rank, peer, transport, errno
+        ├── ConnectError                         set-up failed, or no transport reaches a peer
+        ├── PeerAbortedError                     a peer exited or aborted
+        └── CollectiveTimeout                    ranks did not arrive within PYCOLL_TIMEOUT
+
+System errors keep the transport's own exception as ``__cause__``
+(:func:`translate` does the mapping at the boundary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import transports.base as tb
+
+
+class PycollError(Exception):
+    """Root of every error pycoll raises."""
+
+
+class InvalidArgumentError(PycollError, ValueError):
+    """A bad argument; raised on the calling rank before any byte moves."""
+
+
+class UnsupportedError(PycollError):
+    """A valid request that this installation or machine cannot serve."""
+
+
+class CommunicatorClosedError(PycollError):
+    """The communicator was closed, or a failed collective left it unusable."""
+
+
+class CollectiveMismatchError(PycollError):
+    """Ranks called different collectives, counts, dtypes, ops or roots."""
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+
+
+class TransportError(PycollError):
+    """A failure on a connection; names this rank, the peer and the transport."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        peer: int | None = None,
+        transport: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.transport = transport
+        self.errno = errno
+
+
+class ConnectError(TransportError):
+    """Connection set-up failed, or no transport can reach a peer."""
+
+
+class PeerAbortedError(TransportError):
+    """A peer exited, aborted or closed its end in the middle of a collective."""
+
+
+class CollectiveTimeout(TransportError):
+    """A collective did not finish within the timeout; ``missing`` names the ranks."""
+
+    def __init__(self, message: str, *, missing: Sequence[int] = (), **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.missing = tuple(missing)
+
+
+@contextlib.contextmanager
+def translate(rank: int, what: str, transport_of: dict[int, str]) -> Iterator[None]:
+    """Map :mod:`transports` exceptions to pycoll's at the layer boundary."""
+    try:
+        yield
+    except tb.TransportTimeout as exc:
+        peers = list(exc.pending)
+        via = ", ".join(f"{p}={transport_of.get(p, '?')}" for p in peers)
+        raise CollectiveTimeout(
+            f"rank {rank}: {what} timed out waiting for rank(s) {peers} (transports: {via})",
+            missing=peers,
+            rank=rank,
+            peer=peers[0] if peers else None,
+            transport=transport_of.get(peers[0]) if peers else None,
+        ) from exc
+    except tb.PeerClosedError as exc:
+        raise PeerAbortedError(
+            f"rank {rank}: {what}: {exc}",
+            rank=rank,
+            peer=exc.peer,
+            transport=exc.transport,
+            errno=exc.errno,
+        ) from exc
+    except tb.ConnectError as exc:
+        raise ConnectError(
+            f"rank {rank}: {what}: {exc}",
+            rank=rank,
+            peer=exc.peer,
+            transport=exc.transport,
+            errno=exc.errno,
+        ) from exc
+    except tb.TransportError as exc:
+        raise TransportError(
+            f"rank {rank}: {what}: {exc}",
+            rank=rank,
+            peer=exc.peer,
+            transport=exc.transport,
+            errno=exc.errno,
+        ) from exc
