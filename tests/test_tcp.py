@@ -1,0 +1,466 @@
+"""Unit tests of the TCP transport, both ends in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from transports.base import (
+    BlobError,
+    ConnectError,
+    Deadline,
+    PeerClosedError,
+    TransportError,
+    TransportOptions,
+    wait_all,
+)
+from transports.tcp import (
+    Address,
+    Endpoint,
+    TcpConnection,
+    TcpTransport,
+    decode_blob,
+    encode_blob,
+    select_interfaces,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"job-secret"
+
+
+def _opts(rank: int, size: int = 2, **kw: Any) -> TransportOptions:
+    extra = tuple((k, str(v)) for k, v in kw.pop("extra", {}).items())
+    kw.setdefault("timeout", 20.0)
+    kw.setdefault("secret", SECRET)
+    return TransportOptions(rank=rank, size=size, extra=extra, **kw)
+
+
+def _run_threads(fns: list[Callable[[], object]], timeout: float = 30.0) -> list[object]:
+    """Run each function in a thread; return results, re-raising the first error."""
+    results: list[object] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def go(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a connect thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@contextmanager
+def tcp_pair(**kw: Any) -> Iterator[tuple[TcpConnection, TcpConnection]]:
+    """Yield (rank 0's connection to 1, rank 1's connection to 0)."""
+    ts = [TcpTransport(_opts(r, **dict(kw))) for r in (0, 1)]
+    try:
+        blobs = [t.listen() for t in ts]
+        a, b = _run_threads(
+            [lambda: ts[0].connect(1, blobs[1]), lambda: ts[1].connect(0, blobs[0])]
+        )
+        assert isinstance(a, TcpConnection) and isinstance(b, TcpConnection)
+        yield a, b
+    finally:
+        for t in ts:
+            t.close()
+
+
+def _exchange(a: TcpConnection, b: TcpConnection, x: np.ndarray, y: np.ndarray) -> None:
+    """Both sides post their sends first, then their receives: a -> b gets x, b -> a y."""
+    gx, gy = np.empty_like(x), np.empty_like(y)
+    reqs = [
+        a.isend(memoryview(x).cast("B")),
+        b.isend(memoryview(y).cast("B")),
+        a.irecv_into(memoryview(gy).cast("B")),
+        b.irecv_into(memoryview(gx).cast("B")),
+    ]
+    wait_all(reqs, Deadline.after(30))
+    assert np.array_equal(gx, x) and np.array_equal(gy, y)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------- blob
+def _endpoint(rank: int = 3, **kw: Any) -> Endpoint:
+    kw.setdefault("host_id", b"h" * 8)
+    kw.setdefault("loopback_only", False)
+    kw.setdefault("addrs", (Address(4, "198.18.0.1", 24, 4000), Address(6, "fd00::1", 64, 4001)))
+    return Endpoint(rank=rank, **kw)
+
+
+def test_blob_round_trip() -> None:
+    ep = _endpoint()
+    assert decode_blob(encode_blob(ep)) == ep
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        pytest.param(lambda b: b[:-1], id="truncated"),
+        pytest.param(lambda b: b[:10], id="header-only"),
+        pytest.param(lambda b: b"", id="empty"),
+        pytest.param(lambda b: b + b"\0" * 4096, id="oversized"),
+        pytest.param(lambda b: b + b"\0" * 24, id="trailing"),
+        pytest.param(lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], id="bit-flip"),
+        pytest.param(lambda b: b"XXXX" + b[4:], id="magic"),
+    ],
+)
+def test_bad_blob_raises(mangle: Callable[[bytes], bytes]) -> None:
+    with pytest.raises(BlobError):
+        decode_blob(mangle(encode_blob(_endpoint())))
+
+
+def test_blob_other_version_raises() -> None:
+    blob = bytearray(encode_blob(_endpoint()))
+    blob[4] = 99
+    blob[-4:] = struct.pack("<I", zlib.crc32(bytes(blob[:-4])))
+    with pytest.raises(BlobError, match="version"):
+        decode_blob(bytes(blob))
+
+
+def test_blob_carries_no_secret() -> None:
+    t = TcpTransport(_opts(0, secret=b"very-secret-value", socket_ifname="lo"))
+    with t:
+        assert b"very-secret-value" not in t.listen()
+
+
+def test_connect_rejects_bad_blob() -> None:
+    with TcpTransport(_opts(1)) as t:
+        t.listen()
+        with pytest.raises(BlobError):
+            t.connect(0, b"garbage")
+
+
+# --------------------------------------------------------------------------- routes
+def test_can_connect_refuses_loopback_peer_on_other_host() -> None:
+    t = TcpTransport(_opts(0))
+    here = encode_blob(_endpoint(0, host_id=b"a" * 8))
+    there = encode_blob(
+        _endpoint(
+            1,
+            host_id=b"b" * 8,
+            loopback_only=True,
+            addrs=(Address(4, "127.0.0.1", 8, 9),),
+        )
+    )
+    ok, why = t.can_connect(here, there)
+    assert not ok and "loopback" in why
+    ok, why = t.can_connect(there, here)
+    assert not ok and "loopback" in why
+
+
+def test_can_connect_prefers_shared_subnet() -> None:
+    t = TcpTransport(_opts(0))
+    here = encode_blob(_endpoint(0, host_id=b"a" * 8, addrs=(Address(4, "198.18.0.2", 24, 9),)))
+    peer = _endpoint(
+        1,
+        host_id=b"b" * 8,
+        addrs=(Address(4, "198.19.5.5", 24, 7), Address(4, "198.18.0.7", 24, 8)),
+    )
+    ok, why = t.can_connect(here, encode_blob(peer))
+    assert ok and "198.18.0.7:8" in why
+
+
+def test_can_connect_same_namespace_uses_loopback() -> None:
+    ts = [TcpTransport(_opts(r, socket_ifname="lo")) for r in (0, 1)]
+    blobs = [t.listen() for t in ts]
+    ok, why = ts[0].can_connect(blobs[0], blobs[1])
+    assert ok and "same network namespace" in why
+    assert decode_blob(blobs[0]).loopback_only
+    for t in ts:
+        t.close()
+
+
+def test_ifname_selection() -> None:
+    addrs, loop_only, desc = select_interfaces("=lo")
+    assert loop_only and desc == "lo" and all(a.is_loopback for a in addrs)
+    with pytest.raises(ConnectError, match="matches no"):
+        select_interfaces("=no-such-interface0")
+    addrs, _, _ = select_interfaces("^lo")
+    assert all(a.ifname != "lo" for a in addrs)
+    addrs, _, _ = select_interfaces(None)
+    assert addrs and [a.family for a in addrs] == sorted(a.family for a in addrs)
+
+
+# --------------------------------------------------------------------------- data
+@pytest.mark.parametrize("nsocks", [1, 3])
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 4097, 65537, (1 << 20) + 3, 9 << 20])
+def test_bidirectional_sizes(nbytes: int, nsocks: int) -> None:
+    rng = np.random.default_rng(nbytes)
+    x = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    y = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    with tcp_pair(slot_bytes=1 << 16, extra={"tcp_nsocks": nsocks}) as (a, b):
+        _exchange(a, b, x, y)
+
+
+def test_large_bidirectional_no_deadlock() -> None:
+    """Both post 48 MiB sends before any receive: far beyond the socket buffers."""
+    x = np.arange(12 << 20, dtype=np.float32)
+    y = -x
+    with tcp_pair() as (a, b):
+        _exchange(a, b, x, y)
+
+
+def test_send_wait_progresses_receives() -> None:
+    """Waiting on a send alone must also drain the receive posted beside it."""
+    n = 16 << 20
+    x, y = np.ones(n, np.uint8), np.full(n, 2, np.uint8)
+    gx, gy = np.empty_like(x), np.empty_like(y)
+    with tcp_pair() as (a, b):
+        sa, sb = a.isend(memoryview(x)), b.isend(memoryview(y))
+        ra, rb = a.irecv_into(memoryview(gy)), b.irecv_into(memoryview(gx))
+        deadline = Deadline.after(30)
+        while not all([sa.test(), sb.test()]):  # only the sends are tested
+            assert not deadline.expired()
+        wait_all([ra, rb], Deadline.after(30))
+    assert np.array_equal(gx, x) and np.array_equal(gy, y)
+
+
+def test_many_messages_in_order() -> None:
+    with tcp_pair(slot_bytes=1 << 12, extra={"tcp_nsocks": 2}) as (a, b):
+        msgs = [np.full(k * 37 + 1, k, dtype=np.uint8) for k in range(200)]
+        outs = [np.empty_like(m) for m in msgs]
+        sends = [a.isend(memoryview(m)) for m in msgs]
+        recvs = [b.irecv_into(memoryview(o)) for o in outs]
+        wait_all(sends + recvs, Deadline.after(30))
+        for m, o in zip(msgs, outs, strict=True):
+            assert np.array_equal(m, o)
+
+
+def test_zero_bytes_complete_at_once() -> None:
+    with tcp_pair() as (a, b):
+        assert a.isend(memoryview(b"")).test()
+        assert b.irecv(0, lambda off, view: None).test()
+        # the stream stays in step after zero-byte messages
+        out = bytearray(3)
+        wait_all(
+            [a.isend(memoryview(b"abc")), b.irecv_into(memoryview(out))],
+            Deadline.after(10),
+        )
+        assert out == b"abc"
+
+
+@pytest.mark.parametrize("nsocks", [1, 4])
+def test_sink_pieces_aligned_and_ordered(nsocks: int) -> None:
+    x = np.arange(((1 << 18) + 12) // 4, dtype=np.float32)
+    out = np.zeros_like(x)
+    seen: list[tuple[int, int]] = []
+
+    def sink(off: int, piece: memoryview) -> None:
+        seen.append((off, len(piece)))
+        out[off // 4 : (off + len(piece)) // 4] += np.frombuffer(piece, np.float32)
+
+    with tcp_pair(slot_bytes=1000, extra={"tcp_nsocks": nsocks}) as (a, b):
+        wait_all(
+            [a.isend(memoryview(x).cast("B")), b.irecv(x.nbytes, sink)],
+            Deadline.after(30),
+        )
+    assert np.array_equal(out, x)
+    offs = [o for o, _ in seen]
+    assert offs == sorted(offs) and offs[0] == 0
+    assert all(o % 64 == 0 and (o + n) % 64 == 0 for o, n in seen[:-1])
+    assert sum(n for _, n in seen) == x.nbytes
+
+
+def test_size_mismatch_is_detected() -> None:
+    with tcp_pair() as (a, b):
+        s = a.isend(memoryview(bytes(100)))
+        r = b.irecv_into(memoryview(bytearray(200)))
+        with pytest.raises(TransportError, match="out of step") as ei:
+            wait_all([s, r], Deadline.after(10))
+        assert ei.value.peer == 0
+
+
+def test_wait_times_out_naming_peer() -> None:
+    with tcp_pair() as (a, _b):
+        r = a.irecv_into(memoryview(bytearray(8)))
+        with pytest.raises(TransportError, match="1"):
+            wait_all([r], Deadline.after(0.3))
+
+
+# --------------------------------------------------------------------------- failures
+def test_peer_closed_mid_receive() -> None:
+    """The sender dies with part of a message on the wire."""
+    x = np.ones(32 << 20, np.uint8)
+    with tcp_pair() as (a, b):
+        s = a.isend(memoryview(x))
+        for _ in range(20):
+            s.test()
+        a.close()
+        r = b.irecv_into(memoryview(np.empty_like(x)))
+        with pytest.raises(PeerClosedError) as ei:
+            wait_all([r], Deadline.after(20))
+        assert ei.value.peer == 0 and "rank 0" in str(ei.value)
+
+
+def test_peer_closed_mid_send() -> None:
+    """The receiver goes away while a large send is still going out."""
+    x = np.ones(64 << 20, np.uint8)
+    with tcp_pair() as (a, b):
+        s = a.isend(memoryview(x))
+        r = b.irecv_into(memoryview(np.empty_like(x)))
+        for _ in range(5):
+            s.test()
+            r.test()
+        b.close()
+        with pytest.raises(PeerClosedError) as ei:
+            wait_all([s], Deadline.after(20))
+        assert ei.value.peer == 1
+
+
+def test_check_peer_sees_close() -> None:
+    with tcp_pair() as (a, b):
+        a.check_peer()
+        b.close()
+        deadline = Deadline.after(5)
+        with pytest.raises(PeerClosedError):
+            while not deadline.expired():
+                a.check_peer()
+                time.sleep(0.01)
+
+
+def test_closed_connection_fails_pending_requests() -> None:
+    with tcp_pair() as (a, _b):
+        r = a.irecv_into(memoryview(bytearray(8)))
+        a.close()
+        a.close()
+        with pytest.raises(TransportError):
+            r.wait(5)
+        with pytest.raises(TransportError):
+            a.isend(memoryview(b"x"))
+
+
+# --------------------------------------------------------------------------- setup
+def test_bad_secret_and_strangers_are_dropped() -> None:
+    """Strangers on the port and a peer with the wrong secret do not stop rank 0."""
+    t0 = TcpTransport(_opts(0, size=2))
+    good = TcpTransport(_opts(1, size=2))
+    evil = TcpTransport(_opts(1, size=2, secret=b"wrong", timeout=5.0))
+    try:
+        blob0 = t0.listen()
+        good.listen()
+        port = decode_blob(blob0).addrs[0]
+        idle = socket.create_connection(port.sockaddr()[:2])  # says nothing
+        noisy = socket.create_connection(port.sockaddr()[:2])
+        noisy.sendall(os.urandom(200))
+        result: dict[str, Any] = {}
+
+        def accept() -> None:
+            try:
+                result["conn"] = t0.connect(1, good.listen())
+            except BaseException as exc:
+                result["error"] = exc
+
+        th = threading.Thread(target=accept)  # rank 0 keeps accepting meanwhile
+        th.start()
+        with pytest.raises(ConnectError, match="secret"):
+            evil.connect(0, blob0)
+        conn = good.connect(0, blob0)
+        th.join(30)
+        assert "error" not in result, result.get("error")
+        assert isinstance(result["conn"], TcpConnection)
+        out = bytearray(4)
+        wait_all(
+            [
+                conn.isend(memoryview(b"ping")),
+                result["conn"].irecv_into(memoryview(out)),
+            ],
+            Deadline.after(10),
+        )
+        assert out == b"ping"
+        idle.close()
+        noisy.close()
+    finally:
+        for t in (evil, good, t0):
+            t.close()
+
+
+def test_out_of_order_sockets_are_stashed() -> None:
+    """Rank 0 waits for rank 2 first while rank 1 dials it first."""
+    ts = [TcpTransport(_opts(r, size=3, extra={"tcp_nsocks": 2})) for r in range(3)]
+    try:
+        blobs = [t.listen() for t in ts]
+        order = {0: [2, 1], 1: [0, 2], 2: [1, 0]}
+
+        def run(r: int) -> dict[int, TcpConnection]:
+            if r == 2:
+                time.sleep(0.3)  # make rank 1's hello reach rank 0 first
+            return {p: ts[r].connect(p, blobs[p]) for p in order[r]}
+
+        conns = _run_threads([lambda r=r: run(r) for r in range(3)])  # type: ignore[misc]
+        reqs, outs = [], {}
+        for r in range(3):
+            for p, c in conns[r].items():  # type: ignore[union-attr]
+                reqs.append(c.isend(memoryview(bytes([r * 10 + p]) * 5)))
+                outs[(p, r)] = bytearray(5)
+                reqs.append(c.irecv_into(memoryview(outs[(p, r)])))
+        wait_all(reqs, Deadline.after(10))
+        for (src, dst), got in outs.items():
+            assert got == bytes([src * 10 + dst]) * 5
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_connect_times_out_when_peer_never_accepts() -> None:
+    t0 = TcpTransport(_opts(0))
+    t1 = TcpTransport(_opts(1, timeout=1.0))
+    try:
+        blob0 = t0.listen()
+        start = time.monotonic()
+        with pytest.raises(ConnectError) as ei:
+            t1.connect(0, blob0)
+        assert time.monotonic() - start < 10 and ei.value.peer == 0
+    finally:
+        t1.close()
+        t0.close()
+
+
+def test_connect_to_self_is_refused() -> None:
+    with TcpTransport(_opts(0)) as t, pytest.raises(ConnectError):
+        t.connect(0, t.listen())
+
+
+def test_bad_option_value() -> None:
+    with pytest.raises(ValueError, match="tcp_nsocks"):
+        TcpTransport(_opts(0, extra={"tcp_nsocks": "zero"}))
+
+
+def test_no_leaked_fds() -> None:
+    before = _fds()
+    for nsocks in (1, 3):
+        with tcp_pair(extra={"tcp_nsocks": nsocks}) as (a, b):
+            out = bytearray(5)
+            wait_all(
+                [a.isend(memoryview(b"hello")), b.irecv_into(memoryview(out))],
+                Deadline.after(10),
+            )
+            a.close()
+            a.close()
+    t = TcpTransport(_opts(0))
+    t.listen()
+    t.close()
+    t.close()
+    assert _fds() <= before, f"leaked fds: {_fds() - before}"
+    assert threading.active_count() == 1
