@@ -1,0 +1,385 @@
+"""The emulated NIC of one soft context: a TCP listener and one progress thread.
+
+Every socket is non-blocking and owned by the progress thread, which sleeps in
+``select`` (no spinning) and wakes for socket readiness, for timers (RNR
+back-off, connect retries) and for work posted by the user's threads through
+:meth:`Engine.call_soon` (a self-pipe).  Data moves straight between the
+sockets and the registered memory: ``sendmsg`` from the source range,
+``recv_into`` the checked target range, so the kernel does the only copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from transports.rdma.soft.device import Context
+
+log = logging.getLogger(__name__)
+
+#: First bytes on every connection: magic, version, destination QPN, source
+#: QPN, source GID, source LID (the source context's TCP port).
+HELLO = struct.Struct("<4sHxxII16sHxx")
+HELLO_MAGIC = b"pcsr"
+HELLO_VERSION = 1
+
+_EMPTY = memoryview(bytearray(0))
+_SCRATCH = memoryview(bytearray(1 << 18))  # discarded payloads land here (progress thread only)
+
+
+class LinkOwner(Protocol):
+    def on_link_lost(self, link: Link, exc: BaseException | None) -> None: ...
+
+    def after_read(self) -> None: ...
+
+
+class Link:
+    """One TCP stream with a queue of outgoing buffers and one pending read target."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        sock: socket.socket,
+        owner: LinkOwner | None,
+        connecting: bool = False,
+    ) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.engine = engine
+        self.sock = sock
+        self.owner = owner
+        self.connecting = connecting
+        self.closed = False
+        self.paused = False
+        self.established = not connecting
+        self.draining = False  # after an error: discard input, send only what is queued
+        self._out: deque[memoryview] = deque()
+        self._rx: memoryview | None = None
+        self._rx_pos = 0
+        self._rx_done: Callable[[], None] | None = None
+        self._mask = 0
+        self._update_mask()
+
+    # ------------------------------------------------------------------ reading
+    def expect(self, view: memoryview, done: Callable[[], None]) -> None:
+        """Fill ``view`` from the stream, then call ``done`` (which sets the next target)."""
+        self._rx = view
+        self._rx_pos = 0
+        self._rx_done = done
+
+    def discard(self, n: int, done: Callable[[], None]) -> None:
+        """Read and drop ``n`` bytes, then call ``done``."""
+        if n <= 0:
+            self.expect(_EMPTY, done)
+            return
+        chunk = min(n, len(_SCRATCH))
+        self.expect(_SCRATCH[:chunk], lambda: self.discard(n - chunk, done))
+
+    def pause(self) -> None:
+        self.paused = True
+        self._update_mask()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._update_mask()
+        self.engine.call_soon(self._read)
+
+    def _read(self) -> None:
+        for _ in range(256):
+            rx = self._rx
+            if rx is None or self.paused or self.closed:
+                break
+            if self._rx_pos < len(rx):
+                try:
+                    n = self.sock.recv_into(rx[self._rx_pos :])
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    self.lost(exc)
+                    return
+                if n == 0:
+                    self.lost(None)
+                    return
+                self._rx_pos += n
+                if self._rx_pos < len(rx):
+                    continue
+            done = self._rx_done
+            self._rx = None
+            assert done is not None
+            done()
+        if self.owner is not None and not self.closed:
+            self.owner.after_read()
+
+    # ------------------------------------------------------------------ writing
+    def send(self, *bufs: bytes | bytearray | memoryview) -> None:
+        if self.closed:
+            return
+        for b in bufs:
+            if len(b):
+                self._out.append(b if isinstance(b, memoryview) else memoryview(b))
+        if not self.connecting:
+            self._flush()
+
+    def _flush(self) -> None:
+        out = self._out
+        while out:
+            try:
+                n = self.sock.sendmsg(list(itertools.islice(out, 64)))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.lost(exc)
+                return
+            while n:
+                head = out[0]
+                if n >= len(head):
+                    n -= len(head)
+                    out.popleft()
+                else:
+                    out[0] = head[n:]
+                    n = 0
+        self._update_mask()
+
+    # ------------------------------------------------------------------ events
+    def _on_event(self, mask: int) -> None:
+        if self.connecting:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self.lost(OSError(err, os.strerror(err)))
+                return
+            self.connecting = False
+            self.established = True
+        if mask & selectors.EVENT_WRITE:
+            self._flush()
+        if mask & selectors.EVENT_READ and not self.closed:
+            self._read()
+
+    def _update_mask(self) -> None:
+        if self.closed:
+            return
+        if self.connecting:
+            want = selectors.EVENT_WRITE
+        else:
+            want = (0 if self.paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if self._out else 0
+            )
+        if want == self._mask:
+            return
+        sel = self.engine.sel
+        if self._mask == 0:
+            sel.register(self.sock, want, self._on_event)
+        elif want == 0:
+            sel.unregister(self.sock)
+        else:
+            sel.modify(self.sock, want, self._on_event)
+        self._mask = want
+
+    # ------------------------------------------------------------------ ending
+    def finish(self) -> None:
+        """Quiesce after a QP error: flush what is queued (a NAK), then discard all input.
+
+        The stream stays open, as a QP in ERR stays silent on the wire: the peer
+        learns of the error from that NAK, or when this QP is destroyed.
+        """
+        if self.closed or self.draining:
+            return
+        self.draining = True
+        self.owner = None
+        self.paused = False
+
+        def sink() -> None:
+            self.discard(len(_SCRATCH), sink)
+
+        sink()
+        self._flush()
+
+    def lost(self, exc: BaseException | None) -> None:
+        owner = self.owner
+        self.close()
+        if owner is not None:
+            owner.on_link_lost(self, exc)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._mask:
+            try:
+                self.engine.sel.unregister(self.sock)
+            except (KeyError, ValueError):
+                pass
+        self._mask = 0
+        self._out.clear()
+        self.sock.close()
+
+
+class Engine:
+    """Listener, selector, timers and the progress thread of one :class:`Context`."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.lock = threading.RLock()
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((ctx.addr, 0))
+        self.listener.listen(256)
+        self.listener.setblocking(False)
+        self.port: int = self.listener.getsockname()[1]
+        self._rwake, self._wwake = os.pipe()
+        os.set_blocking(self._rwake, False)
+        os.set_blocking(self._wwake, False)
+        self._wake_flag = False
+        self._calls: deque[Callable[[], None]] = deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
+        self.sel.register(self._rwake, selectors.EVENT_READ, self._on_wake)
+        self._thread = threading.Thread(
+            target=self._run, name=f"pycoll-soft-rdma:{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    # ----------------------------------------------------------------- scheduling
+    def in_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread (from any thread)."""
+        self._calls.append(fn)
+        if self.in_thread() or self._wake_flag:
+            return
+        self._wake_flag = True
+        try:
+            os.write(self._wwake, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread after ``delay`` seconds (progress thread only)."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+
+    def connect(self, host: str, port: int, owner: LinkOwner, hello: bytes) -> Link:
+        """Start a non-blocking connect; ``hello`` goes out first once connected."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        rc = sock.connect_ex((host, port))
+        if rc not in (0, errno.EINPROGRESS):
+            link = Link(self, sock, owner, connecting=False)
+            self.call_soon(lambda: link.lost(OSError(rc, os.strerror(rc))))
+            return link
+        link = Link(self, sock, owner, connecting=rc != 0)
+        link.send(hello)
+        return link
+
+    # ----------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        while not self._closed:
+            if self._calls:
+                timeout: float | None = 0.0
+            elif self._timers:
+                timeout = min(1.0, max(0.0, self._timers[0][0] - time.monotonic()))
+            else:
+                timeout = 1.0
+            try:
+                events = self.sel.select(timeout)
+            except OSError:  # a descriptor closed under us during shutdown
+                if self._closed:
+                    break
+                raise
+            for key, mask in events:
+                self._guard(key.data, mask)
+            calls = self._calls
+            while calls and not self._closed:
+                self._guard(calls.popleft())
+            now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now and not self._closed:
+                self._guard(heapq.heappop(self._timers)[2])
+
+    def _guard(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug must not kill the NIC silently: log it, keep serving
+            log.exception("soft RDMA progress thread: unexpected error")
+
+    def _on_wake(self, _mask: int) -> None:
+        # Drain first, then clear the flag: a wake-up written in between stays in
+        # the pipe, and the queued call is run by this same loop iteration.
+        try:
+            while os.read(self._rwake, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        self._wake_flag = False
+
+    def _on_accept(self, _mask: int) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            _Greeter(self, sock)
+
+    # ----------------------------------------------------------------- closing
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.write(self._wwake, b"\0")
+        except OSError:
+            pass
+        if not self.in_thread():
+            self._thread.join(timeout=10)
+        for key in list(self.sel.get_map().values()):
+            obj = key.fileobj
+            try:
+                if isinstance(obj, socket.socket):
+                    obj.close()
+            except OSError:
+                pass
+        self.sel.close()
+        os.close(self._rwake)
+        os.close(self._wwake)
+
+
+class _Greeter:
+    """Reads the hello of an accepted connection and hands it to the named QP."""
+
+    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+        self.engine = engine
+        self.buf = bytearray(HELLO.size)
+        self.link = Link(engine, sock, self)
+        self.link.expect(memoryview(self.buf), self._on_hello)
+
+    def _on_hello(self) -> None:
+        magic, version, dst_qpn, src_qpn, src_gid, src_lid = HELLO.unpack(self.buf)
+        qp = self.engine.ctx.qps.get(dst_qpn)
+        if magic != HELLO_MAGIC or version != HELLO_VERSION or qp is None:
+            log.debug("soft RDMA: dropping a connection for unknown QP %#x", dst_qpn)
+            self.link.close()
+            return
+        self.link.owner = None
+        self.link.pause()
+        qp._attach_inbound(self.link, src_qpn, bytes(src_gid), src_lid)  # type: ignore[attr-defined]
+
+    def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
+        pass
+
+    def after_read(self) -> None:
+        pass

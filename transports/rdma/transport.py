@@ -1,0 +1,777 @@
+"""The RDMA transport: RC queue pairs, credit flow control, WRITE WITH IMMEDIATE.
+
+Per rank: one device context, protection domain and completion queue; one RC QP
+per peer, created at :meth:`RdmaTransport.listen` so that the endpoint blob can
+carry every QP number.  Each rank also registers a receive area: for every peer,
+``nslots`` slots of ``slot_bytes`` that only that peer writes into.
+
+Data path (sender s -> receiver r)::
+
+    isend: copy piece -> s's staging slot k -> RDMA WRITE WITH IMM into r's slot k
+           (imm: message sequence, last-piece flag)      [needs one credit]
+    r: CQ gives RECV_RDMA_WITH_IMM (slot k, byte_len) -> sink(offset, view of slot k)
+       -> slot k free -> credits go back to s as a zero-byte WRITE WITH IMM
+
+A sender starts with ``nslots`` credits; a slot is reused only after the
+receiver's sink has consumed it and the local write has completed.  Both sides
+of a connection progress whenever any request of the transport is tested, so two
+ranks that both isend large messages and then irecv never deadlock.
+
+The memory path (``rdma_memory``: dmabuf, gdr, host) decides how *GPU* buffers
+become visible to the NIC (:meth:`RdmaConnection.register`); slots and staging
+are host memory on every path.  A QP error becomes a
+:class:`~transports.base.PeerClosedError` naming the peer and the work
+completion status.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import struct
+import threading
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from transports.base import (
+    PIECE_ALIGN,
+    BlobError,
+    ConnectError,
+    Connection,
+    DoneRequest,
+    PeerClosedError,
+    Request,
+    Sink,
+    Transport,
+    TransportError,
+    TransportOptions,
+)
+from transports.rdma import dmabuf, gdr, host
+from transports.rdma.host import HostBuffer, Registration
+from transports.rdma.verbs import open_verbs, soft_fabric
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------ blob format
+#: Endpoint blob, little-endian, version 1:
+#:   header  BLOB_HEADER  magic b"PCRD", version, provider (0 pyverbs, 1 soft),
+#:           port, mtu (ibv_mtu), lid, rank, size, nslots, slot_bytes, rkey,
+#:           slots base address, gid[16], fabric[16]
+#:   entries BLOB_ENTRY x size: (qp_num, psn) of the QP this rank made for peer i
+#:           (zeros for its own rank)
+#:   trailer CRC-32 of everything before it
+BLOB_MAGIC = b"PCRD"
+BLOB_VERSION = 1
+BLOB_HEADER = struct.Struct("<4sBBBBHxxIIIIIQ16s16s")
+BLOB_ENTRY = struct.Struct("<II")
+BLOB_CRC = struct.Struct("<I")
+PROVIDER_CODE = {"pyverbs": 0, "soft": 1}
+
+IMM_CREDIT = 1 << 31
+IMM_LAST = 1 << 16
+WR_DATA = 1 << 32
+WR_CREDIT = 2 << 32
+WR_RECV = 3 << 32
+
+MEMORY_PATHS = ("dmabuf", "gdr", "host")
+
+
+@dataclass
+class Endpoint:
+    """A parsed endpoint blob (see the format above)."""
+
+    provider: int
+    port: int
+    mtu: int
+    lid: int
+    rank: int
+    size: int
+    nslots: int
+    slot_bytes: int
+    rkey: int
+    slots_addr: int
+    gid: bytes
+    fabric: bytes
+    qps: list[tuple[int, int]]
+
+    def pack(self) -> bytes:
+        head = BLOB_HEADER.pack(
+            BLOB_MAGIC, BLOB_VERSION, self.provider, self.port, self.mtu, self.lid, self.rank, self.size,
+            self.nslots, self.slot_bytes, self.rkey, self.slots_addr, self.gid, self.fabric,
+        )  # fmt: skip
+        body = head + b"".join(BLOB_ENTRY.pack(q, p) for q, p in self.qps)
+        return body + BLOB_CRC.pack(zlib.crc32(body))
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> Endpoint:
+        """Parse strictly; anything off raises :class:`BlobError`."""
+        if not isinstance(blob, bytes | bytearray | memoryview):
+            raise BlobError(
+                f"rdma endpoint blob must be bytes, not {type(blob).__name__}",
+                transport="rdma",
+            )
+        blob = bytes(blob)
+        if len(blob) < BLOB_HEADER.size + BLOB_CRC.size:
+            raise BlobError(f"rdma endpoint blob truncated ({len(blob)} bytes)", transport="rdma")
+        fields = BLOB_HEADER.unpack_from(blob)
+        magic, version = fields[0], fields[1]
+        if magic != BLOB_MAGIC:
+            raise BlobError(f"not an rdma endpoint blob (magic {magic!r})", transport="rdma")
+        if version != BLOB_VERSION:
+            raise BlobError(
+                f"rdma endpoint blob version {version}, expected {BLOB_VERSION}",
+                transport="rdma",
+            )
+        (
+            _,
+            _,
+            provider,
+            port,
+            mtu,
+            lid,
+            rank,
+            size,
+            nslots,
+            slot_bytes,
+            rkey,
+            slots_addr,
+            gid,
+            fabric,
+        ) = fields
+        want = BLOB_HEADER.size + size * BLOB_ENTRY.size + BLOB_CRC.size
+        if len(blob) != want:
+            raise BlobError(
+                f"rdma endpoint blob is {len(blob)} bytes, expected {want}",
+                transport="rdma",
+            )
+        (crc,) = BLOB_CRC.unpack_from(blob, want - BLOB_CRC.size)
+        if crc != zlib.crc32(blob[: want - BLOB_CRC.size]):
+            raise BlobError("rdma endpoint blob checksum mismatch (corrupted)", transport="rdma")
+        if (
+            provider not in PROVIDER_CODE.values()
+            or not 1 <= mtu <= 5
+            or rank >= size
+            or nslots < 1
+            or slot_bytes < PIECE_ALIGN
+            or slot_bytes % PIECE_ALIGN
+        ):
+            raise BlobError("rdma endpoint blob has out-of-range fields", transport="rdma")
+        qps = [
+            BLOB_ENTRY.unpack_from(blob, BLOB_HEADER.size + i * BLOB_ENTRY.size)
+            for i in range(size)
+        ]
+        return cls(
+            provider=provider, port=port, mtu=mtu, lid=lid, rank=rank, size=size, nslots=nslots,
+            slot_bytes=slot_bytes, rkey=rkey, slots_addr=slots_addr, gid=gid, fabric=fabric, qps=qps,
+        )  # fmt: skip
+
+
+def _peer_index(owner: int, peer: int) -> int:
+    """Index of ``peer``'s slot group inside ``owner``'s receive area (owner skipped)."""
+    return peer if peer < owner else peer - 1
+
+
+# ------------------------------------------------------------------ requests
+class _SendReq(Request):
+    def __init__(self, conn: RdmaConnection, data: memoryview) -> None:
+        self.peer = conn.peer
+        self.conn = conn
+        self.data = data
+        self.seq = 0
+        self.posted = 0  # bytes handed to the NIC
+        self.outstanding = 0  # writes not yet completed
+
+    def _progress(self) -> bool:
+        self.conn._progress()
+        return self._done
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
+class _RecvReq(Request):
+    def __init__(self, conn: RdmaConnection, nbytes: int, sink: Sink) -> None:
+        self.peer = conn.peer
+        self.conn = conn
+        self.nbytes = nbytes
+        self.sink = sink
+        self.seq = 0
+        self.received = 0
+
+    def _progress(self) -> bool:
+        self.conn._progress()
+        return self._done
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
+# ------------------------------------------------------------------ connection
+class RdmaConnection(Connection):
+    """One peer: its QP, the peer's slots we write into, our slots it writes into."""
+
+    def __init__(self, tr: RdmaTransport, peer: int, qp: Any, remote: Endpoint) -> None:
+        self.tr = tr
+        self.peer = peer
+        self.qp = qp
+        self.qp_num = int(qp.qp_num)
+        self.transport = f"rdma:{tr.memory_path}"
+        e = tr.verbs.e
+        self._e = e
+        n, sb = tr.nslots, tr.slot_bytes
+        self.nslots, self.slot_bytes = n, sb
+        # where we write: the peer's slots for us
+        self.remote_rkey = remote.rkey
+        self.remote_base = remote.slots_addr + _peer_index(remote.rank, tr.rank) * n * sb
+        # where the peer writes: our slots for it
+        off = _peer_index(tr.rank, peer) * n * sb
+        self.recv_view = tr.recv_area.view[off : off + n * sb]
+        # send staging, registered once
+        self.staging = HostBuffer(n * sb)
+        self.staging_mr = host.register(
+            tr.verbs, tr.pd, self.staging.addr, n * sb, e.IBV_ACCESS_LOCAL_WRITE
+        )
+        self.credits = n
+        self.send_slot = 0
+        self.staging_owner: list[_SendReq | None] = [None] * n
+        self.sendq: deque[_SendReq] = deque()
+        self.send_seq = 0
+        self.sq_used = 0
+        self.credits_to_return = 0
+        self.recvq: deque[_RecvReq] = deque()
+        self.recv_seq = 0
+        self.recv_slot = 0
+        self.arrivals: deque[tuple[int, int, int]] = deque()  # (slot, nbytes, imm)
+        self.error: TransportError | None = None
+        self.closed = False
+        self._registrations: list[Registration] = []
+
+    # ------------------------------------------------------------ public verbs
+    def isend(self, data: memoryview) -> Request:
+        self._raise_if_broken()
+        mv = (
+            memoryview(data).cast("B")
+            if not isinstance(data, memoryview) or data.format != "B"
+            else data
+        )
+        if len(mv) == 0:
+            return DoneRequest(self.peer)
+        req = _SendReq(self, mv)
+        req.seq = self.send_seq
+        self.send_seq = (self.send_seq + 1) & 0xFFFF
+        self.sendq.append(req)
+        self._progress()
+        return req
+
+    def irecv(self, nbytes: int, sink: Sink) -> Request:
+        self._raise_if_broken()
+        if nbytes == 0:
+            return DoneRequest(self.peer)
+        req = _RecvReq(self, nbytes, sink)
+        req.seq = self.recv_seq
+        self.recv_seq = (self.recv_seq + 1) & 0xFFFF
+        self.recvq.append(req)
+        self._progress()
+        return req
+
+    def register(self, buffer: Any, *, device_ptr: int | None = None) -> Registration:
+        """Make a buffer visible to the NIC through this connection's memory path.
+
+        Host buffers (buffer protocol) are always registered as host memory; a
+        GPU range (``device_ptr`` and ``buffer`` = its byte length) goes through
+        dmabuf or gdr as chosen.  The caller closes the registration.
+        """
+        e = self._e
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        verbs, pd = self.tr.verbs, self.tr.pd
+        if device_ptr is None:
+            mv = memoryview(buffer).cast("B")
+            addr = HostBuffer.address_of(mv)
+            return host.register(verbs, pd, addr, len(mv), access)
+        nbytes = int(buffer)
+        if self.tr.memory_path == "dmabuf":
+            return dmabuf.register(verbs, pd, device_ptr, nbytes, access)
+        if self.tr.memory_path == "gdr":
+            return gdr.register(verbs, pd, device_ptr, nbytes, access)
+        raise TransportError(
+            "GPU buffers on the rdma:host path go through pinned host staging (not implemented yet)",
+            peer=self.peer,
+            transport=self.transport,
+        )
+
+    def check_peer(self) -> None:
+        self._raise_if_broken()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.tr._forget(self)
+        for reg in self._registrations:
+            reg.close()
+        for obj in (self.qp, self.staging_mr):
+            try:
+                obj.close()
+            except Exception:  # already torn down with the context
+                pass
+        self.staging.close()
+        if self.error is None:
+            self.error = PeerClosedError(
+                f"rdma connection to peer {self.peer} is closed",
+                peer=self.peer,
+                transport=self.transport,
+            )
+
+    # ------------------------------------------------------------ progress
+    def _raise_if_broken(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _progress(self) -> None:
+        self.tr._poll()
+        self._raise_if_broken()
+        self._deliver()
+        self._pump_sends()
+        self._return_credits()
+
+    def _fail(self, exc: TransportError) -> None:
+        if self.error is None:
+            self.error = exc
+            log.debug("%s", exc)
+
+    def _on_wc(self, wc: Any) -> None:
+        e = self._e
+        if wc.status != e.IBV_WC_SUCCESS:
+            self._fail(
+                PeerClosedError(
+                    f"rdma QP to peer {self.peer} failed: work completion "
+                    f"{self.tr.verbs.wc_status_name(wc.status)} (status {wc.status}, wr_id {wc.wr_id:#x})",
+                    peer=self.peer,
+                    transport=self.transport,
+                )
+            )
+            return
+        kind = wc.wr_id & ~0xFFFFFFFF
+        if kind == WR_RECV:
+            self._post_recv()
+            imm = int(wc.imm_data)
+            if imm & IMM_CREDIT:
+                self.credits += imm & 0xFFFF
+            else:
+                self.arrivals.append((self.recv_slot, int(wc.byte_len), imm))
+                self.recv_slot = (self.recv_slot + 1) % self.nslots
+        elif kind == WR_DATA:
+            self.sq_used -= 1
+            slot = wc.wr_id & 0xFFFF
+            req = self.staging_owner[slot]
+            self.staging_owner[slot] = None
+            if req is not None:
+                req.outstanding -= 1
+                if req.outstanding == 0 and req.posted == len(req.data):
+                    req._done = True
+        elif kind == WR_CREDIT:
+            self.sq_used -= 1
+
+    def _post_recv(self) -> None:
+        self.qp.post_recv(self.tr.verbs.RecvWR(wr_id=WR_RECV | self.qp_num, num_sge=0))
+
+    def _deliver(self) -> None:
+        sb = self.slot_bytes
+        while self.arrivals and self.recvq:
+            slot, n, imm = self.arrivals[0]
+            req = self.recvq[0]
+            last = bool(imm & IMM_LAST)
+            end = req.received + n
+            if (
+                (imm & 0xFFFF) != req.seq
+                or end > req.nbytes
+                or last != (end == req.nbytes)
+                or (not last and n != sb)
+            ):
+                self._fail(
+                    TransportError(
+                        f"rdma: message from peer {self.peer} does not match the posted receive "
+                        f"(receive #{req.seq} of {req.nbytes} bytes, got piece of message #{imm & 0xFFFF}, "
+                        f"{n} bytes at offset {req.received})",
+                        peer=self.peer,
+                        transport=self.transport,
+                    )
+                )
+                self._raise_if_broken()
+            self.arrivals.popleft()
+            base = slot * sb
+            try:
+                req.sink(req.received, self.recv_view[base : base + n])
+            except BaseException as exc:
+                req._error = exc
+                self.recvq.popleft()
+                raise
+            finally:
+                self.credits_to_return += 1
+            req.received = end
+            if last:
+                self.recvq.popleft()
+                req._done = True
+
+    def _pump_sends(self) -> None:
+        tr = self.tr
+        verbs, e = tr.verbs, self._e
+        sb = self.slot_bytes
+        while self.sendq and self.credits > 0 and self.sq_used < tr.max_send_wr - 1:
+            slot = self.send_slot
+            if self.staging_owner[slot] is not None:
+                return  # the write out of this staging slot has not completed yet
+            req = self.sendq[0]
+            n = min(sb, len(req.data) - req.posted)
+            base = slot * sb
+            self.staging.view[base : base + n] = req.data[req.posted : req.posted + n]
+            last = req.posted + n == len(req.data)
+            sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
+            wr = verbs.SendWR(
+                wr_id=WR_DATA | slot,
+                opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                num_sge=1,
+                sg=[sge],
+                imm_data=req.seq | (IMM_LAST if last else 0),
+            )
+            wr.set_wr_rdma(self.remote_rkey, self.remote_base + base)
+            self._post_send(wr)
+            self.staging_owner[slot] = req
+            req.outstanding += 1
+            req.posted += n
+            self.credits -= 1
+            self.send_slot = (slot + 1) % self.nslots
+            if last:
+                self.sendq.popleft()
+
+    def _return_credits(self) -> None:
+        if not self.credits_to_return or self.sq_used >= self.tr.max_send_wr:
+            return
+        e = self._e
+        wr = self.tr.verbs.SendWR(
+            wr_id=WR_CREDIT,
+            opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+            num_sge=0,
+            imm_data=IMM_CREDIT | self.credits_to_return,
+        )
+        wr.set_wr_rdma(self.remote_rkey, self.remote_base)
+        self._post_send(wr)
+        self.credits_to_return = 0
+
+    def _post_send(self, wr: Any) -> None:
+        try:
+            self.qp.post_send(wr)
+        except Exception as exc:
+            self._fail(
+                PeerClosedError(
+                    f"rdma post_send to peer {self.peer} failed: {exc}",
+                    peer=self.peer,
+                    transport=self.transport,
+                )
+            )
+            raise self.error from exc  # type: ignore[misc]
+        self.sq_used += 1
+
+
+# ------------------------------------------------------------------ transport
+class RdmaTransport(Transport):
+    """RDMA over verbs (pyverbs or the soft provider).
+
+    Options read from ``options.extra``: ``rdma_provider`` (auto, pyverbs, soft),
+    ``rdma_memory`` (auto, dmabuf, gdr, host), ``rdma_device``, ``rdma_port``,
+    ``rdma_gid_index``, ``rdma_gdr_level`` (PIX, PXB, PHB, NODE, SYS),
+    ``rdma_gpu`` (CUDA device index for the path choice), ``soft_addr``,
+    ``soft_caps`` (comma list: peermem, dmabuf).
+    """
+
+    name = "rdma"
+
+    def __init__(self, options: TransportOptions) -> None:
+        super().__init__(options)
+        self.rank = options.rank
+        self.size = options.size
+        self.slot_bytes = max(PIECE_ALIGN, options.slot_bytes // PIECE_ALIGN * PIECE_ALIGN)
+        self.nslots = max(1, min(options.nslots, 0x7FFF))
+        self.max_send_wr = 2 * self.nslots + 8
+        self.max_recv_wr = 2 * self.nslots + 8
+        self.verbs: Any = None  # a Verbs once listen() ran
+        self._blob: bytes | None = None
+        self._conns: dict[int, RdmaConnection] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self.memory_path = "host"
+
+    # ------------------------------------------------------------ setup
+    def listen(self) -> bytes:
+        if self._blob is not None:
+            return self._blob
+        opts = self.options
+        try:
+            verbs = self.verbs = open_verbs(opts)
+            e = verbs.e
+            self.ctx = verbs.open_context()
+            self.pd = verbs.PD(self.ctx)
+            cqe = (self.max_send_wr + self.max_recv_wr) * max(1, self.size - 1) + 16
+            self.cq = verbs.CQ(self.ctx, cqe)
+            self.port_num = int(opts.get("rdma_port", "1") or 1)
+            port = self.ctx.query_port(self.port_num)
+            self.lid = int(port.lid)
+            self.mtu = int(port.active_mtu)
+            self.gid_index = self._gid_index()
+            self.gid = self.ctx.query_gid(self.port_num, self.gid_index)
+            npeers = max(0, self.size - 1)
+            area = npeers * self.nslots * self.slot_bytes
+            self.recv_area = HostBuffer(area)
+            access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+            self.recv_mr = host.register(verbs, self.pd, self.recv_area.addr, max(area, 1), access)
+            self.qps: dict[int, Any] = {}
+            self.psns: dict[int, int] = {}
+            rng = random.Random()
+            for peer in range(self.size):
+                if peer == self.rank:
+                    continue
+                cap = verbs.QPCap(
+                    max_send_wr=self.max_send_wr,
+                    max_recv_wr=self.max_recv_wr,
+                    max_send_sge=1,
+                    max_recv_sge=1,
+                )
+                init = verbs.QPInitAttr(
+                    qp_type=e.IBV_QPT_RC,
+                    scq=self.cq,
+                    rcq=self.cq,
+                    cap=cap,
+                    sq_sig_all=1,
+                )
+                qp = verbs.QP(self.pd, init)
+                attr = verbs.QPAttr()
+                attr.qp_access_flags = access
+                attr.port_num = self.port_num
+                attr.pkey_index = 0
+                qp.to_init(attr)
+                for _ in range(self.max_recv_wr):
+                    qp.post_recv(verbs.RecvWR(wr_id=WR_RECV | int(qp.qp_num), num_sge=0))
+                self.qps[peer] = qp
+                self.psns[peer] = rng.randrange(1 << 24)
+        except TransportError:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise ConnectError(f"rdma setup failed: {exc}", transport="rdma") from exc
+        self.memory_path = self._choose_memory_path()
+        fabric = (
+            soft_fabric(verbs.context_kwargs["soft_addr"])
+            if verbs.name == "soft"
+            else self._hw_fabric()
+        )
+        ep = Endpoint(
+            provider=PROVIDER_CODE[verbs.name], port=self.port_num, mtu=self.mtu, lid=self.lid, rank=self.rank,
+            size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, rkey=self.recv_mr.rkey,
+            slots_addr=self.recv_mr.addr, gid=_gid_bytes(self.gid), fabric=fabric,
+            qps=[(int(self.qps[p].qp_num), self.psns[p]) if p != self.rank else (0, 0) for p in range(self.size)],
+        )  # fmt: skip
+        self._blob = ep.pack()
+        log.info(
+            "rdma: rank %d listening via %s (%s), lid %d, gid %s, memory path %s",
+            self.rank, verbs.name, verbs.device, self.lid, _gid_bytes(self.gid).hex(), self.memory_path,
+        )  # fmt: skip
+        return self._blob
+
+    def _gid_index(self) -> int:
+        wanted = self.options.get("rdma_gid_index", "auto")
+        if wanted and wanted != "auto":
+            return int(wanted)
+        # prefer an IPv4-mapped (RoCE v2) GID, as NCCL does, else index 0
+        for idx in range(16):
+            try:
+                raw = _gid_bytes(self.ctx.query_gid(self.port_num, idx))
+            except Exception:
+                break
+            if raw[:12] == b"\0" * 10 + b"\xff\xff":
+                return idx
+        return 0
+
+    def _hw_fabric(self) -> bytes:
+        raw = _gid_bytes(self.gid)
+        return (b"ib:" + raw[:8]).ljust(16, b"\0") if self.lid else b"roce".ljust(16, b"\0")
+
+    def _choose_memory_path(self) -> str:
+        """dmabuf, then gdr, then host (``rdma_memory=auto``), logging every refusal."""
+        from transports.rdma import caps as capmod
+
+        wanted = (self.options.get("rdma_memory", "auto") or "auto").lower()
+        if wanted not in (*MEMORY_PATHS, "auto"):
+            raise ConnectError(
+                f"unknown rdma_memory {wanted!r}; use auto, dmabuf, gdr or host",
+                transport="rdma",
+            )
+        if wanted == "host":
+            return "host"
+        verbs = self.verbs
+        c = capmod.Capabilities()
+        c.gpus, c.gpu_error = capmod.detect_gpus()
+        soft_caps = (
+            frozenset(verbs.context_kwargs.get("soft_caps", ()))
+            if verbs.name == "soft"
+            else frozenset()
+        )
+        if verbs.name == "pyverbs" and c.gpus:
+            c.nics = [n for n in capmod.detect_nics() if n.name == verbs.device]
+            for nic in c.nics:
+                nic.dmabuf, nic.dmabuf_why = capmod.probe_nic_dmabuf(verbs, self.ctx, self.pd)
+            c.peermem = capmod.peermem_file()
+            for g in c.gpus:
+                for nic in c.nics:
+                    if nic.pci_path:
+                        gpath = f"/sys/bus/pci/devices/{g.pci_bus_id}"
+                        c.distances[(g.index, nic.name)] = capmod.pci_distance(gpath, nic.pci_path)
+        statuses = capmod.memory_paths(
+            c,
+            provider=verbs.name,
+            soft_caps=soft_caps,
+            gdr_level=self.options.get("rdma_gdr_level", "PXB") or "PXB",
+            gpu=int(self.options.get("rdma_gpu", "0") or 0),
+        )
+        order = MEMORY_PATHS if wanted == "auto" else (wanted,)
+        for st in statuses:
+            if st.name not in order:
+                continue
+            if st.usable:
+                log.info("rdma: memory path %s chosen: %s", st.name, st.reason)
+                return st.name
+            log.info("rdma: memory path %s refused: %s", st.name, st.reason)
+        if wanted != "auto":
+            raise ConnectError(
+                f"rdma_memory={wanted} requested but unusable (see log)",
+                transport="rdma",
+            )
+        return "host"
+
+    def can_connect(self, local: bytes, peer: bytes) -> tuple[bool, str]:
+        try:
+            a, b = Endpoint.unpack(local), Endpoint.unpack(peer)
+        except BlobError as exc:
+            return False, str(exc)
+        if a.provider != b.provider:
+            return False, "one side uses pyverbs, the other the soft provider"
+        if a.fabric != b.fabric:
+            return (
+                False,
+                "the peer's RDMA port is on another fabric (or another network namespace)",
+            )
+        if (a.nslots, a.slot_bytes) != (b.nslots, b.slot_bytes):
+            return False, "slot geometry differs between the ranks"
+        if a.size != b.size:
+            return False, "the blobs disagree on the job size"
+        return True, "same RDMA fabric"
+
+    def connect(self, peer_rank: int, peer: bytes) -> Connection:
+        if self._blob is None:
+            self.listen()
+        remote = Endpoint.unpack(peer)
+        if remote.rank != peer_rank or remote.size != self.size or peer_rank == self.rank:
+            raise ConnectError(
+                f"rdma blob of rank {remote.rank}/{remote.size} given for peer {peer_rank}/{self.size}",
+                peer=peer_rank,
+                transport="rdma",
+            )
+        ok, why = self.can_connect(self._blob, peer)  # type: ignore[arg-type]
+        if not ok:
+            raise ConnectError(
+                f"rdma cannot reach peer {peer_rank}: {why}",
+                peer=peer_rank,
+                transport="rdma",
+            )
+        dest_qpn, dest_psn = remote.qps[self.rank]
+        if dest_qpn == 0:
+            raise BlobError(
+                f"rdma blob of peer {peer_rank} has no QP for rank {self.rank}",
+                peer=peer_rank,
+            )
+        verbs = self.verbs
+        e = verbs.e
+        qp = self.qps[peer_rank]
+        attr = verbs.QPAttr()
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        attr.port_num = self.port_num
+        attr.path_mtu = min(self.mtu, remote.mtu)
+        attr.dest_qp_num = dest_qpn
+        attr.rq_psn = dest_psn
+        attr.sq_psn = self.psns[peer_rank]
+        attr.max_dest_rd_atomic = 1
+        attr.max_rd_atomic = 1
+        attr.min_rnr_timer = 12  # 0.64 ms
+        attr.timeout = int(
+            self.options.get("rdma_timeout", "20") or 20
+        )  # 4.096 us * 2**20 ~ 4 s per try
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7  # credits make RNR impossible; retry forever if it happens anyway
+        gr = verbs.GlobalRoute(dgid=verbs.GID(_gid_str(remote.gid)), sgid_index=self.gid_index)
+        attr.ah_attr = verbs.AHAttr(port_num=self.port_num, is_global=1, dlid=remote.lid, gr=gr)
+        try:
+            qp.to_rtr(attr)
+            qp.to_rts(attr)
+        except Exception as exc:
+            raise ConnectError(
+                f"rdma: QP to peer {peer_rank} failed to reach RTS: {exc}",
+                peer=peer_rank,
+                transport="rdma",
+            ) from exc
+        conn = RdmaConnection(self, peer_rank, qp, remote)
+        with self._lock:
+            self._conns[conn.qp_num] = conn
+        return conn
+
+    # ------------------------------------------------------------ progress
+    def _poll(self) -> None:
+        with self._lock:
+            while True:
+                n, wcs = self.cq.poll(32)
+                for wc in wcs:
+                    conn = self._conns.get(int(wc.qp_num))
+                    if conn is not None:
+                        conn._on_wc(wc)
+                if n < 32:
+                    return
+
+    def _forget(self, conn: RdmaConnection) -> None:
+        with self._lock:
+            self._conns.pop(conn.qp_num, None)
+            self.qps.pop(conn.peer, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._conns.values()):
+            conn.close()
+        for name in ("qps",):
+            for qp in getattr(self, name, {}).values():
+                qp.close()
+        for name in ("recv_mr", "cq", "pd", "ctx"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception as exc:  # keep releasing the rest
+                    log.debug("rdma: closing %s: %s", name, exc)
+        area = getattr(self, "recv_area", None)
+        if area is not None:
+            area.close()
+
+
+def _gid_bytes(gid: Any) -> bytes:
+    """16 raw bytes of a pyverbs or soft GID (its ``gid`` is the colon hex form)."""
+    text = str(gid.gid if hasattr(gid, "gid") else gid)
+    raw = bytes.fromhex(text.replace(":", ""))
+    if len(raw) != 16:
+        raise BlobError(f"unexpected GID {text!r}")
+    return raw
+
+
+def _gid_str(raw: bytes) -> str:
+    h = raw.hex()
+    return ":".join(h[i : i + 4] for i in range(0, 32, 4))
