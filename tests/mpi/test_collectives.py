@@ -1,0 +1,270 @@
+"""Every collective x algorithm x dtype x op against a NumPy reference.
+
+Runs on every rank under ``mpiexec -n N python -m mpi4py -m pytest tests/mpi``
+(tests/test_mpirun.py launches it for N = 1..4).  Every rank generates every
+rank's input from a seed, so each can compute the reference locally; outputs are
+poisoned before each call; and results must be bitwise identical on all ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import pycoll
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+PRIME = 65537 + 34  # 65571 is prime
+DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.int8,
+        np.uint8,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float16,
+        ml_dtypes.bfloat16,
+        np.float32,
+        np.float64,
+    )
+]
+OPS = ["sum", "prod", "min", "max", "avg"]
+ALGOS = ["ring", "tree"]
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = pycoll.init(timeout=120)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def comm_small_chunks():
+    c = pycoll.init(timeout=120, chunk_bytes=4096)
+    yield c
+    c.close()
+
+
+def data(rank: int, count: int, dtype: np.dtype, op: str, salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng([rank, count, dtype.num, len(op), salt])
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = (max(info.min, -3), min(info.max, 4)) if op == "prod" else (info.min, info.max)
+        return rng.integers(lo, hi, count, dtype=dtype, endpoint=True)
+    if op == "prod":
+        v = rng.uniform(0.8, 1.25, count)
+    else:
+        v = rng.uniform(-4, 4, count)
+    return v.astype(dtype)
+
+
+def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
+    dt = xs[0].dtype
+    wide = np.float64 if dt.kind == "f" or dt == ml_dtypes.bfloat16 else dt
+    acc = xs[0].astype(wide)
+    for x in xs[1:]:
+        y = x.astype(wide)
+        if op in ("sum", "avg"):
+            acc = acc + y
+        elif op == "prod":
+            acc = acc * y
+        elif op == "min":
+            acc = np.minimum(acc, y)
+        else:
+            acc = np.maximum(acc, y)
+    if op == "avg":
+        acc = acc / len(xs)
+    return acc
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, dtype: np.dtype, n: int, what: str) -> None:
+    if dtype.kind in "iu":
+        assert np.array_equal(got, ref.astype(dtype)), what
+        return
+    tol = {2: 2e-2 if dtype == np.float16 else 6e-2, 4: 1e-5, 8: 1e-12}[dtype.itemsize] * n
+    g = got.astype(np.float64)
+    assert np.allclose(g, ref, rtol=tol, atol=tol * 4), f"{what}: max err {np.max(np.abs(g - ref))}"
+
+
+def assert_identical_everywhere(a: np.ndarray, what: str) -> None:
+    h = hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+    hs = WORLD.allgather(h)
+    assert len(set(hs)) == 1, f"{what}: ranks differ bitwise: {hs}"
+
+
+def poison(a: np.ndarray) -> np.ndarray:
+    a.view(np.uint8)[...] = 0xA5
+    return a
+
+
+SIZES = [1, 7, PRIME]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce(comm, comm_small_chunks, algo, dtype):
+    for count, op, inplace, c in itertools.product(
+        SIZES, OPS, (False, True), (comm, comm_small_chunks)
+    ):
+        if op == "avg" and dtype.kind in "iu":
+            continue
+        xs = [data(r, count, dtype, op) for r in range(SIZE)]
+        ref = reference(xs, op)
+        what = f"allreduce {algo} {dtype} {op} n={SIZE} count={count} inplace={inplace}"
+        if inplace:
+            buf = xs[RANK].copy()
+            got = c.allreduce(buf, op=op, algorithm=algo)
+            assert got is buf
+        else:
+            out = poison(np.empty(count, dtype))
+            got = c.allreduce(xs[RANK], out, op=op, algorithm=algo)
+            assert got is out
+        assert_close(got, ref, dtype, SIZE, what)
+        assert_identical_everywhere(got, what)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce_scatter(comm, comm_small_chunks, algo, dtype):
+    for k, op, c in itertools.product(SIZES, OPS, (comm, comm_small_chunks)):
+        if op == "avg" and dtype.kind in "iu":
+            continue
+        xs = [data(r, k * SIZE, dtype, op) for r in range(SIZE)]
+        ref = reference(xs, op)[RANK * k : (RANK + 1) * k]
+        out = poison(np.empty(k, dtype))
+        got = c.reduce_scatter(xs[RANK], out, op=op, algorithm=algo)
+        assert got is out
+        assert_close(got, ref, dtype, SIZE, f"reduce_scatter {algo} {dtype} {op} k={k}")
+        new = c.reduce_scatter(xs[RANK], op=op, algorithm=algo)
+        assert new.shape == (k,) and np.array_equal(new.view(np.uint8), got.view(np.uint8))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce(comm, comm_small_chunks, algo, dtype):
+    for count, op, root, c in itertools.product(
+        SIZES, OPS, sorted({0, SIZE - 1}), (comm, comm_small_chunks)
+    ):
+        if op == "avg" and dtype.kind in "iu":
+            continue
+        xs = [data(r, count, dtype, op) for r in range(SIZE)]
+        out = poison(np.empty(count, dtype))
+        got = c.reduce(xs[RANK], out, root=root, op=op, algorithm=algo)
+        if RANK == root:
+            assert got is out
+            assert_close(got, reference(xs, op), dtype, SIZE, f"reduce {algo} {dtype} {op}")
+        else:
+            assert got is None
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allgather(comm, comm_small_chunks, algo, dtype):
+    for count, c, inplace in itertools.product(SIZES, (comm, comm_small_chunks), (False, True)):
+        xs = [data(r, count, dtype, "sum") for r in range(SIZE)]
+        want = np.stack(xs)
+        if inplace:
+            out = poison(np.empty((SIZE, count), dtype))
+            out[RANK] = xs[RANK]
+            got = c.allgather(out[RANK], out, algorithm=algo)
+        else:
+            out = poison(np.empty(SIZE * count, dtype))
+            got = c.allgather(xs[RANK], out, algorithm=algo)
+        assert got is out
+        assert np.array_equal(got.reshape(SIZE, count).view(np.uint8), want.view(np.uint8))
+        new = c.allgather(xs[RANK].reshape(1, count), algorithm=algo)
+        assert new.shape == (SIZE, 1, count)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast(comm, comm_small_chunks, algo, dtype):
+    for count, root, c in itertools.product(SIZES, range(SIZE), (comm, comm_small_chunks)):
+        want = data(root, count, dtype, "sum", salt=7)
+        buf = want.copy() if RANK == root else poison(np.empty(count, dtype))
+        got = c.broadcast(buf, root=root, algorithm=algo)
+        assert got is buf
+        assert np.array_equal(buf.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_large_multichunk(comm, algo):
+    """A few MiB through every collective (several pipeline chunks per rank)."""
+    count = (3 << 20) // 4 + 5
+    for dtype in (np.dtype(np.float32), np.dtype(np.int32), np.dtype(ml_dtypes.bfloat16)):
+        xs = [data(r, count, dtype, "sum") for r in range(SIZE)]
+        out = poison(np.empty(count, dtype))
+        comm.allreduce(xs[RANK], out, algorithm=algo)
+        assert_close(out, reference(xs, "sum"), dtype, SIZE, f"allreduce large {dtype}")
+        assert_identical_everywhere(out, "allreduce large")
+        rs_in = [data(r, count * SIZE, dtype, "max") for r in range(SIZE)]
+        rs = comm.reduce_scatter(rs_in[RANK], op="max", algorithm=algo)
+        assert_close(
+            rs,
+            reference(rs_in, "max")[RANK * count : (RANK + 1) * count],
+            dtype,
+            SIZE,
+            "reduce_scatter large",
+        )
+        g = comm.allgather(xs[RANK], algorithm=algo)
+        assert np.array_equal(g.view(np.uint8), np.stack(xs).view(np.uint8))
+        b = xs[0].copy() if RANK == 0 else poison(np.empty(count, dtype))
+        comm.broadcast(b, root=0, algorithm=algo)
+        assert np.array_equal(b.view(np.uint8), xs[0].view(np.uint8))
+        red = poison(np.empty(count, dtype))
+        comm.reduce(xs[RANK], red, root=SIZE - 1, algorithm=algo)
+        if RANK == SIZE - 1:
+            assert_close(red, reference(xs, "sum"), dtype, SIZE, "reduce large")
+
+
+def test_deterministic_across_calls(comm):
+    x = data(RANK, 100_003, np.dtype(np.float32), "sum")
+    for algo in ALGOS:
+        a = comm.allreduce(x, np.empty_like(x), algorithm=algo)
+        b = comm.allreduce(x, np.empty_like(x), algorithm=algo)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_shapes_and_auto(comm):
+    x = np.arange(24, dtype=np.float64).reshape(2, 3, 4) + RANK
+    out = comm.allreduce(x, np.empty_like(x))
+    assert out.shape == (2, 3, 4)
+    assert np.allclose(out, sum(np.arange(24).reshape(2, 3, 4) + r for r in range(SIZE)))
+
+
+def test_async_overlaps_and_orders(comm):
+    xs = [np.full(1000, RANK + i, np.float32) for i in range(5)]
+    reqs = [comm.allreduce(x, async_op=True) for x in xs]
+    blocking = comm.allreduce(np.ones(3, np.float32))  # queued after the async ones
+    for i, (x, rq) in enumerate(zip(xs, reqs, strict=True)):
+        assert rq.wait(60) is x
+        assert rq.test() and rq.exception() is None
+        assert np.all(x == sum(r + i for r in range(SIZE)))
+    assert np.all(blocking == SIZE)
+
+
+def test_barrier_and_transport_of(comm):
+    comm.barrier()
+    assert comm.transport_of(RANK) == "self"
+    for p in range(SIZE):
+        if p != RANK:
+            assert comm.transport_of(p) in ("shm", "tcp", "rdma:host")
+
+
+def test_zero_elements(comm):
+    e = np.empty(0, np.float32)
+    assert comm.allreduce(e).size == 0
+    assert comm.allgather(e).shape == (SIZE, 0)
+    assert comm.broadcast(e) is e
+    assert comm.reduce_scatter(e).size == 0

@@ -1,0 +1,41 @@
+"""Tier 4: the collective suite under mpiexec at n = 1, 2, 3, 4.
+
+``python -m mpi4py`` aborts the whole job when one rank raises, so a failure
+on one rank ends the run instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives_under_mpiexec(n: int) -> None:
+    cmd = mpiexec(n) + [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "--with-mpi",
+        str(ROOT / "tests" / "mpi"),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1450)
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    )
