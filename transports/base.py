@@ -238,6 +238,32 @@ def idle_round(
 
 # --------------------------------------------------------------------------- interface
 @dataclass(frozen=True)
+class DeviceSpan:
+    """A range of CUDA device memory, for connections that move GPU bytes directly.
+
+    Attributes:
+        ptr: device pointer (an integer, as in ``__cuda_array_interface__``).
+        nbytes: length in bytes.
+        device: CUDA device ordinal.
+        stream: the CUDA stream (handle as an int, 0 = default) the bytes are
+            ordered on: a sender's bytes are ready once this stream's queued work
+            is; a receiver's sink enqueues its work on it.
+    """
+
+    ptr: int
+    nbytes: int
+    device: int
+    stream: int = 0
+
+    def __getitem__(self, s: slice) -> DeviceSpan:
+        start, stop, _ = s.indices(self.nbytes)
+        return DeviceSpan(self.ptr + start, max(0, stop - start), self.device, self.stream)
+
+
+DeviceSink = Callable[[int, DeviceSpan], None]
+
+
+@dataclass(frozen=True)
 class TransportOptions:
     """What a transport is told when it is created (the layer above fills it in).
 
@@ -295,6 +321,25 @@ class Connection(abc.ABC):
             out[off : off + len(piece)] = piece
 
         return self.irecv(len(out), copy)
+
+    #: True when :meth:`isend_device`/:meth:`irecv_device` move GPU memory without
+    #: host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).
+    device_capable: bool = False
+
+    def isend_device(self, data: DeviceSpan) -> Request:
+        """Post a send of device memory (only when ``device_capable``)."""
+        raise TransportError(
+            f"{self.transport} cannot send device memory directly", peer=self.peer,
+            transport=self.transport,
+        )
+
+    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
+        """Post a receive whose pieces reach ``sink`` as device memory on ``device``
+        (only when ``device_capable``); same ordering and alignment as :meth:`irecv`."""
+        raise TransportError(
+            f"{self.transport} cannot receive into device memory directly", peer=self.peer,
+            transport=self.transport,
+        )
 
     def check_peer(self) -> None:  # noqa: B027 - optional hook
         """Raise :class:`PeerClosedError` if the peer is known to be gone."""
