@@ -1,0 +1,184 @@
+"""Tier 1: configuration, buffers, errors, reductions, tree shapes, cost model, exports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll.algorithms import cost, names
+from pycoll.algorithms.ring import segments
+from pycoll.algorithms.tree import btree, double_btree, rooted_btree
+from pycoll.buffers import as_buffer, is_device_array
+from pycoll.config import Config, parse_algo
+from pycoll.errors import InvalidArgumentError, PycollError, UnsupportedError
+from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, parse_op
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(pycoll.__all__) == sorted([
+        "DTYPES", "CollectiveMismatchError", "CollectiveTimeout", "Communicator",
+        "CommunicatorClosedError", "Config", "ConnectError", "InvalidArgumentError",
+        "PeerAbortedError", "PycollError", "ReduceOp", "Request", "TransportError",
+        "UnsupportedError", "__version__", "init",
+    ])
+    for name in pycoll.__all__:
+        assert hasattr(pycoll, name)
+
+
+def test_import_has_no_side_effects_and_needs_no_gpu_or_mpi_launcher() -> None:
+    code = ("import sys, os; before = dict(os.environ); import pycoll, transports; "
+            "assert 'cupy' not in sys.modules and 'pyverbs' not in sys.modules; "
+            "assert 'mpi4py.MPI' not in sys.modules; assert dict(os.environ) == before")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_layering_transports_never_import_pycoll_or_mpi() -> None:
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "transports"
+    import re
+    bad = re.compile(r"^\s*(import|from)\s+(pycoll|mpi4py)\b", re.M)
+    for f in root.rglob("*.py"):
+        assert not bad.search(f.read_text()), f
+
+
+def test_error_tree() -> None:
+    assert issubclass(pycoll.InvalidArgumentError, ValueError)
+    for e in (pycoll.InvalidArgumentError, pycoll.TransportError, pycoll.ConnectError,
+              pycoll.CollectiveTimeout, pycoll.PeerAbortedError, pycoll.CollectiveMismatchError,
+              pycoll.UnsupportedError, pycoll.CommunicatorClosedError):
+        assert issubclass(e, PycollError)
+    assert issubclass(pycoll.ConnectError, pycoll.TransportError)
+    assert issubclass(pycoll.CollectiveTimeout, pycoll.TransportError)
+    e = pycoll.TransportError("x", rank=1, peer=2, transport="tcp", errno=5)
+    assert (e.rank, e.peer, e.transport, e.errno) == (1, 2, "tcp", 5)
+
+
+def test_config_from_env() -> None:
+    c = Config.from_env({
+        "PYCOLL_TRANSPORT": "tcp,shm", "PYCOLL_RDMA_MEMORY": "dmabuf",
+        "PYCOLL_RDMA_PROVIDER": "soft", "PYCOLL_SOCKET_IFNAME": "^lo",
+        "PYCOLL_ALGO": "allreduce:tree,ring", "PYCOLL_CHUNK_BYTES": "64K",
+        "PYCOLL_TIMEOUT": "12.5", "PYCOLL_CHECK": "1", "PYCOLL_DEBUG": "info",
+    })
+    assert c.transports == ("tcp", "shm") and c.rdma_memory == "dmabuf"
+    assert c.rdma_provider == "soft" and c.socket_ifname == "^lo"
+    assert c.algorithm_for("allreduce") == "tree" and c.algorithm_for("broadcast") == "ring"
+    assert c.chunk_bytes == 65536 and c.timeout == 12.5 and c.check and c.debug == "INFO"
+    assert Config.from_env({"PYCOLL_TIMEOUT": "5"}, timeout=7).timeout == 7  # arguments win
+    d = Config.from_env({})
+    assert d.transports == ("shm", "rdma", "tcp") and d.timeout > 0 and not d.check
+
+
+@pytest.mark.parametrize("var,val", [
+    ("PYCOLL_TRANSPORT", "carrier-pigeon"), ("PYCOLL_RDMA_MEMORY", "magic"),
+    ("PYCOLL_RDMA_PROVIDER", "x"), ("PYCOLL_CHUNK_BYTES", "lots"), ("PYCOLL_CHUNK_BYTES", "8"),
+    ("PYCOLL_TIMEOUT", "-1"), ("PYCOLL_TIMEOUT", "soon"), ("PYCOLL_DEBUG", "LOUD"),
+    ("PYCOLL_ALGO", "gather:ring"),
+])
+def test_config_rejects_bad_values_naming_the_variable(var: str, val: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=var):
+        Config.from_env({var: val})
+
+
+def test_parse_algo() -> None:
+    assert parse_algo("tree") == {"*": "tree"}
+    assert parse_algo("allreduce:ring, broadcast:tree") == {"allreduce": "ring",
+                                                            "broadcast": "tree"}
+
+
+def test_buffers() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = as_buffer(a, 0, "t", "sendbuf", writable=True)
+    assert b.count == 12 and b.flat.shape == (12,) and not b.is_device
+    assert np.shares_memory(b.flat, a)
+    with pytest.raises(InvalidArgumentError, match="rank 3.*sendbuf.*C-contiguous"):
+        as_buffer(a[:, ::2], 3, "t", "sendbuf", writable=False)
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        as_buffer(ro, 0, "t", "recvbuf", writable=True)
+    as_buffer(ro, 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="complex128"):
+        as_buffer(np.ones(3, np.complex128), 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="list"):
+        as_buffer([1, 2], 0, "t", "sendbuf", writable=False)
+    assert not is_device_array(a)
+
+
+def test_device_array_without_cupy_is_unsupported() -> None:
+    class FakeCuda:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+
+    assert is_device_array(FakeCuda())
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(UnsupportedError, match="CuPy"):
+            as_buffer(FakeCuda(), 0, "t", "sendbuf", writable=False)
+
+
+def test_ops_and_dtypes() -> None:
+    assert parse_op("SUM", 0, "t") is ReduceOp.SUM and parse_op(ReduceOp.AVG, 0, "t")
+    with pytest.raises(InvalidArgumentError, match="op='xor'"):
+        parse_op("xor", 0, "t")
+    with pytest.raises(InvalidArgumentError, match="avg"):
+        check_op_dtype(ReduceOp.AVG, np.dtype(np.int32), 0, "t")
+    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16) and len(DTYPES) == 10
+
+
+def test_segments_cover_exactly() -> None:
+    for lo, hi, n in [(0, 1, 4), (0, 7, 3), (5, 1000, 4), (0, 0, 2)]:
+        b = segments(lo, hi, n)
+        assert b[0] == lo and b[-1] == hi and all(b[i] <= b[i + 1] for i in range(n))
+        assert max(b[i + 1] - b[i] for i in range(n)) - min(b[i + 1] - b[i] for i in range(n)) <= 1
+
+
+def _check_tree(n: int, tree_of) -> int:
+    parents = {}
+    for r in range(n):
+        p, ch = tree_of(r)
+        parents[r] = p
+        for c in ch:
+            assert tree_of(c)[0] == r, (n, r, c)
+        assert len(ch) <= 2
+    roots = [r for r, p in parents.items() if p is None]
+    assert len(roots) == 1
+    for r in range(n):  # every node reaches the root
+        seen, x = set(), r
+        while parents[x] is not None:
+            assert x not in seen
+            seen.add(x)
+            x = parents[x]
+    return roots[0]
+
+
+@pytest.mark.parametrize("n", range(1, 33))
+def test_trees_are_trees(n: int) -> None:
+    assert _check_tree(n, lambda r: btree(n, r)) == 0
+    for t in (0, 1):
+        _check_tree(n, lambda r, t=t: double_btree(n, r)[t])
+    for root in range(n):
+        assert _check_tree(n, lambda r, root=root: rooted_btree(n, r, root)) == root
+
+
+@pytest.mark.parametrize("n", [4, 8, 16, 6, 12])
+def test_double_tree_interior_nodes_are_mostly_leaves_in_the_other(n: int) -> None:
+    inner = [{r for r in range(n) if double_btree(n, r)[t][1]} for t in (0, 1)]
+    assert len(inner[0] & inner[1]) <= 1
+
+
+def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
+    ar = names("allreduce")
+    assert set(ar) >= {"ring", "tree"}
+    assert cost.choose("allreduce", ar, 16, 8, 1 << 20) == "tree"
+    assert cost.choose("allreduce", ar, 16, 1 << 28, 1 << 20) == "ring"
+    for coll in ("allgather", "broadcast", "reduce_scatter", "reduce"):
+        assert cost.choose(coll, names(coll), 4, 1 << 20, 1 << 20) in names(coll)
