@@ -53,21 +53,27 @@ class Wiring:
         self.transports.clear()
 
 
-def _options(cfg: Config, rank: int, size: int, secret: bytes) -> TransportOptions:
+def _options(
+    cfg: Config, rank: int, size: int, secret: bytes, device: bool = False
+) -> TransportOptions:
     return TransportOptions(
         rank=rank,
         size=size,
         timeout=cfg.timeout,
         secret=secret,
         socket_ifname=cfg.socket_ifname,
-        slot_bytes=cfg.chunk_bytes,
+        slot_bytes=cfg.device_chunk_bytes if device else cfg.chunk_bytes,
         nslots=4,
         extra=(("rdma_memory", cfg.rdma_memory), ("rdma_provider", cfg.rdma_provider)),
     )
 
 
-def wire(mpi_comm: Any, cfg: Config) -> Wiring:
+def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:
     """Build every connection of this rank.
+
+    With ``device=True`` it builds the second table, for GPU buffers, from
+    ``cfg.device_transports`` (cuda_ipc); a pair that none of them reaches is
+    left out (its device bytes are staged through the host connection).
 
     Raises:
         ConnectError: no transport reaches some peer, or a connection failed.
@@ -77,11 +83,12 @@ def wire(mpi_comm: Any, cfg: Config) -> Wiring:
     if size == 1:
         return w
     secret = mpi_comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
-    opts = _options(cfg, rank, size, secret)
+    opts = _options(cfg, rank, size, secret, device)
+    names = cfg.device_transports if device else cfg.transports
 
     # 2. create and listen
     mine: list[tuple[str, Transport | None, bytes | None, str]] = []
-    for name in cfg.transports:
+    for name in names:
         try:
             t = transport_class(name)(opts)
             blob = t.listen()
@@ -136,6 +143,8 @@ def wire(mpi_comm: Any, cfg: Config) -> Wiring:
                 side,
                 reasons[p][i] if not verdict[p][i] else "(see that rank's log)",
             )
+        if chosen is None and device:
+            continue
         if chosen is None:
             detail = "; ".join(f"{mine[i][0]}: {reasons[p][i]}" for i in range(len(mine)))
             errors.append(f"No transport found for rank {rank} -> rank {p} ({detail})")

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from pycoll.errors import InvalidArgumentError, UnsupportedError
-from pycoll.reduce import check_dtype
+from pycoll.reduce import DTYPES, check_dtype
 
 _KDL_CUDA = 2
+_BF16 = DTYPES["bfloat16"]
 _KDL_CUDA_MANAGED = 13
 
 
@@ -27,14 +28,19 @@ class Buffer:
         obj: what the caller passed (returned back to them).
         flat: a 1-D view sharing memory with ``obj`` (numpy.ndarray or cupy.ndarray).
         device: -1 for host memory, else the CUDA device ordinal.
+        logical: the element type when ``flat`` carries it under another name
+            (device bfloat16 is viewed as uint16: CuPy has no bfloat16), else None.
     """
 
     obj: Any
     flat: Any
     device: int
+    logical: np.dtype[Any] | None = None
 
     @property
     def dtype(self) -> np.dtype[Any]:
+        if self.logical is not None:
+            return self.logical
         return self.flat.dtype  # type: ignore[no-any-return]
 
     @property
@@ -63,18 +69,23 @@ def is_device_array(obj: object) -> bool:
     """True for CUDA arrays, decided without importing CuPy."""
     if isinstance(obj, np.ndarray):
         return False
-    if hasattr(obj, "__cuda_array_interface__"):
-        return True
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None:
         try:
             return dev()[0] in (_KDL_CUDA, _KDL_CUDA_MANAGED)
         except Exception:
             return False
-    return False
+    try:  # a property that may raise (torch: bfloat16, CPU tensors)
+        return hasattr(obj, "__cuda_array_interface__")
+    except Exception:
+        return False
 
 
-def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> Any:
+def _is_torch(obj: object) -> bool:
+    return type(obj).__module__.split(".", 1)[0] == "torch"
+
+
+def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> tuple[Any, np.dtype[Any] | None]:
     try:
         import cupy
     except ImportError as exc:
@@ -82,9 +93,21 @@ def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> Any:
             f"rank {rank}: {what}: {arg} is a CUDA array, but CuPy is not installed "
             "(pip install 'pycoll-collectives[gpu]')"
         ) from exc
+    if _is_torch(obj):
+        t = obj.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch
+
+            t = t.view(torch.int16)  # CuPy has no bfloat16: carry the bits
+            return cupy.from_dlpack(t).view(cupy.uint16), _BF16
+        return cupy.from_dlpack(t), None
     if hasattr(obj, "__cuda_array_interface__"):
-        return cupy.asarray(obj)
-    return cupy.from_dlpack(obj)
+        arr = cupy.asarray(obj)
+    else:
+        arr = cupy.from_dlpack(obj)
+    if arr.dtype == _BF16:  # a CuPy that knows bfloat16: same bits, one code path
+        return arr.view(cupy.uint16), _BF16
+    return arr, None
 
 
 def as_buffer(obj: Any, rank: int, what: str, arg: str, *, writable: bool) -> Buffer:
@@ -96,13 +119,14 @@ def as_buffer(obj: Any, rank: int, what: str, arg: str, *, writable: bool) -> Bu
             argument, the value and the rank.
         UnsupportedError: a CUDA array while CuPy is not installed.
     """
+    logical = None
     if isinstance(obj, np.ndarray):
         arr = obj
         device = -1
         if writable and not arr.flags.writeable:
             raise InvalidArgumentError(f"rank {rank}: {what}: {arg} is read-only")
     elif is_device_array(obj):
-        arr = _as_cupy(obj, rank, what, arg)
+        arr, logical = _as_cupy(obj, rank, what, arg)
         device = int(arr.device.id)
     else:
         raise InvalidArgumentError(
@@ -114,5 +138,5 @@ def as_buffer(obj: Any, rank: int, what: str, arg: str, *, writable: bool) -> Bu
             f"rank {rank}: {what}: {arg} with shape {arr.shape} and strides {arr.strides} "
             "is not C-contiguous; pass a contiguous array (np.ascontiguousarray)"
         )
-    check_dtype(arr.dtype, rank, what, arg)
-    return Buffer(obj, arr.reshape(-1), device)
+    check_dtype(arr.dtype if logical is None else logical, rank, what, arg)
+    return Buffer(obj, arr.reshape(-1), device, logical)

@@ -6,6 +6,7 @@ import collections
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,16 +20,19 @@ from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
 from pycoll.buffers import Buffer, as_buffer
 from pycoll.config import TRACE, Config, setup_logging
+from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
     CommunicatorClosedError,
     InvalidArgumentError,
     PycollError,
-    translate,
+    from_transport,
 )
+from pycoll.gpu import setup as gpu_setup
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
 from transports.base import Backoff, Deadline
+from transports.base import TransportError as WireError
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +94,8 @@ class Record:
     seq: int
     collective: str
     count: int
-    dtype: str
-    op: str
+    dtype: Any
+    op: ReduceOp | None
     root: int
     algorithm: str
     started: float
@@ -100,9 +104,10 @@ class Record:
 
     def __str__(self) -> str:
         dur = "" if self.ended is None else f" {1e6 * (self.ended - self.started):.0f}us"
+        op = "-" if self.op is None else self.op.value
         return (
             f"#{self.seq} {self.collective}(count={self.count}, dtype={self.dtype}, "
-            f"op={self.op}, root={self.root}, algo={self.algorithm}) {self.status}{dur}"
+            f"op={op}, root={self.root}, algo={self.algorithm}) {self.status}{dur}"
         )
 
 
@@ -123,6 +128,11 @@ class Communicator:
         self._conns = self._wiring.conns
         self._kinds = dict(self._wiring.kind)
         self._kinds[self.rank] = "self"
+        try:  # the device side (second connection table, cuda_ipc); None without a GPU
+            self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
+        except BaseException:
+            self._wiring.close()
+            raise
         self._closed = False
         self._failed: BaseException | None = None
         self._seq = 0
@@ -131,10 +141,15 @@ class Communicator:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
+        # side channel for naming the culprits of a timeout (pycoll.diagnose)
+        self._status = StatusChannel(mpi_comm)
 
     # ------------------------------------------------------------------ public
-    def transport_of(self, peer: int) -> str:
+    def transport_of(self, peer: int, *, device: bool = False) -> str:
         """The transport used to reach ``peer``: "self", "shm", "tcp", "rdma:host"...
+
+        With ``device=True``: how device (GPU) buffers reach it: "cuda_ipc",
+        "rdma:gdr", "rdma:dmabuf", or "staged:<host transport>" (pinned host copies).
 
         Raises:
             InvalidArgumentError: ``peer`` is not a rank of this communicator.
@@ -143,6 +158,8 @@ class Communicator:
             raise InvalidArgumentError(
                 f"rank {self.rank}: transport_of: peer={peer!r} is not in [0, {self.size})"
             )
+        if device and self._gpu is not None:
+            return str(self._gpu.kind(int(peer), self._conns, self._kinds))
         return self._kinds[int(peer)]
 
     def allreduce(
@@ -153,6 +170,7 @@ class Communicator:
         op: str | ReduceOp = "sum",
         algorithm: str = "auto",
         async_op: bool = False,
+        stream: Any = None,
     ) -> Any:
         """Reduce ``sendbuf`` across ranks; every rank gets the result.
 
@@ -162,6 +180,9 @@ class Communicator:
             op: "sum", "prod", "min", "max", "avg" or a :class:`ReduceOp`.
             algorithm: "auto", "ring" or "tree".
             async_op: return a :class:`Request` instead of waiting.
+            stream: device buffers only: the CUDA stream the collective is ordered
+                on (CuPy or torch stream, or a ``cudaStream_t`` int); default the
+                current stream.  See :mod:`pycoll.gpu.context` for the semantics.
 
         Returns:
             The output array (or a Request).
@@ -177,6 +198,9 @@ class Communicator:
         out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
+        if x.is_device and self._gpu is not None:
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            return self._submit(what, lambda: dc.allreduce(rop, algo), async_op, x, rop, 0, algo)
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -195,7 +219,13 @@ class Communicator:
         return self._submit(what, run, async_op, x, rop, 0, algo)
 
     def allgather(
-        self, sendbuf: Any, recvbuf: Any = None, *, algorithm: str = "auto", async_op: bool = False
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
     ) -> Any:
         """Gather every rank's ``sendbuf`` into everyone's output, rank-major.
 
@@ -216,6 +246,9 @@ class Communicator:
         out = self._output(recvbuf, x, self.size * x.count, what)
         algo = self._algorithm(what, algorithm, out.nbytes)
         k, r = x.count, self.rank
+        if x.is_device and self._gpu is not None:
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -231,7 +264,13 @@ class Communicator:
         return self._submit(what, run, async_op, x, None, 0, algo)
 
     def broadcast(
-        self, buf: Any, *, root: int = 0, algorithm: str = "auto", async_op: bool = False
+        self,
+        buf: Any,
+        *,
+        root: int = 0,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
     ) -> Any:
         """Copy ``buf`` from ``root`` to every rank, in place.
 
@@ -243,6 +282,11 @@ class Communicator:
         self._check_root(root, what)
         b = as_buffer(buf, self.rank, what, "buf", writable=self.rank != root)
         algo = self._algorithm(what, algorithm, b.nbytes)
+        if b.is_device and self._gpu is not None:
+            dc = self._gpu.call(what, b, None, stream, self._conns, self._backoff)
+            return self._submit(
+                what, lambda: dc.broadcast(root, algo), async_op, b, None, root, algo
+            )
 
         def run() -> Any:
             def body(ba: Any, _: Any) -> None:
@@ -262,6 +306,7 @@ class Communicator:
         op: str | ReduceOp = "sum",
         algorithm: str = "auto",
         async_op: bool = False,
+        stream: Any = None,
     ) -> Any:
         """Reduce ``sendbuf`` (``size * k`` elements); rank r gets reduced block r.
 
@@ -287,6 +332,11 @@ class Communicator:
             )
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
+        if x.is_device and self._gpu is not None:
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            return self._submit(
+                what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
+            )
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -311,6 +361,7 @@ class Communicator:
         op: str | ReduceOp = "sum",
         algorithm: str = "auto",
         async_op: bool = False,
+        stream: Any = None,
     ) -> Any:
         """Reduce ``sendbuf`` across ranks into ``recvbuf`` on ``root``.
 
@@ -331,6 +382,11 @@ class Communicator:
             out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
+        if x.is_device and self._gpu is not None:
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            return self._submit(
+                what, lambda: dc.reduce(rop, root, algo), async_op, x, rop, root, algo
+            )
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -377,10 +433,14 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
         if self._wiring is not None:
             self._wiring.close()
             self._wiring = None
         self._conns = {}
+        self._status.close()
 
     def abort(self) -> None:
         """Tear down at once without waiting for peers or queued collectives."""
@@ -388,10 +448,14 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
         if self._wiring is not None:
             self._wiring.close()
             self._wiring = None
         self._conns = {}
+        self._status.close()
 
     def recent(self) -> list[str]:
         """The flight recorder: this rank's recent collectives, oldest first."""
@@ -542,35 +606,27 @@ class Communicator:
     ) -> Any:
         self._check_open(what)
         self._seq += 1
-        rec = Record(
-            self._seq,
-            what,
-            x.count,
-            str(x.dtype),
-            op.value if op else "-",
-            root,
-            algo,
-            time.monotonic(),
-        )
+        rec = Record(self._seq, what, x.count, x.dtype, op, root, algo, time.monotonic())
         self._recent.append(rec)
         if log.isEnabledFor(TRACE):
             log.log(TRACE, "start %s", rec)
         try:
-            with translate(self.rank, f"{what} #{rec.seq}", self._kinds):
+            try:
                 if self.config.check:
                     self._check_match(rec, x, op)
                 result = run()
+            except WireError as texc:
+                raise from_transport(texc, self.rank, f"{what} #{rec.seq}", self._kinds) from texc
         except PycollError as exc:
             rec.status = f"failed: {type(exc).__name__}"
             if isinstance(exc, InvalidArgumentError):
                 raise
             self._failed = exc
+            exc.recorder = tuple(self.recent())
             if isinstance(exc, CollectiveTimeout):
-                exc.args = (
-                    f"{exc.args[0]}; recent collectives on rank {self.rank}: "
-                    + " | ".join(self.recent()[-4:]),
-                )
+                self._explain_timeout(exc)
             log.error("%s", exc)
+            log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
             raise
         except BaseException as exc:
             rec.status = f"failed: {type(exc).__name__}"
@@ -581,6 +637,38 @@ class Communicator:
         if log.isEnabledFor(TRACE):
             log.log(TRACE, "done %s", rec)
         return result
+
+    def _explain_timeout(self, exc: CollectiveTimeout) -> None:
+        """Ask the live ranks where they are (pycoll.diagnose) and say it in ``exc``."""
+        recs = list(self._recent)
+        cur = recs[-1]
+        mine = summary(self.rank, recs, _COLL_IDS)
+        names = {v: k for k, v in _COLL_IDS.items()}
+        got = self._status.exchange(mine, grace_for(self.config.timeout))
+        reports = {self.rank: decode(mine, names)}
+        for p, words in got.items():
+            reports[p] = decode(words, names)
+        status: dict[int, str] = {}
+        arrived: list[int] = []
+        for p in range(self.size):
+            st = reports.get(p)
+            if st is None:
+                status[p] = str(RankStatus(p, answered=False))
+                continue
+            status[p] = str(st)
+            if st.current_seq == cur.seq and st.current == cur.collective and st.state != "done":
+                arrived.append(p)
+        missing = [p for p in range(self.size) if p not in arrived]
+        exc.waiting_on = exc.missing
+        exc.status = status
+        if got:  # else nobody answered: the peers we waited on are all we know
+            exc.missing = tuple(missing) or exc.waiting_on
+        exc.args = (
+            f"{exc.args[0]} after {self.config.timeout:g} s (PYCOLL_TIMEOUT); "
+            f"ranks that did not arrive at {cur.collective} #{cur.seq}: {list(exc.missing)}; "
+            f"status: {'; '.join(status.values())}; recent collectives on rank {self.rank}: "
+            + " | ".join(self.recent()[-4:]),
+        )
 
     def _check_match(self, rec: Record, x: Buffer, op: ReduceOp | None) -> None:
         """PYCOLL_CHECK=1: compare what every rank is about to run (one small allgather)."""
@@ -593,7 +681,7 @@ class Communicator:
                 _DTYPE_IDS.get(x.dtype, 0),
                 _OP_IDS.get(op, 0) if op else 0,
                 rec.root,
-                hash(rec.algorithm) & 0xFFFF,
+                _algo_id(rec.algorithm),
             ],
             np.int64,
         )
@@ -603,20 +691,31 @@ class Communicator:
         allsig[self.rank] = sig
         algorithms.get("allgather", "ring")(self._links(sig.dtype, None), sig, allsig.reshape(-1))
         names = ("collective", "count", "dtype", "op", "root", "algorithm")
+        problems: list[str] = []
+        odd: set[int] = set()
         for col, name in enumerate(names):
             vals = allsig[:, col]
             if (vals != vals[0]).any():
-                decode = _decoder(name)
-                by = {r: decode(int(v)) for r, v in enumerate(vals)}
+                decode_v = _decoder(name)
+                by = {r: decode_v(int(v)) for r, v in enumerate(vals)}
                 groups: dict[object, list[int]] = {}
                 for r, v in by.items():
                     groups.setdefault(v, []).append(r)
                 detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
-                raise CollectiveMismatchError(
-                    f"rank {self.rank}: collective #{rec.seq}: ranks disagree on {name} ({detail})",
-                    rank=self.rank,
-                    ranks=[r for r, v in by.items() if v != by[self.rank]],
-                )
+                problems.append(f"{name} ({detail})")
+                odd.update(r for r, v in by.items() if v != by[self.rank])
+        if problems:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: collective #{rec.seq}: ranks disagree on "
+                + ", ".join(problems),
+                rank=self.rank,
+                ranks=sorted(odd),
+            )
+
+
+def _algo_id(name: str) -> int:
+    # stable across processes (str hash() is salted per process)
+    return zlib.crc32(name.encode()) & 0xFFFF
 
 
 def _decoder(name: str) -> Callable[[int], object]:
@@ -629,6 +728,10 @@ def _decoder(name: str) -> Callable[[int], object]:
     if name == "op":
         inv3 = {v: k.value for k, v in _OP_IDS.items()}
         return lambda v: inv3.get(v, "-")
+    if name == "algorithm":
+        known = {n for c in _COLL_IDS for n in algorithms.names(c)} | {"dissemination"}
+        inv4 = {_algo_id(n): n for n in known}
+        return lambda v: inv4.get(v, v)
     return lambda v: v
 
 
@@ -648,6 +751,8 @@ def _overlaps(a: Buffer, b: Buffer) -> bool:
 
 
 def _empty_like(x: Buffer, shape: tuple[int, ...]) -> Any:
+    if x.is_device and type(x.obj).__module__.split(".", 1)[0] == "torch":
+        return x.obj.new_empty(shape)  # same family, dtype and device as the input
     if x.is_device:
         import cupy
 

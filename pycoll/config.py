@@ -12,6 +12,8 @@ from pycoll.errors import InvalidArgumentError
 
 DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")
 KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
+#: transports for device (GPU) buffers, wired in a second table when a GPU is present
+DEVICE_TRANSPORTS = ("cuda_ipc",)
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
@@ -41,6 +43,11 @@ class Config:
         timeout: seconds before a blocked collective raises (``PYCOLL_TIMEOUT``).
         check: verify that ranks call matching collectives (``PYCOLL_CHECK``).
         debug: logging level name (``PYCOLL_DEBUG``): WARN, INFO or TRACE.
+        device_transports: transports for GPU buffers (``PYCOLL_DEVICE_TRANSPORT``:
+            ``cuda_ipc``, or ``none`` to stage every device byte through the host
+            connections).
+        device_chunk_bytes: pipeline chunk and device slot size for GPU buffers
+            (``PYCOLL_DEVICE_CHUNK_BYTES``).
     """
 
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
@@ -52,6 +59,8 @@ class Config:
     timeout: float = 600.0
     check: bool = False
     debug: str = "WARN"
+    device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
+    device_chunk_bytes: int = 4 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -113,6 +122,25 @@ class Config:
             if v not in ("WARN", "INFO", "TRACE", "DEBUG"):
                 raise bad("PYCOLL_DEBUG", "choose from WARN, INFO, TRACE")
             kw["debug"] = v
+        if v := e.get("PYCOLL_DEVICE_TRANSPORT", "").strip().lower():
+            if v in ("none", "host", "staged"):
+                kw["device_transports"] = ()
+            elif v != "auto":
+                dnames = tuple(x.strip() for x in v.split(",") if x.strip())
+                if not dnames or any(x not in DEVICE_TRANSPORTS for x in dnames):
+                    raise bad(
+                        "PYCOLL_DEVICE_TRANSPORT",
+                        f"choose from auto, none, {', '.join(DEVICE_TRANSPORTS)}",
+                    )
+                kw["device_transports"] = dnames
+        if v := e.get("PYCOLL_DEVICE_CHUNK_BYTES", "").strip():
+            try:
+                n = _parse_bytes(v)
+            except ValueError:
+                raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "not a size (e.g. 4M)") from None
+            if n < 64:
+                raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "must be at least 64 bytes")
+            kw["device_chunk_bytes"] = n
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)  # type: ignore[arg-type]
 

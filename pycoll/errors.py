@@ -25,7 +25,14 @@ import transports.base as tb
 
 
 class PycollError(Exception):
-    """Root of every error pycoll raises."""
+    """Root of every error pycoll raises.
+
+    Attributes:
+        recorder: for a failed collective, this rank's flight recorder (its
+            recent collectives, oldest first) at the moment of the failure.
+    """
+
+    recorder: tuple[str, ...] = ()
 
 
 class InvalidArgumentError(PycollError, ValueError):
@@ -77,11 +84,49 @@ class PeerAbortedError(TransportError):
 
 
 class CollectiveTimeout(TransportError):
-    """A collective did not finish within the timeout; ``missing`` names the ranks."""
+    """A collective did not finish within the timeout; ``missing`` names the ranks.
+
+    Attributes:
+        missing: the ranks that did not arrive (silent in the status exchange, or
+            elsewhere); when every rank arrived, the peers this rank waited on.
+        waiting_on: the peers whose bytes this rank was still waiting for.
+        status: rank -> what it reported (its current and last completed
+            collective with sequence numbers), or why it did not answer.
+    """
 
     def __init__(self, message: str, *, missing: Sequence[int] = (), **kw: object) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.missing = tuple(missing)
+        self.waiting_on = self.missing
+        self.status: dict[int, str] = {}
+
+
+def from_transport(
+    exc: tb.TransportError, rank: int, what: str, transport_of: dict[int, str]
+) -> TransportError:
+    """The pycoll exception for a :mod:`transports` exception (raise it ``from exc``)."""
+    if isinstance(exc, tb.TransportTimeout):
+        peers = list(exc.pending)
+        via = ", ".join(f"{p}={transport_of.get(p, '?')}" for p in peers)
+        return CollectiveTimeout(
+            f"rank {rank}: {what} timed out waiting for rank(s) {peers} (transports: {via})",
+            missing=peers,
+            rank=rank,
+            peer=peers[0] if peers else None,
+            transport=transport_of.get(peers[0]) if peers else None,
+        )
+    cls: type[TransportError] = TransportError
+    if isinstance(exc, tb.PeerClosedError):
+        cls = PeerAbortedError
+    elif isinstance(exc, tb.ConnectError):
+        cls = ConnectError
+    return cls(
+        f"rank {rank}: {what}: {exc}",
+        rank=rank,
+        peer=exc.peer,
+        transport=exc.transport,
+        errno=exc.errno,
+    )
 
 
 @contextlib.contextmanager
@@ -89,37 +134,5 @@ def translate(rank: int, what: str, transport_of: dict[int, str]) -> Iterator[No
     """Map :mod:`transports` exceptions to pycoll's at the layer boundary."""
     try:
         yield
-    except tb.TransportTimeout as exc:
-        peers = list(exc.pending)
-        via = ", ".join(f"{p}={transport_of.get(p, '?')}" for p in peers)
-        raise CollectiveTimeout(
-            f"rank {rank}: {what} timed out waiting for rank(s) {peers} (transports: {via})",
-            missing=peers,
-            rank=rank,
-            peer=peers[0] if peers else None,
-            transport=transport_of.get(peers[0]) if peers else None,
-        ) from exc
-    except tb.PeerClosedError as exc:
-        raise PeerAbortedError(
-            f"rank {rank}: {what}: {exc}",
-            rank=rank,
-            peer=exc.peer,
-            transport=exc.transport,
-            errno=exc.errno,
-        ) from exc
-    except tb.ConnectError as exc:
-        raise ConnectError(
-            f"rank {rank}: {what}: {exc}",
-            rank=rank,
-            peer=exc.peer,
-            transport=exc.transport,
-            errno=exc.errno,
-        ) from exc
     except tb.TransportError as exc:
-        raise TransportError(
-            f"rank {rank}: {what}: {exc}",
-            rank=rank,
-            peer=exc.peer,
-            transport=exc.transport,
-            errno=exc.errno,
-        ) from exc
+        raise from_transport(exc, rank, what, transport_of) from exc

@@ -22,27 +22,45 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_public_surface_is_pinned() -> None:
-    assert sorted(pycoll.__all__) == sorted([
-        "DTYPES", "CollectiveMismatchError", "CollectiveTimeout", "Communicator",
-        "CommunicatorClosedError", "Config", "ConnectError", "InvalidArgumentError",
-        "PeerAbortedError", "PycollError", "ReduceOp", "Request", "TransportError",
-        "UnsupportedError", "__version__", "init",
-    ])
+    assert sorted(pycoll.__all__) == sorted(
+        [
+            "DTYPES",
+            "CollectiveMismatchError",
+            "CollectiveTimeout",
+            "Communicator",
+            "CommunicatorClosedError",
+            "Config",
+            "ConnectError",
+            "InvalidArgumentError",
+            "PeerAbortedError",
+            "PycollError",
+            "ReduceOp",
+            "Request",
+            "TransportError",
+            "UnsupportedError",
+            "__version__",
+            "init",
+        ]
+    )
     for name in pycoll.__all__:
         assert hasattr(pycoll, name)
 
 
 def test_import_has_no_side_effects_and_needs_no_gpu_or_mpi_launcher() -> None:
-    code = ("import sys, os; before = dict(os.environ); import pycoll, transports; "
-            "assert 'cupy' not in sys.modules and 'pyverbs' not in sys.modules; "
-            "assert 'mpi4py.MPI' not in sys.modules; assert dict(os.environ) == before")
+    code = (
+        "import sys, os; before = dict(os.environ); import pycoll, transports; "
+        "assert 'cupy' not in sys.modules and 'pyverbs' not in sys.modules; "
+        "assert 'mpi4py.MPI' not in sys.modules; assert dict(os.environ) == before"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_layering_transports_never_import_pycoll_or_mpi() -> None:
     import pathlib
+
     root = pathlib.Path(__file__).resolve().parent.parent / "transports"
     import re
+
     bad = re.compile(r"^\s*(import|from)\s+(pycoll|mpi4py)\b", re.M)
     for f in root.rglob("*.py"):
         assert not bad.search(f.read_text()), f
@@ -50,9 +68,16 @@ def test_layering_transports_never_import_pycoll_or_mpi() -> None:
 
 def test_error_tree() -> None:
     assert issubclass(pycoll.InvalidArgumentError, ValueError)
-    for e in (pycoll.InvalidArgumentError, pycoll.TransportError, pycoll.ConnectError,
-              pycoll.CollectiveTimeout, pycoll.PeerAbortedError, pycoll.CollectiveMismatchError,
-              pycoll.UnsupportedError, pycoll.CommunicatorClosedError):
+    for e in (
+        pycoll.InvalidArgumentError,
+        pycoll.TransportError,
+        pycoll.ConnectError,
+        pycoll.CollectiveTimeout,
+        pycoll.PeerAbortedError,
+        pycoll.CollectiveMismatchError,
+        pycoll.UnsupportedError,
+        pycoll.CommunicatorClosedError,
+    ):
         assert issubclass(e, PycollError)
     assert issubclass(pycoll.ConnectError, pycoll.TransportError)
     assert issubclass(pycoll.CollectiveTimeout, pycoll.TransportError)
@@ -61,12 +86,19 @@ def test_error_tree() -> None:
 
 
 def test_config_from_env() -> None:
-    c = Config.from_env({
-        "PYCOLL_TRANSPORT": "tcp,shm", "PYCOLL_RDMA_MEMORY": "dmabuf",
-        "PYCOLL_RDMA_PROVIDER": "soft", "PYCOLL_SOCKET_IFNAME": "^lo",
-        "PYCOLL_ALGO": "allreduce:tree,ring", "PYCOLL_CHUNK_BYTES": "64K",
-        "PYCOLL_TIMEOUT": "12.5", "PYCOLL_CHECK": "1", "PYCOLL_DEBUG": "info",
-    })
+    c = Config.from_env(
+        {
+            "PYCOLL_TRANSPORT": "tcp,shm",
+            "PYCOLL_RDMA_MEMORY": "dmabuf",
+            "PYCOLL_RDMA_PROVIDER": "soft",
+            "PYCOLL_SOCKET_IFNAME": "^lo",
+            "PYCOLL_ALGO": "allreduce:tree,ring",
+            "PYCOLL_CHUNK_BYTES": "64K",
+            "PYCOLL_TIMEOUT": "12.5",
+            "PYCOLL_CHECK": "1",
+            "PYCOLL_DEBUG": "info",
+        }
+    )
     assert c.transports == ("tcp", "shm") and c.rdma_memory == "dmabuf"
     assert c.rdma_provider == "soft" and c.socket_ifname == "^lo"
     assert c.algorithm_for("allreduce") == "tree" and c.algorithm_for("broadcast") == "ring"
@@ -76,12 +108,20 @@ def test_config_from_env() -> None:
     assert d.transports == ("shm", "rdma", "tcp") and d.timeout > 0 and not d.check
 
 
-@pytest.mark.parametrize("var,val", [
-    ("PYCOLL_TRANSPORT", "carrier-pigeon"), ("PYCOLL_RDMA_MEMORY", "magic"),
-    ("PYCOLL_RDMA_PROVIDER", "x"), ("PYCOLL_CHUNK_BYTES", "lots"), ("PYCOLL_CHUNK_BYTES", "8"),
-    ("PYCOLL_TIMEOUT", "-1"), ("PYCOLL_TIMEOUT", "soon"), ("PYCOLL_DEBUG", "LOUD"),
-    ("PYCOLL_ALGO", "gather:ring"),
-])
+@pytest.mark.parametrize(
+    "var,val",
+    [
+        ("PYCOLL_TRANSPORT", "carrier-pigeon"),
+        ("PYCOLL_RDMA_MEMORY", "magic"),
+        ("PYCOLL_RDMA_PROVIDER", "x"),
+        ("PYCOLL_CHUNK_BYTES", "lots"),
+        ("PYCOLL_CHUNK_BYTES", "8"),
+        ("PYCOLL_TIMEOUT", "-1"),
+        ("PYCOLL_TIMEOUT", "soon"),
+        ("PYCOLL_DEBUG", "LOUD"),
+        ("PYCOLL_ALGO", "gather:ring"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_variable(var: str, val: str) -> None:
     with pytest.raises(InvalidArgumentError, match=var):
         Config.from_env({var: val})
@@ -89,8 +129,10 @@ def test_config_rejects_bad_values_naming_the_variable(var: str, val: str) -> No
 
 def test_parse_algo() -> None:
     assert parse_algo("tree") == {"*": "tree"}
-    assert parse_algo("allreduce:ring, broadcast:tree") == {"allreduce": "ring",
-                                                            "broadcast": "tree"}
+    assert parse_algo("allreduce:ring, broadcast:tree") == {
+        "allreduce": "ring",
+        "broadcast": "tree",
+    }
 
 
 def test_buffers() -> None:
@@ -114,8 +156,12 @@ def test_buffers() -> None:
 
 def test_device_array_without_cupy_is_unsupported() -> None:
     class FakeCuda:
-        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0, False),
-                                    "version": 3}
+        __cuda_array_interface__ = {
+            "shape": (2,),
+            "typestr": "<f4",
+            "data": (0, False),
+            "version": 3,
+        }
 
     assert is_device_array(FakeCuda())
     try:

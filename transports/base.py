@@ -95,7 +95,7 @@ class Backoff:
 
     __slots__ = ("_n", "max_sleep", "spins", "yields")
 
-    def __init__(self, spins: int = 64, yields: int = 256, max_sleep: float = 1e-3) -> None:
+    def __init__(self, spins: int = 50, yields: int = 2000, max_sleep: float = 1e-3) -> None:
         self.spins = spins
         self.yields = yields
         self.max_sleep = max_sleep
@@ -104,8 +104,12 @@ class Backoff:
     def reset(self) -> None:
         self._n = 0
 
-    def pause(self) -> None:
-        """Called after a round that made no progress."""
+    def pause(self, block: Callable[[float], None] | None = None) -> None:
+        """Called after a round that made no progress.
+
+        ``block(seconds)``, when given, takes the place of the sleep: a transport's
+        wait for its next event, which may return early (see :func:`idle_round`).
+        """
         n = self._n
         self._n = n + 1
         if n < self.spins:
@@ -114,7 +118,7 @@ class Backoff:
             os.sched_yield()
             return
         k = n - self.spins - self.yields
-        time.sleep(min(self.max_sleep, 20e-6 * (1 << min(k, 10))))
+        (block or time.sleep)(min(self.max_sleep, 20e-6 * (1 << min(k, 10))))
 
 
 @dataclass
@@ -216,13 +220,19 @@ def idle_round(
     """Back off after a round that made no progress; now and then check health.
 
     Every 64th slow round (after the spin phase) asks each pending request's
-    peer whether it is still alive and checks the deadline.
+    peer whether it is still alive and checks the deadline.  In the sleep phase
+    a pending request's optional ``block(seconds)`` replaces the sleep, so a
+    transport that can wait for its next event (the soft RDMA provider's CQ)
+    wakes when it arrives rather than when the nap ends.
 
     Raises:
         TransportTimeout: the deadline passed; names the pending peers.
         PeerClosedError: a peer is known to be gone.
     """
-    bo.pause()
+    block = None
+    if bo._n >= bo.spins + bo.yields:  # sleeping: a request may offer an event to wait for
+        block = next((b for r in pending if (b := getattr(r, "block", None)) is not None), None)
+    bo.pause(block)
     n = bo._n
     if n > bo.spins and n % 64 == 0:
         if idle is not None:

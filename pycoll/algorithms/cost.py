@@ -9,6 +9,7 @@ and come from measurements on the machine in ``benchmarks/RESULTS.md``
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ class Constants:
     beta: float  # seconds per byte on a link
     gamma: float  # seconds per byte reduced
 
+
+#: one-shot allreduce sends (n-1) N bytes a rank; never above this size.
+ONESHOT_MAX_BYTES = 64 << 10
 
 #: Fitted from benchmarks/results (see RESULTS.md); shm on the 2-core CI machine.
 DEFAULT = Constants(alpha=12e-6, beta=1 / 3.0e9, gamma=1 / 4.0e9)
@@ -35,6 +39,10 @@ def estimate(
     chunks = max(1, math.ceil(nbytes / chunk))
     f = (n - 1) / n
     if collective == "allreduce":
+        if algorithm == "oneshot":
+            if nbytes > ONESHOT_MAX_BYTES:
+                return math.inf
+            return (1 + 0.25 * (n - 2)) * k.alpha + (n - 1) * nbytes * (k.beta + k.gamma)
         if algorithm == "ring":
             return 2 * (n - 1) * slices * k.alpha + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
         if algorithm == "tree":
@@ -60,6 +68,7 @@ def estimate(
     return math.inf
 
 
+@functools.lru_cache(maxsize=4096)
 def choose(collective: str, candidates: tuple[str, ...], n: int, nbytes: int, chunk: int) -> str:
-    """The cheapest of ``candidates`` by the model (ties go to the first)."""
+    """The cheapest of ``candidates`` by the model (ties go to the first); cached."""
     return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk))

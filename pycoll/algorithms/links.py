@@ -81,22 +81,35 @@ class Links:
         self._pending.append(req)
         return req
 
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        """Scratch memory where the collective's buffers live (host here; device
+        for :class:`pycoll.gpu.links.DeviceLinks`)."""
+        return np.empty(shape, dtype)
+
     def recv(self, peer: int, out: Any) -> Request:
         """Post a receive into array slice ``out``."""
         return self.conns[peer].irecv_into(_bytes(out))
 
-    def recv_reduce(self, peer: int, out: Any, local: Any) -> Request:
-        """Post a receive that computes ``out = local OP incoming`` straight from
-        the transport's memory, piece by piece."""
+    def recv_reduce(self, peer: int, out: Any, local: Any, incoming_first: bool = False) -> Request:
+        """Post a receive that computes ``out = local OP incoming`` (or
+        ``incoming OP local``) straight from the transport's memory, piece by piece."""
         f = self.reduce
         assert f is not None
         dtype = self.dtype
         isz = dtype.itemsize
 
-        def sink(off: int, piece: memoryview) -> None:
-            i = off // isz
-            j = i + len(piece) // isz
-            f(local[i:j], np.frombuffer(piece, dtype), out=out[i:j])
+        if incoming_first:
+
+            def sink(off: int, piece: memoryview) -> None:
+                i = off // isz
+                j = i + len(piece) // isz
+                f(np.frombuffer(piece, dtype), local[i:j], out=out[i:j])
+        else:
+
+            def sink(off: int, piece: memoryview) -> None:
+                i = off // isz
+                j = i + len(piece) // isz
+                f(local[i:j], np.frombuffer(piece, dtype), out=out[i:j])
 
         return self.conns[peer].irecv(out.nbytes, sink)
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.tree import pipelined_broadcast
@@ -86,7 +84,7 @@ def _reduce_scatter(L: Links, x: Any, bounds: list[int], mine: Any) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     longest = max(bounds[i + 1] - bounds[i] for i in range(n))
     chunk = min(L.chunk_elems, max(1, longest))
-    scratch = [np.empty(chunk, x.dtype) for _ in range(2)]
+    scratch = [L.empty(chunk, x.dtype) for _ in range(2)]
     busy: list[Any] = [None, None]  # the send still reading each scratch buffer
     for lo in range(0, longest, chunk):
 
@@ -131,7 +129,7 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
         reqs = [L.recv(p, out[b[p] : b[p + 1]]) for p in range(n) if p != r and b[p + 1] > b[p]]
         L.wait(*reqs)
     else:
-        mine = np.empty(b[r + 1] - b[r], x.dtype)
+        mine = L.empty(b[r + 1] - b[r], x.dtype)
         _reduce_scatter(L, x, b, mine)
         if mine.size:
             L.send(root, mine)

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 
@@ -99,7 +97,7 @@ class _Up:
         self.parent, self.children = tree
         self.parts = _chunks(lo, hi, L.chunk_elems)
         self.scratch = (
-            np.empty(min(L.chunk_elems, hi - lo), dtype) if len(self.children) > 1 else None
+            L.empty(min(L.chunk_elems, hi - lo), dtype) if len(self.children) > 1 else None
         )
 
 
@@ -209,8 +207,8 @@ def allgather(L: Links, x: Any, out: Any) -> None:
 def reduce_scatter(L: Links, x: Any, out: Any) -> None:
     n, r = L.size, L.rank
     k = out.size
-    full = np.empty(x.size, x.dtype) if r == 0 else None
-    reduce(L, x, full if full is not None else np.empty(x.size, x.dtype), 0)
+    full = L.empty(x.size, x.dtype) if r == 0 else None
+    reduce(L, x, full if full is not None else L.empty(x.size, x.dtype), 0)
     if r == 0:
         assert full is not None
         for p in range(1, n):

@@ -1,0 +1,80 @@
+"""GPU buffers as first-class: device collectives without host round trips.
+
+Importing this package imports no GPU library: CuPy is imported when a device
+buffer shows up or a GPU is probed at :func:`pycoll.init`.
+
+* :mod:`pycoll.gpu.reduce`: local reductions with CuPy kernels (bfloat16 as uint16).
+* :mod:`pycoll.gpu.links`: :class:`~pycoll.gpu.links.DeviceLinks`, the routing of
+  device bytes per peer (device-capable connection, or pinned host staging).
+* :mod:`pycoll.gpu.staging`: the pinned double-buffered D2H / wire / H2D pipeline.
+* :mod:`pycoll.gpu.context`: streams, events and the collective bodies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+from pycoll.config import Config
+from pycoll.errors import ConnectError
+
+log = logging.getLogger(__name__)
+
+
+def present() -> bool:
+    """Whether CuPy imports and sees a CUDA device (False, quickly, without CuPy)."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:
+        return False
+
+
+def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
+    """Build the device side of a communicator, collectively; None without a GPU here.
+
+    When any rank has a GPU, every rank takes part in wiring the device table
+    (``config.device_transports``; a rank without a GPU refuses every pair).
+    If setting up the device connections fails, all ranks fall back to staging
+    device bytes through the host connections, with a warning.
+    """
+    local = present()
+    anyone = local if size == 1 else mpi_comm.allreduce(int(local)) > 0
+    if not anyone:
+        return None
+    from pycoll.bootstrap import wire
+
+    wiring = None
+    if size > 1 and config.device_transports:
+        try:
+            wiring = wire(mpi_comm, config, device=True)
+        except ConnectError as exc:
+            log.warning(
+                "rank %d: device connections failed (%s); device buffers will be staged "
+                "through host memory",
+                rank,
+                exc,
+            )
+            wiring = None
+    if not local:
+        if wiring is not None:
+            wiring.close()
+        return None
+    import cupy
+
+    from pycoll.gpu.context import GpuContext
+
+    return GpuContext(
+        rank,
+        size,
+        int(cupy.cuda.runtime.getDevice()),
+        dict(wiring.conns) if wiring else {},
+        dict(wiring.kind) if wiring else {},
+        config.device_chunk_bytes,
+        config.timeout,
+        wiring.close if wiring else None,
+    )

@@ -1,0 +1,302 @@
+"""Device collectives: streams, events and the per-collective bodies.
+
+Stream semantics (as NCCL's, with one honest difference):
+
+* A device collective is ordered after the work already queued on the
+  caller's stream: the ``stream=`` argument (a CuPy stream, a torch stream or a
+  raw ``cudaStream_t`` as an int), else the current stream (torch's for torch
+  tensors, CuPy's otherwise).  An event is recorded on it when the collective
+  is called.
+* Work queued on that stream after the call waits for the collective: an
+  event recorded after its last write is waited on by the stream
+  (``cudaStreamWaitEvent``).
+* The call blocks the host: the host thread synchronizes the start event before
+  moving any byte (so the algorithms can run on pycoll's own non-blocking
+  stream) and drives every transfer by polling events, so the call returns once
+  all bytes have moved; only the last local step (the division of ``avg``, a
+  final local reduction) may still be queued, and the stream waits for it.
+* With ``async_op=True`` the collective runs on pycoll's thread; its output is
+  ready for the host and for work queued on the stream once ``Request.wait()``
+  has returned (work queued before that is not ordered after it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pycoll import algorithms
+from pycoll.buffers import Buffer, data_ptr
+from pycoll.errors import InvalidArgumentError
+from pycoll.gpu import reduce as dreduce
+from pycoll.gpu.links import DeviceLinks
+from pycoll.gpu.staging import Pinned, piece_bytes
+from pycoll.reduce import ReduceOp
+from transports.base import Backoff, Connection, Deadline
+
+log = logging.getLogger(__name__)
+
+
+class GpuContext:
+    """A communicator's device side: its GPU, device connections, stream and pinned pool.
+
+    Args:
+        rank, size: as the communicator's.
+        device: the CUDA device current at ``pycoll.init`` (device buffers must live there).
+        dconns: peer -> device-capable connection (may be empty: all staged).
+        kinds: peer -> transport name of those connections.
+        chunk_bytes: the device pipeline chunk.
+        timeout: seconds before a blocked device collective raises.
+        close: releases the device connections.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: int,
+        dconns: dict[int, Connection],
+        kinds: dict[int, str],
+        chunk_bytes: int,
+        timeout: float,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.dconns = dconns
+        self.kinds = kinds
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self._close = close
+        self._stream: Any = None
+        self._pool: Pinned | None = None
+
+    def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
+        """How device bytes reach ``peer``: "cuda_ipc", "rdma:gdr", ... or "staged:shm"."""
+        if peer == self.rank:
+            return "self"
+        if peer in self.dconns:
+            return self.kinds[peer]
+        c = host_conns.get(peer)
+        if c is not None and c.device_capable:
+            return host_kinds[peer]
+        return f"staged:{host_kinds.get(peer, '?')}"
+
+    def stream(self) -> Any:
+        if self._stream is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def pool(self) -> Pinned:
+        if self._pool is None:
+            self._pool = Pinned()
+        return self._pool
+
+    def call(
+        self,
+        what: str,
+        x: Buffer,
+        out: Buffer | None,
+        stream: Any,
+        host_conns: dict[int, Connection],
+        backoff: Backoff,
+    ) -> DeviceCall:
+        """Validate and start a device collective (records the start event).
+
+        Raises:
+            InvalidArgumentError: a buffer on another device, or a bad ``stream``.
+        """
+        for b, arg in ((x, "sendbuf"), (out, "recvbuf")):
+            if b is not None and b.device != self.device:
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: {what}: {arg} is on cuda:{b.device}, but this "
+                    f"communicator's device is cuda:{self.device} (the current device at "
+                    "pycoll.init)"
+                )
+        user = resolve_stream(stream, x.obj, self.device, self.rank, what)
+        return DeviceCall(self, x, out, user, host_conns, backoff)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+        self.dconns = {}
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._stream = None
+
+
+def resolve_stream(stream: Any, obj: Any, device: int, rank: int, what: str) -> int:
+    """The caller's stream as a ``cudaStream_t`` integer.
+
+    Raises:
+        InvalidArgumentError: ``stream`` is neither None, an int, a CuPy stream
+            (``.ptr``) nor a torch stream (``.cuda_stream``).
+    """
+    if stream is None:
+        if type(obj).__module__.split(".", 1)[0] == "torch":
+            import torch
+
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.get_current_stream().ptr)
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream)
+    for attr in ("ptr", "cuda_stream"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    raise InvalidArgumentError(
+        f"rank {rank}: {what}: stream={stream!r} is not a CUDA stream "
+        "(pass a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t as an int)"
+    )
+
+
+class DeviceCall:
+    """One device collective: the start event now, the body when it runs."""
+
+    def __init__(
+        self,
+        ctx: GpuContext,
+        x: Buffer,
+        out: Buffer | None,
+        user: int,
+        host_conns: dict[int, Connection],
+        backoff: Backoff,
+    ) -> None:
+        import cupy
+
+        self._cp = cupy
+        self._rt = cupy.cuda.runtime
+        self.ctx = ctx
+        self.x = x
+        self.out = out
+        self.user = user
+        self._conns = host_conns
+        self._backoff = backoff
+        with cupy.cuda.Device(ctx.device):
+            self._start = int(self._rt.eventCreateWithFlags(0x2))
+            self._rt.eventRecord(self._start, user)
+
+    def links(self, op: ReduceOp | None) -> DeviceLinks:
+        ctx = self.ctx
+        dt = self.x.dtype
+        return DeviceLinks(
+            ctx.rank,
+            ctx.size,
+            self._conns,
+            ctx.dconns,
+            Deadline.after(ctx.timeout),
+            ctx.chunk_bytes,
+            dt,
+            None if op is None else dreduce.reducer(op, dt),
+            self._backoff,
+            ctx.device,
+            ctx.stream(),
+            ctx.pool(),
+            piece_bytes(ctx.chunk_bytes),
+        )
+
+    def _run(self, body: Callable[[], Any]) -> Any:
+        rt = self._rt
+        with self._cp.cuda.Device(self.ctx.device):
+            try:
+                rt.eventSynchronize(self._start)  # the stream's earlier work is done
+                s = self.ctx.stream()
+                with s:
+                    result = body()
+                end = int(rt.eventCreateWithFlags(0x2))
+                rt.eventRecord(end, s.ptr)
+                rt.streamWaitEvent(self.user, end, 0)  # later work waits for us
+                rt.eventDestroy(end)  # released once it completes
+            finally:
+                rt.eventDestroy(self._start)
+        return result
+
+    # ----------------------------------------------------------------- bodies
+    def allreduce(self, op: ReduceOp, algo: str) -> Any:
+        x, out = self.x, self.out
+        assert out is not None
+
+        def body() -> None:
+            xa, oa = x.flat, out.flat
+            if self.ctx.size == 1:
+                if data_ptr(oa) != data_ptr(xa):
+                    oa[...] = xa
+            elif x.count:
+                algorithms.get("allreduce", algo)(self.links(op), xa, oa)
+            if op is ReduceOp.AVG:
+                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
+
+        self._run(body)
+        return out.obj
+
+    def allgather(self, algo: str) -> Any:
+        x, out = self.x, self.out
+        assert out is not None
+        n, r, k = self.ctx.size, self.ctx.rank, x.count
+
+        def body() -> None:
+            xa, oa = x.flat, out.flat
+            mine = oa[r * k : (r + 1) * k]
+            if k and data_ptr(mine) != data_ptr(xa):
+                mine[...] = xa
+            if n > 1 and k:
+                algorithms.get("allgather", algo)(self.links(None), xa, oa)
+
+        self._run(body)
+        return out.obj
+
+    def broadcast(self, root: int, algo: str) -> Any:
+        b = self.x
+
+        def body() -> None:
+            if self.ctx.size > 1 and b.count:
+                algorithms.get("broadcast", algo)(self.links(None), b.flat, root)
+
+        self._run(body)
+        return b.obj
+
+    def reduce_scatter(self, op: ReduceOp, algo: str) -> Any:
+        x, out = self.x, self.out
+        assert out is not None
+
+        def body() -> None:
+            xa, oa = x.flat, out.flat
+            if self.ctx.size == 1:
+                oa[...] = xa
+            elif oa.size:
+                algorithms.get("reduce_scatter", algo)(self.links(op), xa, oa)
+            if op is ReduceOp.AVG:
+                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
+
+        self._run(body)
+        return out.obj
+
+    def reduce(self, op: ReduceOp, root: int, algo: str) -> Any:
+        x, out = self.x, self.out
+        is_root = self.ctx.rank == root
+
+        def body() -> None:
+            xa = x.flat
+            oa = out.flat if out is not None else self._cp.empty_like(xa)
+            if self.ctx.size == 1:
+                if data_ptr(oa) != data_ptr(xa):
+                    oa[...] = xa
+            elif x.count:
+                algorithms.get("reduce", algo)(self.links(op), xa, oa, root)
+            if op is ReduceOp.AVG and is_root:
+                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
+
+        self._run(body)
+        return out.obj if out is not None else None

@@ -1,0 +1,114 @@
+"""Local reductions on device (CuPy), the GPU side of :mod:`pycoll.reduce`.
+
+``reducer(op, dtype)`` gives ``f(a, b, out=c)`` computing ``c = a OP b``
+elementwise on CuPy arrays, enqueued on the current CuPy stream.  Standard
+dtypes use CuPy's ufuncs.  bfloat16 travels as ``uint16`` (CuPy has no bfloat16
+type): an ElementwiseKernel widens both operands to float32 (exact), applies
+the op in float32 and narrows with round-to-nearest-even, which is what
+ml_dtypes does on the host, so device and host results agree bit for bit.
+NaNs propagate through min and max, as NumPy's ``minimum``/``maximum`` do.
+
+Every reduction is a pure elementwise function of its two operands, so the
+result depends only on the order the algorithms combine contributions in,
+which is fixed: all ranks get the same bits, run after run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pycoll.reduce import DTYPES, ReduceOp
+
+BF16 = DTYPES["bfloat16"]
+
+_PREAMBLE = r"""
+__device__ __forceinline__ float pc_bf2f(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+__device__ __forceinline__ unsigned short pc_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);  /* NaN stays a (quiet) NaN */
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float pc_min(float x, float y) {
+    return (x != x || y != y) ? x + y : (y < x ? y : x);
+}
+__device__ __forceinline__ float pc_max(float x, float y) {
+    return (x != x || y != y) ? x + y : (y > x ? y : x);
+}
+"""
+
+_BF16_EXPR = {
+    ReduceOp.SUM: "x + y",
+    ReduceOp.AVG: "x + y",
+    ReduceOp.PROD: "x * y",
+    ReduceOp.MIN: "pc_min(x, y)",
+    ReduceOp.MAX: "pc_max(x, y)",
+}
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+@functools.cache
+def _bf16_kernel(op: ReduceOp) -> Any:
+    cp = _cupy()
+    return cp.ElementwiseKernel(
+        "uint16 a, uint16 b",
+        "uint16 c",
+        f"float x = pc_bf2f(a); float y = pc_bf2f(b); c = pc_f2bf({_BF16_EXPR[op]});",
+        f"pycoll_bf16_{op.value}",
+        preamble=_PREAMBLE,
+    )
+
+
+@functools.cache
+def _bf16_div_kernel() -> Any:
+    cp = _cupy()
+    return cp.ElementwiseKernel(
+        "uint16 a, float32 n",
+        "uint16 c",
+        "c = pc_f2bf(pc_bf2f(a) / n);",
+        "pycoll_bf16_div",
+        preamble=_PREAMBLE,
+    )
+
+
+def reducer(op: ReduceOp, dtype: np.dtype[Any]) -> Callable[..., Any]:
+    """``f(a, b, out=c)``: ``c = a OP b`` on device for the logical ``dtype``."""
+    cp = _cupy()
+    if dtype == BF16:
+        k = _bf16_kernel(op)
+
+        def bf16(a: Any, b: Any, out: Any) -> Any:
+            return k(a, b, out)
+
+        return bf16
+    return {  # type: ignore[no-any-return]
+        ReduceOp.SUM: cp.add,
+        ReduceOp.AVG: cp.add,
+        ReduceOp.PROD: cp.multiply,
+        ReduceOp.MIN: cp.minimum,
+        ReduceOp.MAX: cp.maximum,
+    }[op]
+
+
+def finish_avg(out: Any, n: int, dtype: np.dtype[Any]) -> None:
+    """Turn a sum into an average in place (the same operation on every rank)."""
+    cp = _cupy()
+    if out.size == 0:
+        return
+    if dtype == BF16:
+        _bf16_div_kernel()(out, np.float32(n), out)
+        return
+    cp.divide(out, dtype.type(n), out=out)

@@ -1,0 +1,252 @@
+"""Host staging of device bytes for connections that cannot move GPU memory
+(shm, tcp, rdma:host): pinned double buffers and a three-stage pipeline.
+
+A message of N bytes is cut into pieces of :func:`piece_bytes` (both ends cut
+the same way, from the same configuration), each sent as its own transport
+message:
+
+    send:  D2H copy of piece k into pinned buffer k % 2  ->  isend(buffer)
+    recv:  irecv into pinned buffer k % 2  ->  H2D copy (or H2D into a device
+           scratch and a reduction kernel ``out = local OP incoming``)
+
+With two buffers per request, the D2H copy of piece k+1 runs while piece k is on
+the wire, and the H2D copy of piece k while piece k+1 arrives; a buffer is
+reused only once the event recorded after its copy has completed.  All device
+work goes on one stream (the collective's), so it is ordered with the
+collective's other work; the host observes completion by polling events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from transports.base import Connection, Request
+
+_NOT_READY = 600  # cudaErrorNotReady
+_D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
+_DEPTH = 2  # pinned buffers per request
+
+
+def piece_bytes(chunk_bytes: int) -> int:
+    """The staging piece for a device chunk size: a quarter chunk, 64 KiB..1 MiB."""
+    p = min(1 << 20, max(64 << 10, chunk_bytes // 4))
+    return p - p % 64
+
+
+def _pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    return [(o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)]
+
+
+class Pinned:
+    """Pinned host buffers and events, reused across requests of one communicator."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+        self._rt = cupy.cuda.runtime
+        self._bufs: dict[int, list[tuple[Any, np.ndarray]]] = {}
+        self._events: list[int] = []
+
+    def get(self, nbytes: int) -> tuple[Any, np.ndarray]:
+        free = self._bufs.setdefault(nbytes, [])
+        if free:
+            return free.pop()
+        mem = self._cp.cuda.alloc_pinned_memory(nbytes)
+        return mem, np.frombuffer(mem, np.uint8, nbytes)
+
+    def put(self, nbytes: int, buf: tuple[Any, np.ndarray]) -> None:
+        self._bufs[nbytes].append(buf)
+
+    def event(self) -> int:
+        if self._events:
+            return self._events.pop()
+        return int(self._rt.eventCreateWithFlags(0x2))
+
+    def put_event(self, ev: int) -> None:
+        self._events.append(ev)
+
+    def close(self) -> None:
+        for ev in self._events:
+            try:
+                self._rt.eventDestroy(ev)
+            except Exception:
+                pass
+        self._events.clear()
+        self._bufs.clear()
+
+
+class StagedSend(Request):
+    """Send device bytes ``[ptr, ptr + nbytes)`` through a host connection."""
+
+    def __init__(
+        self, conn: Connection, ptr: int, nbytes: int, piece: int, stream: int, pool: Pinned
+    ) -> None:
+        self.conn = conn
+        self.peer = conn.peer
+        self._rt = pool._rt
+        self._ptr = ptr
+        self._stream = stream
+        self._pool = pool
+        self._todo = deque(_pieces(nbytes, piece))
+        self._piece = piece
+        # in flight, in order: [offset, n, buffer, event or None, send request or None]
+        self._flight: deque[list[Any]] = deque()
+        self._spare: list[tuple[Any, np.ndarray]] = []
+
+    def _progress(self) -> bool:
+        while self._round():
+            pass
+        if self._todo or self._flight:
+            return False
+        for b in self._spare:
+            self._pool.put(self._piece, b)
+        self._spare.clear()
+        return True
+
+    def _round(self) -> bool:
+        """One pass over the pipeline; True when a buffer was freed for more work."""
+        rt = self._rt
+        # 1. start D2H copies while a pinned buffer is free
+        while self._todo and len(self._flight) < _DEPTH:
+            off, n = self._todo.popleft()
+            buf = self._spare.pop() if self._spare else self._pool.get(self._piece)
+            rt.memcpyAsync(buf[1].ctypes.data, self._ptr + off, n, _D2H, self._stream)
+            ev = self._pool.event()
+            rt.eventRecord(ev, self._stream)
+            self._flight.append([off, n, buf, ev, None])
+        # 2. post sends in order once copied; 3. free buffers once sent
+        for item in self._flight:
+            off, n, buf, ev, req = item
+            if req is None:
+                if rt.eventQuery(ev) == _NOT_READY:
+                    break
+                self._pool.put_event(ev)
+                item[3] = None
+                item[4] = self.conn.isend(memoryview(buf[1][:n]))  # type: ignore[arg-type]
+        freed = False
+        while self._flight:
+            item = self._flight[0]
+            if item[4] is None or not item[4].test():
+                break
+            self._flight.popleft()
+            self._spare.append(item[2])
+            freed = True
+        return freed and bool(self._todo)
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
+class StagedRecv(Request):
+    """Receive into device bytes, or reduce ``out = local OP incoming`` on device.
+
+    Args:
+        out: CuPy 1-D array (the destination).
+        local: CuPy array of the same size for a reduction, or None for a copy.
+        reduce: ``f(a, b, out=c)`` on device (with ``local``).
+        incoming_first: compute ``incoming OP local`` instead.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        out: Any,
+        local: Any,
+        reduce: Callable[..., Any] | None,
+        piece: int,
+        stream: Any,
+        pool: Pinned,
+        incoming_first: bool = False,
+    ) -> None:
+        self.conn = conn
+        self.peer = conn.peer
+        self._rt = pool._rt
+        self._out = out
+        self._local = local
+        self._reduce = reduce
+        self._first = incoming_first
+        self._stream = stream  # a CuPy stream object
+        self._pool = pool
+        self._piece = piece
+        self._todo = deque(_pieces(out.nbytes, piece))
+        self._flight: deque[list[Any]] = deque()  # [off, n, buf, recv req, event or None]
+        self._spare: list[tuple[Any, np.ndarray]] = []
+        self._scratch: Any = None
+        self._isz = out.dtype.itemsize
+        self._optr = int(out.data.ptr)
+
+    def _post(self) -> None:
+        while self._todo and len(self._flight) < _DEPTH:
+            off, n = self._todo.popleft()
+            buf = self._spare.pop() if self._spare else self._pool.get(self._piece)
+            req = self.conn.irecv_into(memoryview(buf[1][:n]))  # type: ignore[arg-type]
+            self._flight.append([off, n, buf, req, None])
+
+    def _progress(self) -> bool:
+        while self._round():
+            pass
+        if self._todo or self._flight:
+            return False
+        for b in self._spare:
+            self._pool.put(self._piece, b)
+        self._spare.clear()
+        self._scratch = None
+        return True
+
+    def _round(self) -> bool:
+        """One pass over the pipeline; True when a buffer was freed for more work."""
+        rt = self._rt
+        self._post()
+        sptr = self._stream.ptr
+        for item in self._flight:
+            off, n, buf, req, ev = item
+            if ev is not None:
+                continue
+            if not req.test():
+                break
+            if self._local is None:
+                rt.memcpyAsync(self._optr + off, buf[1].ctypes.data, n, _H2D, sptr)
+            else:
+                self._reduce_piece(off, n, buf[1])
+            ev = self._pool.event()
+            rt.eventRecord(ev, sptr)
+            item[4] = ev
+        freed = False
+        while self._flight:
+            item = self._flight[0]
+            ev = item[4]
+            if ev is None or rt.eventQuery(ev) == _NOT_READY:
+                break
+            self._pool.put_event(ev)
+            self._flight.popleft()
+            self._spare.append(item[2])
+            freed = True
+        return freed and bool(self._todo)
+
+    def _reduce_piece(self, off: int, n: int, host: np.ndarray) -> None:
+        import cupy
+
+        isz = self._isz
+        if self._scratch is None:
+            # one device scratch per pinned buffer: a kernel may still read the other
+            k = min(self._piece, self._out.nbytes) // isz
+            self._scratch = [cupy.empty(k, self._out.dtype) for _ in range(_DEPTH)]
+            self._turn = 0
+        sc = self._scratch[self._turn][: n // isz]
+        self._turn = (self._turn + 1) % _DEPTH
+        self._rt.memcpyAsync(int(sc.data.ptr), host.ctypes.data, n, _H2D, self._stream.ptr)
+        i, j = off // isz, (off + n) // isz
+        assert self._reduce is not None
+        with self._stream:
+            if self._first:
+                self._reduce(sc, self._local[i:j], out=self._out[i:j])
+            else:
+                self._reduce(self._local[i:j], sc, out=self._out[i:j])
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
