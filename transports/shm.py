@@ -28,6 +28,7 @@ several times slower on the machines we measured.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic
+from transports import _atomic, _cma
 from transports.base import (
     PIECE_ALIGN,
     Backoff,
@@ -68,7 +69,17 @@ _DATA0 = 8192
 # per-side words in the header: pid and closed flag, on their own cache lines
 _PID_OFF = (256, 384)
 _CLOSED_OFF = (512, 640)
-_META = struct.Struct("<QQ")  # piece length, offset within the slot
+# per side: "I can read my peer's memory directly" (0 unknown, 1 yes, 2 no), and
+# the address of my mapping of this segment (what the peer probes)
+_CMA_OFF = (768, 896)
+_MAPADDR_OFF = (1024, 1152)
+# piece length, offset within the slot, and (for a direct-read descriptor) the
+# address of the bytes in the sender's memory, else 0
+_META = struct.Struct("<QQQ")
+#: Messages at least this large go by a direct-read descriptor when the receiver
+#: can read the sender's memory (cross-memory attach).
+CMA_MIN_BYTES = 256 << 10
+_CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
 
 _BLOB = struct.Struct("<4sHH16sQQQQQ")  # tag, version, rank... see _Identity
 _BLOB_TAG = b"PCSM"
@@ -126,6 +137,8 @@ class _Identity:
 
     @classmethod
     def unpack(cls, blob: bytes) -> _Identity:
+        if not isinstance(blob, bytes | bytearray | memoryview):
+            raise BlobError(f"shm endpoint blob must be bytes, not {type(blob).__name__}")
         if len(blob) != _BLOB.size:
             raise BlobError(f"shm endpoint blob has {len(blob)} bytes, expected {_BLOB.size}")
         tag, ver, _, boot, token, ipc, pidns, dev, rp = _BLOB.unpack(blob)
@@ -204,7 +217,12 @@ class ShmTransport(Transport):
             mm = self._attach(name, peer_rank, deadline)
         try:
             conn = ShmConnection(
-                mm, name, creator, peer_rank, other.pid if other.pid_ns == me.pid_ns else 0
+                mm,
+                name,
+                creator,
+                peer_rank,
+                other.pid if other.pid_ns == me.pid_ns else 0,
+                int(self.options.get("shm_cma_min", str(CMA_MIN_BYTES)) or 0),
             )
         except BaseException:
             mm.close()
@@ -331,7 +349,15 @@ class _Direction:
 class ShmConnection(Connection):
     transport = "shm"
 
-    def __init__(self, mm: mmap.mmap, name: str, creator: bool, peer: int, peer_pid: int) -> None:
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        name: str,
+        creator: bool,
+        peer: int,
+        peer_pid: int,
+        cma_min: int = CMA_MIN_BYTES,
+    ) -> None:
         self.peer = peer
         self._mm = mm
         self._name = name
@@ -349,6 +375,19 @@ class ShmConnection(Connection):
         self._recvd = 0
         self._closed_peer = _atomic.Counter(mm, _CLOSED_OFF[1 - self._side])
         self._closed_me = _atomic.Counter(mm, _CLOSED_OFF[self._side])
+        # Direct reads (see transports._cma): we publish our mapping's address so the
+        # peer can probe us; each side probes when it first receives.
+        self._cma_me = _atomic.Counter(mm, _CMA_OFF[self._side])
+        self._cma_peer = _atomic.Counter(mm, _CMA_OFF[1 - self._side])
+        self._cma_min = cma_min if (peer_pid and _cma.available()) else 0
+        self._peer_reads_us = False
+        self._acks: deque[_ShmSend] = deque()
+        self._temp: Any = None
+        if self._cma_min:
+            base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+            struct.pack_into("<Q", mm, _MAPADDR_OFF[self._side], base)
+        else:
+            self._cma_me.store(2)
 
     # ------------------------------------------------------------------ posting
     def isend(self, data: memoryview) -> Request:
@@ -361,31 +400,75 @@ class ShmConnection(Connection):
         return req
 
     def irecv(self, nbytes: int, sink: Sink) -> Request:
+        return self._irecv(nbytes, sink, None)
+
+    def irecv_into(self, out: memoryview) -> Request:
+        def copy(off: int, piece: memoryview) -> None:
+            out[off : off + len(piece)] = piece
+
+        return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8))
+
+    def _irecv(self, nbytes: int, sink: Sink, dest: Any) -> Request:
         self._check_open()
         if nbytes == 0:
             return DoneRequest(self.peer)
-        req = _ShmRecv(self, nbytes, sink)
+        if self._cma_min and not self._cma_me.load():
+            self._probe()
+        req = _ShmRecv(self, nbytes, sink, dest)
         self._recvs.append(req)
         return req
+
+    def _probe(self) -> None:
+        """Try one direct read of the peer's mapping; publish whether it worked."""
+        addr = struct.unpack_from("<Q", self._mm, _MAPADDR_OFF[1 - self._side])[0]
+        if not addr:
+            return  # the peer has not published yet; try at the next receive
+        got = np.zeros(1, np.uint64)
+        try:
+            _cma.read(self._peer_pid, addr, got.__array_interface__["data"][0], 8)
+            ok = int(got[0]) == _MAGIC
+        except OSError as exc:
+            log.info("shm: direct reads from peer %d refused (%s); using slots", self.peer, exc)
+            ok = False
+        self._cma_me.store(1 if ok else 2)
 
     # ------------------------------------------------------------------ progress
     def _progress_sends(self) -> None:
         out = self._out
+        tail = out.tail.load()
+        acks = self._acks
+        while acks and acks[0].need_tail <= tail:
+            acks.popleft()._done = True
         q = self._sends
         while q:
             req = q[0]
             src = req.src
             total = src.size
-            tail = out.tail.load()
             head = self._sent
+            if req.off == 0 and total >= self._cma_min > 0 and self._peer_can_read():
+                if head - tail >= out.nslots:
+                    return
+                # A descriptor: the receiver copies straight out of our memory, and
+                # the send completes when it says so (tail passes this slot).
+                slot = head % out.nslots
+                _META.pack_into(self._mm, out.meta_off + _META.size * slot, total, 0, req.addr)
+                head += 1
+                out.head.store(head)
+                self._sent = head
+                req.off = total
+                req.need_tail = head
+                acks.append(req)
+                q.popleft()
+                continue
             while req.off < total and head - tail < out.nslots:
                 n = min(out.slot_bytes, total - req.off)
                 piece = src[req.off : req.off + n]
                 # same page offset as the source: see the module docstring
                 o = (req.addr + req.off) % _PAGE
-                start = out.base + (head % out.nslots) * out.stride
+                slot = head % out.nslots
+                start = out.base + slot * out.stride
                 out.data[start + o : start + o + n] = piece
-                _META.pack_into(self._mm, out.meta_off + 16 * (head % out.nslots), n, o)
+                _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0)
                 head += 1
                 out.head.store(head)
                 req.off += n
@@ -394,6 +477,11 @@ class ShmConnection(Connection):
                 return
             req._done = True
             q.popleft()
+
+    def _peer_can_read(self) -> bool:
+        if not self._peer_reads_us:
+            self._peer_reads_us = self._cma_peer.load() == 1
+        return self._peer_reads_us
 
     def _progress_recvs(self) -> None:
         inn = self._in
@@ -404,9 +492,15 @@ class ShmConnection(Connection):
             tail = self._recvd
             while req.off < req.nbytes and tail < head:
                 slot = tail % inn.nslots
-                n, o = _META.unpack_from(self._mm, inn.meta_off + 16 * slot)
+                n, o, addr = _META.unpack_from(self._mm, inn.meta_off + _META.size * slot)
+                if addr:
+                    self._read_direct(req, n, addr)
+                    tail += 1
+                    inn.tail.store(tail)
+                    req.off += n
+                    continue
                 want = min(inn.slot_bytes, req.nbytes - req.off)
-                if n != want:
+                if n != want or o >= _PAGE:
                     raise TransportError(
                         f"shm: peer {self.peer} sent a {n}-byte piece where {want} were "
                         "expected (mismatched messages: do both ranks run the same collective?)",
@@ -424,9 +518,44 @@ class ShmConnection(Connection):
             req._done = True
             q.popleft()
 
+    def _read_direct(self, req: _ShmRecv, n: int, addr: int) -> None:
+        """Consume a descriptor: copy ``n`` bytes from the peer's address ``addr``."""
+        if n != req.nbytes - req.off or self._cma_me.load() != 1:
+            raise TransportError(
+                f"shm: peer {self.peer} sent a {n}-byte direct-read descriptor where "
+                f"{req.nbytes - req.off} bytes were expected (mismatched messages?)",
+                peer=self.peer,
+                transport="shm",
+            )
+        try:
+            if req.dest is not None:
+                dst = req.dest[req.off : req.off + n]
+                _cma.read(self._peer_pid, addr, dst.__array_interface__["data"][0], n)
+                return
+            if self._temp is None:
+                self._temp = np.empty(_CMA_TEMP + _PAGE, np.uint8)
+            for sub in range(0, n, _CMA_TEMP):
+                m = min(_CMA_TEMP, n - sub)
+                # the same page offset as the source, as for slots
+                o = (addr + sub) % _PAGE
+                t = self._temp[o : o + m]
+                _cma.read(self._peer_pid, addr + sub, t.__array_interface__["data"][0], m)
+                req.sink(req.off + sub, memoryview(t))  # type: ignore[arg-type]
+        except OSError as exc:
+            cls = PeerClosedError if exc.errno == errno.ESRCH else TransportError
+            raise cls(
+                f"shm: direct read of {n} bytes from peer {self.peer}: {exc.strerror}",
+                peer=self.peer,
+                transport="shm",
+                errno=exc.errno,
+            ) from exc
+
     # ------------------------------------------------------------------ health
     def check_peer(self) -> None:
-        if self._closed:
+        self._check_open()  # closed under a pending request (abort): fail it, never spin
+        # A peer may finish its last send and close (or exit) before we read the
+        # bytes; while undelivered bytes wait in our inbound ring, it is not gone.
+        if self._recvs and self._in.head.load() > self._recvd:
             return
         if self._closed_peer.load():
             raise PeerClosedError(
@@ -436,12 +565,15 @@ class ShmConnection(Connection):
         if pid:
             try:
                 os.kill(pid, 0)
+                gone = _is_zombie(pid)  # killed, not yet reaped by its launcher
             except ProcessLookupError:
+                gone = True
+            except PermissionError:
+                gone = False
+            if gone:
                 raise PeerClosedError(
                     f"shm: peer {self.peer} (pid {pid}) has exited", peer=self.peer, transport="shm"
-                ) from None
-            except PermissionError:
-                pass
+                )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -459,11 +591,13 @@ class ShmConnection(Connection):
             pass
         for c in (self._out.head, self._out.tail, self._in.head, self._in.tail):
             c.release_buffer()
-        self._closed_peer.release_buffer()
-        self._closed_me.release_buffer()
+        for c in (self._closed_peer, self._closed_me, self._cma_me, self._cma_peer):
+            c.release_buffer()
+        self._temp = None
         self._out.data = self._in.data = None  # type: ignore[assignment]
         self._sends.clear()
         self._recvs.clear()
+        self._acks.clear()
         try:
             self._mm.close()
         except BufferError:  # a view escaped; the mapping goes with the process
@@ -475,6 +609,16 @@ class ShmConnection(Connection):
                 pass
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the state follows the command name, which sits in parentheses and may hold any byte
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+
 class _ShmSend(Request):
     def __init__(self, conn: ShmConnection, src: Any) -> None:
         self.conn = conn
@@ -482,6 +626,7 @@ class _ShmSend(Request):
         self.src = src
         self.addr = src.__array_interface__["data"][0]
         self.off = 0
+        self.need_tail = 0
 
     def _progress(self) -> bool:
         self.conn._progress_sends()
@@ -492,11 +637,12 @@ class _ShmSend(Request):
 
 
 class _ShmRecv(Request):
-    def __init__(self, conn: ShmConnection, nbytes: int, sink: Sink) -> None:
+    def __init__(self, conn: ShmConnection, nbytes: int, sink: Sink, dest: Any = None) -> None:
         self.conn = conn
         self.peer = conn.peer
         self.nbytes = nbytes
         self.sink = sink
+        self.dest = dest
         self.off = 0
 
     def _progress(self) -> bool:
