@@ -77,6 +77,14 @@ class Request:
     def test(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, fn: Callable[[Request], None]) -> None:
+        """Call ``fn(self)`` once the collective finishes (at once if it has).
+
+        It runs on pycoll's worker thread; keep it short and do not start
+        collectives from it.
+        """
+        self._future.add_done_callback(lambda _: fn(self))
+
     def exception(self) -> BaseException | None:
         if not self._future.done():
             return None
@@ -244,7 +252,7 @@ class Communicator:
         if recvbuf is None:
             recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
         out = self._output(recvbuf, x, self.size * x.count, what)
-        algo = self._algorithm(what, algorithm, out.nbytes)
+        algo = self._algorithm(what, algorithm, x.nbytes)
         k, r = x.count, self.rank
         if x.is_device and self._gpu is not None:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
