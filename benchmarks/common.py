@@ -1,0 +1,143 @@
+"""Shared pieces of the benchmark scripts: sizes, dtypes, bus-bandwidth factors, metadata."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
+OPS = ("sum", "prod", "min", "max", "avg")
+
+#: nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw * factor(n)
+BUSBW_FACTOR = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def _dtypes() -> dict[str, tuple[np.dtype, str]]:
+    import ml_dtypes
+
+    table = {
+        "int8": (np.int8, "int8"),
+        "uint8": (np.uint8, "uint8"),
+        "int32": (np.int32, "int32"),
+        "uint32": (np.uint32, "uint32"),
+        "int64": (np.int64, "int64"),
+        "uint64": (np.uint64, "uint64"),
+        "float16": (np.float16, "half"),
+        "bfloat16": (ml_dtypes.bfloat16, "bfloat16"),
+        "float32": (np.float32, "float"),
+        "float64": (np.float64, "double"),
+    }
+    return {k: (np.dtype(t), nccl) for k, (t, nccl) in table.items()}
+
+
+#: nccl-tests' spellings accepted by ``-d``
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
+
+
+def parse_dtype(name: str) -> tuple[np.dtype, str, str]:
+    """``-d`` value -> (numpy dtype, canonical name, nccl-tests name)."""
+    key = DTYPE_ALIASES.get(name.lower(), name.lower())
+    table = _dtypes()
+    if key not in table:
+        raise SystemExit(
+            f"unknown dtype {name!r}; choose from {', '.join(table)} (or half, float, double)"
+        )
+    dt, nccl = table[key]
+    return dt, key, nccl
+
+
+def parse_size(text: str | int) -> int:
+    """``8``, ``64K``, ``256M``, ``1G`` (binary multiples) -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    return int(float(t) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return f"{n}B" if n < 1024 else f"{n / 1024:.1f}K"
+
+
+def size_list(lo: int, hi: int, factor: float, step: int = 0) -> list[int]:
+    """nccl-tests' sweep: lo, lo*f, lo*f^2 ... <= hi (or lo, lo+step, ... with ``step``)."""
+    out = []
+    s = lo
+    while s <= hi:
+        out.append(s)
+        nxt = s + step if step else int(s * factor)
+        if nxt <= s:
+            break
+        s = nxt
+    return out
+
+
+def geometry(collective: str, size: int, itemsize: int, n: int) -> tuple[int, int, int]:
+    """(send count, recv count, total count) for an nccl-tests ``size``.
+
+    As nccl-tests does, ``size`` is the larger buffer: the output of allgather,
+    the input of reduce_scatter; each rank's block is ``size / n`` rounded down
+    (at least one element).
+    """
+    count = max(1, size // itemsize)
+    if collective == "allgather":
+        per = max(1, count // n)
+        return per, per * n, per * n
+    if collective == "reduce_scatter":
+        per = max(1, count // n)
+        return per * n, per, per * n
+    return count, count, count
+
+
+def under_mpi() -> bool:
+    return any(
+        k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+    )
+
+
+def host_meta() -> dict[str, object]:
+    """Host name, date and software versions for JSON records."""
+    meta: dict[str, object] = {
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "nproc": os.cpu_count(),
+    }
+    try:
+        from mpi4py import MPI
+
+        meta["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+        meta["mpi4py"] = __import__("mpi4py").__version__
+    except Exception:
+        pass
+    try:
+        import pycoll
+
+        meta["pycoll"] = pycoll.__version__
+    except Exception:
+        pass
+    return meta

@@ -1,0 +1,955 @@
+"""Sweep pycoll's collectives over message sizes, nccl-tests style, with baselines.
+
+Run under mpiexec; rank 0 prints::
+
+    mpiexec -n 4 python benchmarks/sweep.py allreduce -b 8 -e 256M -f 4
+    mpiexec -n 4 python benchmarks/sweep.py all -b 1M -e 64M -f 4 --algorithm all \\
+        --baselines mpi,gloo --json out.json --plot plots/
+
+Flags follow nccl-tests: ``-b`` min bytes, ``-e`` max bytes, ``-f`` factor (or
+``-i`` increment), ``-n`` iterations, ``-w`` warm-up iterations, ``-c`` check,
+``-d`` dtype, ``-o`` op, ``--root``.  ``size`` is nccl-tests' size: the buffer
+of allreduce, broadcast and reduce, the *output* of allgather and the *input*
+of reduce_scatter (each rank's block is size / n).
+
+Timing (OSU style): per system and size, ``-w`` warm-up calls, an MPI barrier,
+then ``-n`` timed calls; ``time`` is the per-call mean on the slowest rank (max
+over ranks).  For each size every system runs in turn (pycoll's algorithms, then
+the baselines) before the next size, so machine noise hits them alike.
+
+Columns: ``size count type redop root time algbw busbw #wrong`` as in
+nccl-tests (time in us; algbw = size / time and busbw = algbw * factor in GB/s,
+factor 2(n-1)/n for allreduce, (n-1)/n for allgather and reduce_scatter, 1 for
+broadcast and reduce); with ``--limits`` a ``frac`` column, busbw as a fraction of
+the memory-bandwidth bound of that algorithm (see ``benchmarks/limits.py``); then
+per baseline ``<b>(us)``, its time, and ``x<b>`` = baseline time / pycoll time
+(above 1: pycoll is faster).
+
+Baselines use the same buffers in the same job: ``mpi`` (mpi4py's
+``Allreduce``/``Allgather``/``Bcast``/``Reduce_scatter_block``/``Reduce`` on the
+NumPy arrays), ``gloo`` (torch.distributed over tensors that share the arrays'
+memory; its allreduce and reduce work in place on the output buffer), and
+``nccl`` (torch.distributed, ``--device cuda`` only).  ``avg`` is a sum followed
+by a division for the baselines, as pycoll does it.  A baseline that cannot run
+(not installed, dtype or op unsupported) is skipped with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    BUSBW_FACTOR,
+    COLLECTIVES,
+    OPS,
+    geometry,
+    host_meta,
+    parse_dtype,
+    parse_size,
+    size_list,
+)
+
+
+class Skip(Exception):
+    """A system cannot run this case; the message is the one-line reason."""
+
+
+# --------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="nccl-tests style sweep of pycoll collectives (run under mpiexec)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("collective", choices=(*COLLECTIVES, "all"))
+    ap.add_argument("-b", "--minbytes", default="8", help="min size in bytes (8, 64K, 1M)")
+    ap.add_argument("-e", "--maxbytes", default="32M", help="max size in bytes")
+    ap.add_argument(
+        "-f", "--stepfactor", type=float, default=2.0, help="size multiplication factor"
+    )
+    ap.add_argument("-i", "--stepbytes", default="0", help="size increment (instead of -f)")
+    ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations")
+    ap.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations")
+    ap.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
+    ap.add_argument("-d", "--datatype", default="float32", help="dtype (float, half, int32 ...)")
+    ap.add_argument("-o", "--op", default="sum", choices=OPS, help="reduction op")
+    ap.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
+    ap.add_argument(
+        "--algorithm",
+        default="auto",
+        help="auto, ring, tree, a comma list, or all (every registered algorithm)",
+    )
+    ap.add_argument("--transport", default=None, help="pycoll transports, e.g. shm or tcp,shm")
+    ap.add_argument("--chunk-bytes", default=None, help="pycoll chunk_bytes (default: pycoll's)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="pycoll timeout in seconds")
+    ap.add_argument("--device", choices=("host", "cuda"), default="host")
+    ap.add_argument("--baselines", default="", help="comma list of mpi, gloo, nccl")
+    ap.add_argument("--inplace", type=int, default=0, choices=(0, 1), help="in-place variants")
+    ap.add_argument("-r", "--reps", type=int, default=1, help="repeat each measurement")
+    ap.add_argument(
+        "--max-time",
+        type=float,
+        default=0.0,
+        help="cap the timed loop near this many seconds per system and size (0: off)",
+    )
+    ap.add_argument("--limits", action="store_true", help="measure machine limits; add frac")
+    ap.add_argument("--limits-bytes", default="256M", help="array size for --limits")
+    ap.add_argument("--json", default=None, help="write one record per measurement here")
+    ap.add_argument("--plot", default=None, help="write one PNG per collective into this dir")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    a.minbytes = parse_size(a.minbytes)
+    a.maxbytes = parse_size(a.maxbytes)
+    a.stepbytes = parse_size(a.stepbytes)
+    if a.iters < 1 or a.warmup_iters < 0 or a.reps < 1:
+        ap.error("-n and -r must be >= 1, -w >= 0")
+    a.baselines = [b.strip().lower() for b in a.baselines.split(",") if b.strip()]
+    for b in a.baselines:
+        if b not in ("mpi", "gloo", "nccl"):
+            ap.error(f"unknown baseline {b!r}; choose from mpi, gloo, nccl")
+    return a
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class Case:
+    collective: str
+    size: int  # nccl-tests size in bytes
+    send_count: int
+    recv_count: int
+    count: int  # nccl-tests count column (elements of the larger buffer)
+    dtype: np.dtype
+    dtype_name: str
+    op: str
+    root: int
+    inplace: bool
+
+    @property
+    def reducing(self) -> bool:
+        return self.collective in ("allreduce", "reduce_scatter", "reduce")
+
+
+def _pattern(op: str) -> np.ndarray:
+    # small integers keep every sum/product exact in every dtype, whatever the order
+    if op == "prod":
+        return (np.arange(13) % 2 + 1).astype(np.float64)
+    if op in ("min", "max"):
+        return ((np.arange(13) * 7) % 11).astype(np.float64)
+    return (np.arange(13) % 5).astype(np.float64)
+
+
+def rank_input(rank: int, count: int, case: Case) -> np.ndarray:
+    """Rank ``rank``'s deterministic input of ``count`` elements (host array)."""
+    pat = np.roll(_pattern(case.op), -3 * rank).astype(case.dtype)
+    return np.resize(pat, count)
+
+
+def _combine(a: np.ndarray, b: np.ndarray, op: str) -> np.ndarray:
+    f = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+    return f[op](a, b)
+
+
+def expected(case: Case, rank: int, n: int) -> np.ndarray | None:
+    """The NumPy reference of this rank's output (None: this rank has no output)."""
+    c = case.collective
+    if c == "broadcast":
+        return rank_input(case.root, case.count, case)
+    if c == "allgather":
+        return np.concatenate([rank_input(p, case.send_count, case) for p in range(n)])
+    if c == "reduce" and rank != case.root:
+        return None
+    acc = rank_input(0, case.send_count, case)
+    for p in range(1, n):
+        acc = _combine(acc, rank_input(p, case.send_count, case), case.op)
+    if case.op == "avg":
+        acc = (acc.astype(np.float64) / n).astype(case.dtype)
+    if c == "reduce_scatter":
+        k = case.recv_count
+        return acc[rank * k : (rank + 1) * k]
+    return acc
+
+
+def count_wrong(out: Any, ref: np.ndarray | None, case: Case) -> int:
+    if ref is None:
+        return 0
+    got = out.get() if hasattr(out, "get") else np.asarray(out)
+    got = got.reshape(-1)
+    if case.op == "avg":  # floating dtypes only; the division may round differently
+        tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[case.dtype.itemsize]
+        g, r = got.astype(np.float64), ref.astype(np.float64)
+        bad = ~np.isclose(g, r, rtol=tol, atol=tol)
+    else:
+        bad = got.view(np.uint8).reshape(got.size, -1) != ref.view(np.uint8).reshape(ref.size, -1)
+        bad = bad.any(axis=1)
+    return int(np.count_nonzero(bad))
+
+
+# --------------------------------------------------------------------------- buffers
+@dataclass
+class Buffers:
+    send: Any
+    recv: Any
+    xp: Any  # numpy or cupy
+
+    def poison(self, arr: Any) -> None:
+        arr.view(self.xp.uint8).fill(0x5A)
+
+    def load(self, dst: Any, host: np.ndarray) -> None:
+        if self.xp is np:
+            np.copyto(dst.reshape(-1), host)
+        else:
+            dst.reshape(-1).set(host)
+
+
+def make_buffers(case: Case, xp: Any) -> Buffers:
+    if case.collective == "broadcast":
+        b = xp.empty(case.count, case.dtype)
+        return Buffers(b, b, xp)
+    return Buffers(xp.empty(case.send_count, case.dtype), xp.empty(case.recv_count, case.dtype), xp)
+
+
+# --------------------------------------------------------------------------- systems
+@dataclass
+class Prepared:
+    """What a system runs for one case: the call, how to load inputs, where the output is."""
+
+    call: Callable[[], Any]
+    load: Callable[[], None]
+    output: Callable[[], Any]
+
+
+@dataclass
+class System:
+    kind: str  # pycoll, mpi, gloo, nccl
+    algorithm: str = ""  # pycoll only
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"pycoll:{self.algorithm}" if self.kind == "pycoll" else self.kind
+
+
+def _default_load(
+    case: Case, bufs: Buffers, rank: int, in_recv: bool = False
+) -> Callable[[], None]:
+    """Inputs into sendbuf (or recvbuf for in-place calls), poison in the output."""
+
+    def load() -> None:
+        c = case.collective
+        if c == "broadcast":
+            if rank == case.root:
+                bufs.load(bufs.send, rank_input(rank, case.count, case))
+            else:
+                bufs.poison(bufs.send)
+            return
+        if c == "allgather" and in_recv:
+            bufs.poison(bufs.recv)
+            k = case.send_count
+            bufs.load(bufs.recv[rank * k : (rank + 1) * k], rank_input(rank, k, case))
+            return
+        x = rank_input(rank, case.send_count, case)
+        if in_recv:
+            bufs.load(bufs.recv, x)
+        else:
+            bufs.load(bufs.send, x)
+            bufs.poison(bufs.recv)
+
+    return load
+
+
+class Runner:
+    """Builds the call of every system for every case."""
+
+    def __init__(self, args: argparse.Namespace, mpi_comm: Any, comm: Any, xp: Any) -> None:
+        self.a = args
+        self.mpi = mpi_comm
+        self.comm = comm
+        self.xp = xp
+        self.rank = mpi_comm.Get_rank()
+        self.n = mpi_comm.Get_size()
+        self.torch: Any = None
+        self.dist: Any = None
+        self.nccl_group: Any = None
+
+    # ------------------------------------------------------------ pycoll
+    def pycoll(self, algo: str, case: Case, bufs: Buffers) -> Prepared:
+        c, comm, op, root = case.collective, self.comm, case.op, case.root
+        s, r = bufs.send, bufs.recv
+        inplace = case.inplace and c in ("allreduce", "allgather", "reduce")
+        if c == "allreduce":
+            call = (
+                (lambda: comm.allreduce(r, op=op, algorithm=algo))
+                if inplace
+                else (lambda: comm.allreduce(s, r, op=op, algorithm=algo))
+            )
+        elif c == "allgather":
+            k = case.send_count
+            mine = r[self.rank * k : (self.rank + 1) * k]
+            call = (
+                (lambda: comm.allgather(mine, r, algorithm=algo))
+                if inplace
+                else (lambda: comm.allgather(s, r, algorithm=algo))
+            )
+        elif c == "broadcast":
+            call = lambda: comm.broadcast(s, root=root, algorithm=algo)
+        elif c == "reduce_scatter":
+            call = lambda: comm.reduce_scatter(s, r, op=op, algorithm=algo)
+        else:
+            if inplace:
+                call = (
+                    (lambda: comm.reduce(r, None, root=root, op=op, algorithm=algo))
+                    if self.rank == root
+                    else (lambda: comm.reduce(s, None, root=root, op=op, algorithm=algo))
+                )
+            else:
+                call = lambda: comm.reduce(s, r, root=root, op=op, algorithm=algo)
+        in_recv = inplace and (c != "reduce" or self.rank == root)
+        load = _default_load(case, bufs, self.rank, in_recv)
+        if inplace and c == "reduce" and self.rank != root:
+            load = _default_load(case, bufs, self.rank, False)
+        return Prepared(call, load, lambda: s if c == "broadcast" else r)
+
+    # ------------------------------------------------------------ mpi
+    def mpi_baseline(self, case: Case, bufs: Buffers) -> Prepared:
+        from mpi4py import MPI
+
+        if self.xp is not np:
+            raise Skip("host buffers only (use a CUDA-aware MPI and extend this runner)")
+        if case.dtype_name == "bfloat16":
+            raise Skip("MPI has no bfloat16 datatype")
+        c, w, root = case.collective, self.mpi, case.root
+        s, r = bufs.send, bufs.recv
+        mop = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[
+            case.op
+        ]
+        inplace = case.inplace
+        n = self.n
+        avg = case.op == "avg"
+        if c == "allreduce":
+            src = MPI.IN_PLACE if inplace else s
+            base = lambda: w.Allreduce(src, r, op=mop)
+        elif c == "allgather":
+            src = MPI.IN_PLACE if inplace else s
+            base = lambda: w.Allgather(src, r)
+        elif c == "broadcast":
+            base = lambda: w.Bcast(s, root=root)
+        elif c == "reduce_scatter":
+            base = lambda: w.Reduce_scatter_block(s, r, op=mop)
+        else:
+            src = MPI.IN_PLACE if inplace and self.rank == root else s
+            base = lambda: w.Reduce(src, r, op=mop, root=root)
+        has_out = c != "reduce" or self.rank == root
+        if avg and has_out:
+
+            def call() -> None:
+                base()
+                np.divide(r, r.dtype.type(n), out=r)
+
+        else:
+            call = base
+        in_recv = (inplace and c in ("allreduce", "allgather")) or (
+            inplace and c == "reduce" and self.rank == root
+        )
+        return Prepared(
+            call,
+            _default_load(case, bufs, self.rank, in_recv),
+            lambda: s if c == "broadcast" else r,
+        )
+
+    # ------------------------------------------------------------ torch.distributed
+    def init_torch(self, want_nccl: bool) -> str | None:
+        """Start torch.distributed (gloo as the default group); None or a reason."""
+        try:
+            warnings.filterwarnings("ignore", module="torch")
+            import torch
+            import torch.distributed as dist
+        except Exception as exc:
+            return f"torch not importable: {type(exc).__name__}: {exc}"
+        if not dist.is_available() or not dist.is_gloo_available():
+            return "torch.distributed with gloo is not available in this torch build"
+        hosts = self.mpi.allgather(socket.gethostname())
+        addr = os.environ.get("MASTER_ADDR")
+        if addr is None:
+            if len(set(hosts)) == 1:
+                addr = "127.0.0.1"
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            else:
+                addr = socket.gethostbyname(socket.gethostname()) if self.rank == 0 else None
+                addr = self.mpi.bcast(addr, root=0)
+        port = None
+        if self.rank == 0:
+            with socket.socket() as sk:
+                sk.bind((addr if addr != "127.0.0.1" else "127.0.0.1", 0))
+                port = sk.getsockname()[1]
+        port = self.mpi.bcast(port, root=0)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.n
+        )
+        self.torch, self.dist = torch, dist
+        if want_nccl:
+            self.nccl_group = dist.new_group(backend="nccl")
+        return None
+
+    def _tensor(self, arr: Any, case: Case) -> Any:
+        torch = self.torch
+        if self.xp is not np:
+            return torch.as_tensor(arr, device="cuda")
+        if case.dtype_name == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    def torch_baseline(self, kind: str, case: Case, bufs: Buffers) -> Prepared:
+        if self.dist is None:
+            raise Skip("torch.distributed not initialised")
+        if kind == "gloo" and self.xp is not np:
+            raise Skip("gloo baseline runs on host buffers only")
+        if kind == "nccl" and self.nccl_group is None:
+            raise Skip("no NCCL group")
+        dist, group = self.dist, (self.nccl_group if kind == "nccl" else None)
+        R = dist.ReduceOp
+        top = {"sum": R.SUM, "avg": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[case.op]
+        c, root, n = case.collective, case.root, self.n
+        ts, tr = self._tensor(bufs.send, case), self._tensor(bufs.recv, case)
+        in_recv = c in ("allreduce", "reduce")
+        if c == "allreduce":
+            base = lambda: dist.all_reduce(tr, op=top, group=group)
+        elif c == "allgather":
+            k = case.send_count
+            tsrc = tr[self.rank * k : (self.rank + 1) * k] if case.inplace else ts
+            in_recv = case.inplace
+            base = lambda: dist.all_gather_into_tensor(tr, tsrc, group=group)
+        elif c == "broadcast":
+            base = lambda: dist.broadcast(ts, src=root, group=group)
+        elif c == "reduce_scatter":
+            base = lambda: dist.reduce_scatter_tensor(tr, ts, op=top, group=group)
+        else:
+            base = lambda: dist.reduce(tr, dst=root, op=top, group=group)
+        has_out = c != "reduce" or self.rank == root
+        if case.op == "avg" and has_out:
+
+            def call() -> None:
+                base()
+                tr.div_(n)
+
+        else:
+            call = base
+        return Prepared(
+            call,
+            _default_load(case, bufs, self.rank, in_recv),
+            lambda: ts if c == "broadcast" else tr,
+        )
+
+    def prepare(self, system: System, case: Case, bufs: Buffers) -> Prepared:
+        if system.kind == "pycoll":
+            return self.pycoll(system.algorithm, case, bufs)
+        if system.kind == "mpi":
+            return self.mpi_baseline(case, bufs)
+        return self.torch_baseline(system.kind, case, bufs)
+
+
+# --------------------------------------------------------------------------- timing
+def sync_fn(xp: Any, runner: Runner) -> Callable[[], None]:
+    if xp is np:
+        return lambda: None
+
+    def sync() -> None:
+        xp.cuda.get_current_stream().synchronize()
+        xp.cuda.Device().synchronize()
+        if runner.torch is not None and runner.torch.cuda.is_available():
+            runner.torch.cuda.synchronize()
+
+    return sync
+
+
+def timed(
+    call: Callable[[], Any], args: argparse.Namespace, mpi_comm: Any, sync: Callable[[], None]
+) -> tuple[float, int, float, float]:
+    """(seconds per call on the slowest rank, iterations timed, median, min).
+
+    The first figure is the mean over the timed loop (OSU's); the per-call
+    median and minimum (each the max over ranks) go to the JSON for noisy
+    machines.  On a device the per-call figures include no synchronisation and
+    only the mean is meaningful.
+    """
+    from mpi4py import MPI
+
+    iters = args.iters
+    t0 = time.perf_counter()
+    for _ in range(args.warmup_iters):
+        call()
+    sync()
+    if args.max_time > 0 and args.warmup_iters:
+        per = mpi_comm.allreduce((time.perf_counter() - t0) / args.warmup_iters, op=MPI.MAX)
+        iters = max(1, min(iters, int(args.max_time / max(per, 1e-9))))
+    ts = np.empty(iters)
+    clock = time.perf_counter
+    mpi_comm.Barrier()
+    t0 = clock()
+    for i in range(iters):
+        t = clock()
+        call()
+        ts[i] = clock() - t
+    sync()
+    dt = (clock() - t0) / iters
+    stats = np.empty(3)
+    mpi_comm.Allreduce(np.array([dt, np.median(ts), ts.min()]), stats, op=MPI.MAX)
+    return float(stats[0]), iters, float(stats[1]), float(stats[2])
+
+
+# --------------------------------------------------------------------------- output
+def _fmt_time(us: float) -> str:
+    return f"{us:9.2f}" if us < 1e5 else f"{us:9.0f}"
+
+
+class Table:
+    """nccl-tests columns, then ``frac`` (with --limits), then per baseline time and ratio."""
+
+    def __init__(self, baselines: list[str], limits: bool, show_algo: bool) -> None:
+        self.baselines = baselines
+        self.limits = limits
+        self.show_algo = show_algo
+
+    def header(self) -> str:
+        h1 = f"#{'size':>11s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} {'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}"
+        h2 = f"#{'(B)':>11s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s} {'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s}"
+        if self.limits:
+            h1 += f" {'frac':>5s}"
+            h2 += f" {'':>5s}"
+        for b in self.baselines:
+            h1 += f" {b + '(us)':>10s} {'x' + b:>6s}"
+            h2 += f" {'':>10s} {'':>6s}"
+        if self.show_algo:
+            h1 += "  algo"
+        return h1 + "\n" + h2
+
+    def row(self, rec: dict[str, Any], base: dict[str, float | str]) -> str:
+        root = rec["root"] if rec["collective"] in ("broadcast", "reduce") else -1
+        redop = (
+            rec["op"] if rec["collective"] in ("allreduce", "reduce_scatter", "reduce") else "none"
+        )
+        line = (
+            f" {rec['size']:>11d} {rec['count']:>12d} {rec['type']:>8s} {redop:>6s} {root:>5d} "
+            f"{_fmt_time(rec['time_us'])} {rec['algbw']:7.2f} {rec['busbw']:7.2f} "
+            f"{rec['wrong'] if rec['wrong'] is not None else 'N/A':>6}"
+        )
+        if self.limits:
+            fr = rec.get("frac_of_bound")
+            line += f" {fr:5.2f}" if fr is not None else f" {'-':>5s}"
+        for b in self.baselines:
+            t = base.get(b)
+            if isinstance(t, float):
+                line += f" {_fmt_time(t):>10s} {t / rec['time_us']:6.2f}"
+            else:
+                line += f" {'skip':>10s} {'-':>6s}"
+        if self.show_algo:
+            line += f"  {rec['resolved_algorithm']}"
+        return line
+
+
+def plot(records: list[dict[str, Any]], outdir: str) -> list[Path]:
+    """One PNG per collective: busbw and latency vs size, a line per system/algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    Path(outdir).mkdir(parents=True, exist_ok=True)
+    for coll in sorted({r["collective"] for r in records}):
+        rs = [r for r in records if r["collective"] == coll]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        groups: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        for r in rs:
+            key = r["system"] if r["system"] != "pycoll" else f"pycoll {r['algorithm']}"
+            key += f" n={r['nranks']}"
+            groups.setdefault(key, {}).setdefault(r["size"], []).append(r)
+        for key, by in sorted(groups.items()):
+            sizes = sorted(by)
+            bw = [statistics.median(x["busbw"] for x in by[s]) for s in sizes]
+            lat = [statistics.median(x["time_us"] for x in by[s]) for s in sizes]
+            style = "-o" if key.startswith("pycoll") else "--s"
+            ax1.plot(sizes, bw, style, label=key, markersize=3)
+            ax2.plot(sizes, lat, style, label=key, markersize=3)
+        for ax, yl in ((ax1, "busbw (GB/s)"), (ax2, "time (us)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(yl)
+            ax.grid(True, which="both", alpha=0.3)
+        ax1.legend(fontsize=7)
+        r0 = rs[0]
+        fig.suptitle(
+            f"{coll}: {r0['dtype']} {r0['op'] if coll != 'allgather' and coll != 'broadcast' else ''} "
+            f"transport={r0['transport']} host={r0['host']}"
+        )
+        fig.tight_layout()
+        p = Path(outdir) / f"{coll}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------- main
+def _xp(device: str, mpi_comm: Any) -> tuple[Any, str | None]:
+    if device == "host":
+        return np, None
+    try:
+        import cupy
+    except Exception as exc:
+        return None, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        ndev = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return None, f"no CUDA device ({type(exc).__name__}: {exc})"
+    if ndev == 0:
+        return None, "no CUDA device"
+    from mpi4py import MPI
+
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    cupy.cuda.Device(local % ndev).use()
+    return cupy, None
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from mpi4py import MPI
+
+    import pycoll
+    from pycoll import algorithms
+
+    w = MPI.COMM_WORLD
+    rank, n = w.Get_rank(), w.Get_size()
+    out = sys.stdout if rank == 0 else None
+
+    def say(msg: str) -> None:
+        if out is not None:
+            print(msg, file=out, flush=True)
+
+    dtype, dname, nccl_name = parse_dtype(args.datatype)
+    if args.op == "avg" and dtype.kind in "iu":
+        raise SystemExit("-o avg needs a floating dtype")
+    xp, why = _xp(args.device, w)
+    if xp is None:
+        say(f"# --device cuda: skipped: {why}")
+        return []
+    if not 0 <= args.root < n:
+        raise SystemExit(f"--root {args.root} is not in [0, {n})")
+
+    cfg: dict[str, Any] = {"timeout": args.timeout}
+    if args.transport:
+        cfg["transports"] = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    if args.chunk_bytes:
+        cfg["chunk_bytes"] = parse_size(args.chunk_bytes)
+    comm = pycoll.init(w, **cfg)
+    kinds = sorted({comm.transport_of(p) for p in range(n) if p != rank} or {"self"})
+    transport = "+".join(sorted({k for ks in w.allgather(kinds) for k in ks}))
+    chunk = comm.config.chunk_bytes
+
+    collectives = list(COLLECTIVES) if args.collective == "all" else [args.collective]
+    meta = host_meta()
+    meta["hosts"] = sorted(set(w.allgather(socket.gethostname())))
+
+    runner = Runner(args, w, comm, xp)
+    baselines: list[str] = []
+    torch_reason: str | None = None
+    if any(b in ("gloo", "nccl") for b in args.baselines):
+        want_nccl = "nccl" in args.baselines and args.device == "cuda"
+        if want_nccl:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(xp.cuda.Device().id)
+                else:
+                    want_nccl = False
+            except Exception:
+                want_nccl = False
+        torch_reason = runner.init_torch(want_nccl)
+    for b in args.baselines:
+        reason = None
+        if b == "nccl" and args.device != "cuda":
+            reason = "needs --device cuda (and torch with CUDA)"
+        elif b in ("gloo", "nccl") and torch_reason:
+            reason = torch_reason
+        elif b == "nccl" and runner.nccl_group is None:
+            reason = "torch has no CUDA/NCCL here"
+        if reason:
+            say(f"# baseline {b}: skipped: {reason}")
+        else:
+            baselines.append(b)
+
+    lim = None
+    if args.limits:
+        import limits as limits_mod
+
+        if xp is not np:
+            say("# --limits: host memory only; skipped for --device cuda")
+        else:
+            lim = limits_mod.measure(w, parse_size(args.limits_bytes), 3)
+            say(
+                f"# limits: copy {lim.copy / 1e9:.2f} GB/s (1 proc), {lim.copy_conc / 1e9:.2f} "
+                f"GB/s ({n} at once); np.add {lim.add / 1e9:.2f} GB/s (1 proc), "
+                f"{lim.add_conc / 1e9:.2f} GB/s ({n} at once)"
+            )
+
+    say(
+        f"# pycoll sweep: nranks {n}  transport {transport}  chunk_bytes {chunk}  device {args.device}"
+    )
+    say(
+        f"# minBytes {args.minbytes} maxBytes {args.maxbytes} "
+        + (
+            f"step: {args.stepbytes}(bytes)"
+            if args.stepbytes
+            else f"step: {args.stepfactor:g}(factor)"
+        )
+        + f"  warmup iters: {args.warmup_iters}  iters: {args.iters}  reps: {args.reps}"
+        f"  validation: {args.check}  inplace: {args.inplace}"
+    )
+    say(f"# host(s): {', '.join(meta['hosts'])}  {meta.get('mpi', '')}")
+    say("# time: per-call mean on the slowest rank; x<baseline> = baseline time / pycoll time")
+
+    sync = sync_fn(xp, runner)
+    sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    records: list[dict[str, Any]] = []
+    total_wrong = 0
+
+    bar = None
+    if rank == 0 and not args.no_progress and sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=0, file=sys.stderr, unit="meas", leave=False)
+        except ImportError:
+            bar = None
+
+    for coll in collectives:
+        reg = algorithms.names(coll)
+        if args.algorithm == "all":
+            algos = list(reg)
+        else:
+            algos = [x.strip().lower() for x in args.algorithm.split(",") if x.strip()]
+            if "all" in algos:
+                algos = [a for a in algos if a != "all"] + [a for a in reg if a not in algos]
+        for a_ in algos:
+            if a_ != "auto" and a_ not in reg:
+                raise SystemExit(f"{coll}: algorithm {a_!r} is not one of auto, {', '.join(reg)}")
+        systems = [System("pycoll", a_) for a_ in algos] + [System(b) for b in baselines]
+        cases = []
+        seen = set()
+        for s in sizes:
+            sc, rc, tc = geometry(coll, s, dtype.itemsize, n)
+            if tc in seen:
+                continue
+            seen.add(tc)
+            cases.append(
+                Case(
+                    coll,
+                    tc * dtype.itemsize,
+                    sc,
+                    rc,
+                    tc,
+                    dtype,
+                    dname,
+                    args.op,
+                    args.root,
+                    bool(args.inplace),
+                )
+            )
+        if bar is not None:
+            bar.total += len(cases) * len(systems) * args.reps
+            bar.refresh()
+        table = Table(baselines, lim is not None, show_algo=False)
+        live = len(algos) == 1
+        say(
+            f"#\n# {coll}  dtype {dname}  op {args.op}  root {args.root}  algorithm(s) {', '.join(algos)}"
+        )
+        if live:
+            say(f"# pycoll algorithm: {algos[0]}")
+            table.show_algo = algos[0] == "auto"
+            say(table.header())
+        rows: dict[str, list[str]] = {a_: [] for a_ in algos}
+        busbws: dict[str, list[float]] = {a_: [] for a_ in algos}
+        skip_said: set[tuple[str, str]] = set()
+        for case in cases:
+            bufs = make_buffers(case, xp)
+            ref = expected(case, rank, n) if args.check else None
+            auto_choice = comm._algorithm(coll, "auto", case.size)
+            per_sys: dict[str, list[dict[str, Any]]] = {}
+            prepared: dict[str, Prepared | None] = {}
+            for sysm in systems:
+                try:
+                    p: Prepared | None = runner.prepare(sysm, case, bufs)
+                    err = ""
+                except Skip as exc:
+                    p, err = None, str(exc)
+                # a baseline may refuse a dtype/op only when called: try once, agree
+                wrong = None
+                if p is not None:
+                    try:
+                        p.load()
+                        p.call()
+                        sync()
+                        if args.check:
+                            wrong = count_wrong(p.output(), ref, case)
+                    except Exception as exc:
+                        if sysm.kind == "pycoll":
+                            raise
+                        err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                errs = w.allgather(err)
+                err = next((e for e in errs if e), "")
+                if err:
+                    prepared[sysm.label] = None
+                    if (sysm.label, err) not in skip_said:
+                        skip_said.add((sysm.label, err))
+                        say(f"# {sysm.label}: skipped for {coll} {dname} {args.op}: {err}")
+                    continue
+                assert p is not None
+                prepared[sysm.label] = p
+                wsum = w.allreduce(wrong, op=MPI.SUM) if args.check else None
+                per_sys[sysm.label] = [{"wrong": wsum}]
+            for rep in range(args.reps):
+                for sysm in systems:
+                    p = prepared.get(sysm.label)
+                    if p is None:
+                        if bar is not None:
+                            bar.update(1)
+                        continue
+                    sec, iters, med_s, min_s = timed(p.call, args, w, sync)
+                    algbw = case.size / sec / 1e9
+                    resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
+                    rec = {
+                        "system": sysm.kind,
+                        "collective": coll,
+                        "size": case.size,
+                        "count": case.count,
+                        "nranks": n,
+                        "rep": rep,
+                        "time_us": sec * 1e6,
+                        "time_us_median": med_s * 1e6,
+                        "time_us_min": min_s * 1e6,
+                        "algbw": algbw,
+                        "busbw": algbw * BUSBW_FACTOR[coll](n),
+                        "wrong": per_sys[sysm.label][0]["wrong"],
+                        "algorithm": sysm.algorithm if sysm.kind == "pycoll" else None,
+                        "resolved_algorithm": resolved if sysm.kind == "pycoll" else None,
+                        "auto_choice": auto_choice,
+                        "transport": transport if sysm.kind == "pycoll" else sysm.kind,
+                        "dtype": dname,
+                        "type": nccl_name,
+                        "op": args.op,
+                        "root": case.root,
+                        "inplace": bool(args.inplace),
+                        "device": args.device,
+                        "iters": iters,
+                        "warmup": args.warmup_iters,
+                        "chunk_bytes": chunk,
+                        "host": meta["host"],
+                        "hosts": meta["hosts"],
+                        "date": meta["date"],
+                    }
+                    if lim is not None and sysm.kind == "pycoll":
+                        import limits as limits_mod
+
+                        tb = limits_mod.bound_time(coll, resolved, n, case.size, lim, case.root)
+                        if tb is not None:
+                            rec["bound_time_us"] = tb * 1e6
+                            rec["frac_of_bound"] = tb / sec
+                    records.append(rec)
+                    per_sys[sysm.label].append(rec)
+                    if bar is not None:
+                        bar.update(1)
+            # one row per pycoll algorithm: medians over reps
+            base_t: dict[str, float | str] = {}
+            for b in baselines:
+                rs = per_sys.get(b, [None])[1:]
+                base_t[b] = statistics.median(r["time_us"] for r in rs) if rs else "skip"
+                bw = per_sys.get(b, [{}])[0].get("wrong")
+                if bw:
+                    say(f"# WARNING: baseline {b} got {bw} wrong elements at size {case.size}")
+            for a_ in algos:
+                rs = per_sys.get(f"pycoll:{a_}", [None])[1:]
+                if not rs:
+                    continue
+                med = dict(rs[0])
+                med["time_us"] = statistics.median(r["time_us"] for r in rs)
+                med["algbw"] = case.size / med["time_us"] / 1e3
+                med["busbw"] = med["algbw"] * BUSBW_FACTOR[coll](n)
+                if "bound_time_us" in med:
+                    med["frac_of_bound"] = med["bound_time_us"] / med["time_us"]
+                total_wrong += med["wrong"] or 0
+                busbws[a_].append(med["busbw"])
+                line = table.row(med, base_t)
+                if live:
+                    say(line)
+                else:
+                    rows[a_].append(line)
+            del bufs
+        if not live:
+            for a_ in algos:
+                say(f"#\n# pycoll algorithm: {a_}")
+                table.show_algo = a_ == "auto"
+                say(table.header())
+                for line in rows[a_]:
+                    say(line)
+        for a_ in algos:
+            if busbws[a_]:
+                say(f"# {coll} {a_}: Avg bus bandwidth    : {statistics.mean(busbws[a_]):.4g}")
+    if bar is not None:
+        bar.close()
+    if args.check:
+        say(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    say("#")
+    if runner.dist is not None:
+        runner.dist.destroy_process_group()
+    comm.close()
+    if rank == 0:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            doc = {"meta": {**meta, "argv": sys.argv, "nranks": n, "transport": transport}}
+            if lim is not None:
+                from dataclasses import asdict
+
+                doc["meta"]["limits"] = asdict(lim)
+            doc["records"] = records
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+            say(f"# wrote {len(records)} records to {args.json}")
+        if args.plot and records:
+            for p in plot(records, args.plot):
+                say(f"# wrote {p}")
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    try:
+        records = run(args)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+    wrong = sum(r["wrong"] or 0 for r in records if r["system"] == "pycoll")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Markdown tables for RESULTS.md from sweep.py JSON files.
+
+::
+
+    python benchmarks/tables.py results/sweep_n2.json results/sweep_n4.json results/allreduce256M_n*.json
+
+pycoll's figure in each row is the algorithm ``auto`` picks at that size (what a
+user gets; sweeps with ``--algorithm all`` record the pick as ``auto_choice``),
+next to the best measured algorithm.  ``x MPI`` / ``x Gloo`` are baseline time /
+pycoll time: above 1 pycoll is faster.  Times are medians over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    for p in paths:
+        recs.extend(json.loads(Path(p).read_text())["records"])
+    return recs
+
+
+def index(recs: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+    """(collective, n, size) -> system label -> record with median time."""
+    by: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in recs:
+        label = f"pycoll:{r['algorithm']}" if r["system"] == "pycoll" else r["system"]
+        by[(r["collective"], r["nranks"], r["size"])][label].append(r)
+    out: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for key, systems in by.items():
+        out[key] = {}
+        for label, rs in systems.items():
+            m = dict(rs[0])
+            m["time_us"] = statistics.median(x["time_us"] for x in rs)
+            m["busbw"] = statistics.median(x["busbw"] for x in rs)
+            out[key][label] = m
+    return out
+
+
+def pick(systems: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(auto's record, best pycoll record)."""
+    py = {k: v for k, v in systems.items() if k.startswith("pycoll:")}
+    if not py:
+        return None, None
+    best = min(py.values(), key=lambda r: r["time_us"])
+    auto = py.get("pycoll:auto")
+    if auto is None:
+        choice = next(iter(py.values()))["auto_choice"]
+        auto = py.get(f"pycoll:{choice}")
+    return auto, best
+
+
+def fmt_size(n: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m:
+            return f"{n / m:g} {unit}"
+    return f"{n} B"
+
+
+def ratio(base: dict[str, Any] | None, mine: dict[str, Any]) -> str:
+    return f"{base['time_us'] / mine['time_us']:.2f}" if base else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--min-bytes", type=int, default=1 << 20, help="bandwidth tables from here")
+    a = ap.parse_args(argv)
+    idx = index(load(a.json))
+    ns = sorted({k[1] for k in idx})
+
+    def algo_of(r: dict[str, Any]) -> str:
+        return str(r["resolved_algorithm"])
+
+    print("### allreduce: latency at 8 B (us) and busbw (GB/s)\n")
+    print("| n | size | pycoll auto (algo) | best algo | MPI | Gloo | x MPI | x Gloo |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in ns:
+        for size in sorted(s for (c, nn, s) in idx if c == "allreduce" and nn == n):
+            if size not in (8, 16 << 20, 256 << 20) and size < 256 << 20:
+                continue
+            sy = idx[("allreduce", n, size)]
+            auto, best = pick(sy)
+            if auto is None or best is None:
+                continue
+            mpi, gloo = sy.get("mpi"), sy.get("gloo")
+            key = "time_us" if size <= 8 else "busbw"
+            unit = "us" if size <= 8 else "GB/s"
+
+            def v(r: dict[str, Any] | None, key: str = key) -> str:
+                return f"{r[key]:.2f}" if r else "-"
+
+            print(
+                f"| {n} | {fmt_size(size)} ({unit}) | {v(auto)} ({algo_of(auto)}) | "
+                f"{v(best)} ({algo_of(best)}) | {v(mpi)} | {v(gloo)} | "
+                f"{ratio(mpi, auto)} | {ratio(gloo, auto)} |"
+            )
+    print("\n### other collectives at >= 1 MiB: busbw (GB/s)\n")
+    print(
+        "| collective | n | size | pycoll auto (algo) | best algo | MPI | Gloo | x MPI | x Gloo |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for coll in ("allgather", "broadcast", "reduce_scatter", "reduce"):
+        for n in ns:
+            for size in sorted(s for (c, nn, s) in idx if c == coll and nn == n):
+                if size < a.min_bytes:
+                    continue
+                sy = idx[(coll, n, size)]
+                auto, best = pick(sy)
+                if auto is None or best is None:
+                    continue
+                mpi, gloo = sy.get("mpi"), sy.get("gloo")
+                print(
+                    f"| {coll} | {n} | {fmt_size(size)} | {auto['busbw']:.2f} ({algo_of(auto)}) | "
+                    f"{best['busbw']:.2f} ({algo_of(best)}) | "
+                    f"{mpi['busbw'] if mpi else float('nan'):.2f} | "
+                    f"{gloo['busbw'] if gloo else float('nan'):.2f} | "
+                    f"{ratio(mpi, auto)} | {ratio(gloo, auto)} |"
+                )
+    print("\n### auto vs best measured algorithm (within 10%)\n")
+    print("| collective | n | sizes | auto within 10% | misses (size: auto -> best, time ratio) |")
+    print("|---|---|---|---|---|")
+    for coll in ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce"):
+        for n in ns:
+            keys = sorted(k for k in idx if k[0] == coll and k[1] == n)
+            good = total = 0
+            misses = []
+            for k in keys:
+                py = {lb: r for lb, r in idx[k].items() if lb.startswith("pycoll:")}
+                if len(py) < 2:
+                    continue
+                auto, best = pick(idx[k])
+                if auto is None or best is None:
+                    continue
+                total += 1
+                if auto["time_us"] <= 1.1 * best["time_us"]:
+                    good += 1
+                else:
+                    misses.append(
+                        f"{fmt_size(k[2])}: {algo_of(auto)} -> {algo_of(best)} "
+                        f"({auto['time_us'] / best['time_us']:.1f}x)"
+                    )
+            if total:
+                print(f"| {coll} | {n} | {total} | {good}/{total} | {'; '.join(misses) or '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

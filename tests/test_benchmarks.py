@@ -1,0 +1,107 @@
+"""The benchmark scripts run end to end at n = 2 on tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    return [
+        line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")
+    ]
+
+
+@pytest.mark.timeout(90)
+def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
+    out_json, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "sweep.py"), "all",
+        "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
+        "--algorithm", "all", "--baselines", "mpi", "--limits", "--limits-bytes", "1M",
+        "--timeout", "60", "--no-progress", "--json", str(out_json), "--plot", str(plots),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    rows = _rows(proc.stdout)
+    assert rows, proc.stdout
+    # size count type redop root time algbw busbw #wrong frac mpi(us) xmpi
+    assert all(r[8] == "0" for r in rows), proc.stdout
+    assert "Out of bounds values : 0 OK" in proc.stdout
+    doc = json.loads(out_json.read_text())
+    recs = doc["records"]
+    assert {r["collective"] for r in recs} == set(COLLECTIVES)
+    assert {r["system"] for r in recs} == {"pycoll", "mpi"}
+    assert all(r["wrong"] == 0 for r in recs)
+    for key in ("time_us", "algbw", "busbw", "algorithm", "transport", "dtype", "host", "date"):
+        assert key in recs[0]
+    for coll in COLLECTIVES:
+        assert (plots / f"{coll}.png").stat().st_size > 0
+    # the fit runs on the same JSON
+    fit = _run([sys.executable, str(BENCH / "fit_cost.py"), str(out_json)], 30)
+    assert "DEFAULT = Constants(" in fit.stdout
+
+
+@pytest.mark.timeout(60)
+def test_sweep_gloo_baseline(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "sweep.py"), "allreduce",
+        "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
+        "--baselines", "gloo", "--timeout", "60", "--no-progress",
+    ]  # fmt: skip
+    proc = _run(cmd, 50)
+    assert "skipped" not in proc.stdout, proc.stdout
+    rows = _rows(proc.stdout)
+    assert rows and all(r[8] == "0" and r[9] != "skip" for r in rows), proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_p2p_every_transport(tmp_path: Path) -> None:
+    out_json = tmp_path / "p2p.json"
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "p2p.py"), "-t", "shm,tcp,rdma",
+        "-b", "8", "-e", "64K", "-f", "64", "-n", "5", "-w", "1", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 50)
+    assert "WRONG" not in proc.stdout
+    recs = json.loads(out_json.read_text())["records"]
+    assert {r["size"] for r in recs} == {8, 512, 32768}
+    assert {"shm", "tcp"} <= {r["transport"] for r in recs}
+    assert all(r["lat_us"] > 0 and r["bw_GBps"] > 0 for r in recs)
+
+
+@pytest.mark.timeout(30)
+def test_traffic_model_matches_ring_counts() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import limits
+    finally:
+        sys.path.remove(str(BENCH))
+    n, N = 4, 1 << 20
+    ring = limits.traffic("allreduce", "ring", n, N)
+    assert ring[0] == {"sent": 1.5 * N, "copied": 0.75 * N, "reduced": 0.75 * N}
+    lim = limits.Limits(copy=1e9, add=1e9, copy_conc=4e9, add_conc=4e9, nprocs=4, nbytes=N)
+    assert limits.bound_time("allreduce", "ring", n, N, lim) == pytest.approx(3.0 * N / 1e9)
+    assert limits.bound_time("allreduce", "nosuch", n, N, lim) is None
