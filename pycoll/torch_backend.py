@@ -51,7 +51,7 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 import pycoll
 from pycoll.errors import InvalidArgumentError, UnsupportedError
@@ -156,7 +156,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def __init__(
         self, comm: pycoll.Communicator, rank: int, size: int, mpi_comm: Any = None
     ) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         if (comm.rank, comm.size) != (rank, size):
             raise RuntimeError(
                 f"pycoll backend: torch rank {rank} of {size} but the pycoll communicator "
@@ -232,7 +232,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._comm.abort()
 
     # --- collectives
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         _check_same(tensors, "allreduce")
         return self.allreduce_coalesced(tensors, opts)
 
@@ -248,7 +248,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         return self._enqueue(run)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         _check_same(tensors, "broadcast")
         root = int(opts.rootRank) if opts is not None else 0
         s = _Staged(tensors[0], as_bytes=True, copy_in=self._rank == root)
@@ -261,7 +261,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         return self._enqueue(run)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         _check_same(tensors, "reduce")
         op = _op(opts) if opts is not None else "sum"
         root = int(opts.rootRank) if opts is not None else 0
@@ -275,7 +275,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         return self._enqueue(run)
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
@@ -337,7 +337,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     ) -> Any:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
