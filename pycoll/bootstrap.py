@@ -64,7 +64,11 @@ def _options(
         socket_ifname=cfg.socket_ifname,
         slot_bytes=cfg.device_chunk_bytes if device else cfg.chunk_bytes,
         nslots=4,
-        extra=(("rdma_memory", cfg.rdma_memory), ("rdma_provider", cfg.rdma_provider)),
+        extra=(
+            ("rdma_memory", cfg.rdma_memory),
+            ("rdma_provider", cfg.rdma_provider),
+            ("soft_caps", cfg.rdma_soft_caps),
+        ),
     )
 
 

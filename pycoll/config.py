@@ -37,6 +37,9 @@ class Config:
         transports: allowed transports in priority order (``PYCOLL_TRANSPORT``).
         rdma_memory: ``auto``, ``dmabuf``, ``gdr`` or ``host`` (``PYCOLL_RDMA_MEMORY``).
         rdma_provider: ``auto``, ``pyverbs`` or ``soft`` (``PYCOLL_RDMA_PROVIDER``).
+        rdma_soft_caps: NIC capabilities the soft RDMA provider claims, a comma list
+            of ``peermem`` and ``dmabuf`` (``PYCOLL_RDMA_SOFT_CAPS``), so the gdr and
+            dmabuf paths can run on a GPU machine without an RDMA NIC.
         socket_ifname: interface selection for tcp and soft RDMA (``PYCOLL_SOCKET_IFNAME``).
         algo: forced algorithm per collective; key ``"*"`` for all (``PYCOLL_ALGO``).
         chunk_bytes: pipeline chunk size (``PYCOLL_CHUNK_BYTES``).
@@ -53,6 +56,7 @@ class Config:
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     rdma_memory: str = "auto"
     rdma_provider: str = "auto"
+    rdma_soft_caps: str = ""
     socket_ifname: str | None = None
     algo: Mapping[str, str] = field(default_factory=dict)
     chunk_bytes: int = 1 << 20
@@ -94,6 +98,11 @@ class Config:
                 if v not in allowed:
                     raise bad(var, f"choose from {', '.join(allowed)}")
                 kw[key] = v
+        if v := e.get("PYCOLL_RDMA_SOFT_CAPS", "").strip().lower():
+            soft_caps = [x.strip() for x in v.split(",") if x.strip()]
+            if any(x not in ("peermem", "dmabuf") for x in soft_caps):
+                raise bad("PYCOLL_RDMA_SOFT_CAPS", "a comma list of peermem, dmabuf")
+            kw["rdma_soft_caps"] = ",".join(soft_caps)
         if v := e.get("PYCOLL_SOCKET_IFNAME", "").strip():
             kw["socket_ifname"] = v
         if v := e.get("PYCOLL_ALGO", "").strip():

@@ -14,6 +14,8 @@ _CLASSES = {
     "shm": "transports.shm:ShmTransport",
     "rdma": "transports.rdma:RdmaTransport",
     "tcp": "transports.tcp:TcpTransport",
+    # device memory only (pycoll wires it in a second table, for GPU buffers)
+    "cuda_ipc": "transports.cuda_ipc:CudaIpcTransport",
 }
 
 NAMES: tuple[str, ...] = tuple(_CLASSES)

@@ -6,7 +6,7 @@ dtypes use CuPy's ufuncs.  bfloat16 travels as ``uint16`` (CuPy has no bfloat16
 type): an ElementwiseKernel widens both operands to float32 (exact), applies
 the op in float32 and narrows with round-to-nearest-even, which is what
 ml_dtypes does on the host, so device and host results agree bit for bit.
-NaNs propagate through min and max, as NumPy's ``minimum``/``maximum`` do.
+min and max return one operand's bits (NaNs propagate), as ml_dtypes does.
 
 Every reduction is a pure elementwise function of its two operands, so the
 result depends only on the order the algorithms combine contributions in,
@@ -37,21 +37,21 @@ __device__ __forceinline__ unsigned short pc_f2bf(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
     return (unsigned short)(u >> 16);
 }
-__device__ __forceinline__ float pc_min(float x, float y) {
-    return (x != x || y != y) ? x + y : (y < x ? y : x);
-}
-__device__ __forceinline__ float pc_max(float x, float y) {
-    return (x != x || y != y) ? x + y : (y > x ? y : x);
-}
 """
 
-_BF16_EXPR = {
-    ReduceOp.SUM: "x + y",
-    ReduceOp.AVG: "x + y",
-    ReduceOp.PROD: "x * y",
-    ReduceOp.MIN: "pc_min(x, y)",
-    ReduceOp.MAX: "pc_max(x, y)",
+# min and max pick one operand's bits, as ml_dtypes does (``isnan(a) || a < b ? a : b``),
+# so signed zeros and NaN payloads come out exactly as on the host.
+_BF16_BODY = {
+    ReduceOp.SUM: "c = pc_f2bf(x + y);",
+    ReduceOp.AVG: "c = pc_f2bf(x + y);",
+    ReduceOp.PROD: "c = pc_f2bf(x * y);",
+    ReduceOp.MIN: "c = (x != x || x < y) ? a : b;",
+    ReduceOp.MAX: "c = (x != x || x > y) ? a : b;",
 }
+
+
+# keep subnormals and exact division: the host (ml_dtypes) does
+_EXACT = ("--ftz=false", "--prec-div=true", "--fmad=false")
 
 
 def _cupy() -> Any:
@@ -66,9 +66,10 @@ def _bf16_kernel(op: ReduceOp) -> Any:
     return cp.ElementwiseKernel(
         "uint16 a, uint16 b",
         "uint16 c",
-        f"float x = pc_bf2f(a); float y = pc_bf2f(b); c = pc_f2bf({_BF16_EXPR[op]});",
+        f"float x = pc_bf2f(a); float y = pc_bf2f(b); {_BF16_BODY[op]}",
         f"pycoll_bf16_{op.value}",
         preamble=_PREAMBLE,
+        options=_EXACT,
     )
 
 
@@ -81,6 +82,7 @@ def _bf16_div_kernel() -> Any:
         "c = pc_f2bf(pc_bf2f(a) / n);",
         "pycoll_bf16_div",
         preamble=_PREAMBLE,
+        options=_EXACT,
     )
 
 

@@ -9,6 +9,12 @@ message:
     recv:  irecv into pinned buffer k % 2  ->  H2D copy (or H2D into a device
            scratch and a reduction kernel ``out = local OP incoming``)
 
+Messages on a connection are matched in the order they are posted, so the
+pieces of two requests to one peer must not interleave: requests of one
+direction of one connection form a *lane*, and only the request at the head of
+its lane posts transport messages; it leaves the lane once it has posted its
+last piece (completion may come later).
+
 With two buffers per request, the D2H copy of piece k+1 runs while piece k is on
 the wire, and the H2D copy of piece k while piece k+1 arrives; a buffer is
 reused only once the event recorded after its copy has completed.  All device
@@ -51,6 +57,11 @@ class Pinned:
         self._rt = cupy.cuda.runtime
         self._bufs: dict[int, list[tuple[Any, np.ndarray]]] = {}
         self._events: list[int] = []
+        self._lanes: dict[tuple[int, str], deque[Request]] = {}
+
+    def lane(self, conn: Connection, direction: str) -> deque[Request]:
+        """The FIFO of staged requests posting on ``conn`` in ``direction`` ("s"/"r")."""
+        return self._lanes.setdefault((id(conn), direction), deque())
 
     def get(self, nbytes: int) -> tuple[Any, np.ndarray]:
         free = self._bufs.setdefault(nbytes, [])
@@ -78,6 +89,7 @@ class Pinned:
                 pass
         self._events.clear()
         self._bufs.clear()
+        self._lanes.clear()
 
 
 class StagedSend(Request):
@@ -97,8 +109,15 @@ class StagedSend(Request):
         # in flight, in order: [offset, n, buffer, event or None, send request or None]
         self._flight: deque[list[Any]] = deque()
         self._spare: list[tuple[Any, np.ndarray]] = []
+        self._lane = pool.lane(conn, "s")
+        self._lane.append(self)
+        self._posted = 0
+        self._npieces = len(self._todo)
 
     def _progress(self) -> bool:
+        lane = self._lane
+        if lane and lane[0] is not self:
+            lane[0].test()  # progress the lane like a connection progresses its queue
         while self._round():
             pass
         if self._todo or self._flight:
@@ -119,15 +138,21 @@ class StagedSend(Request):
             ev = self._pool.event()
             rt.eventRecord(ev, self._stream)
             self._flight.append([off, n, buf, ev, None])
-        # 2. post sends in order once copied; 3. free buffers once sent
+        # 2. post sends in order once copied (at the head of the lane only);
+        # 3. free buffers once sent
         for item in self._flight:
             off, n, buf, ev, req = item
             if req is None:
+                if not self._lane or self._lane[0] is not self:
+                    break
                 if rt.eventQuery(ev) == _NOT_READY:
                     break
                 self._pool.put_event(ev)
                 item[3] = None
                 item[4] = self.conn.isend(memoryview(buf[1][:n]))  # type: ignore[arg-type]
+                self._posted += 1
+                if self._posted == self._npieces:
+                    self._lane.popleft()
         freed = False
         while self._flight:
             item = self._flight[0]
@@ -179,15 +204,24 @@ class StagedRecv(Request):
         self._scratch: Any = None
         self._isz = out.dtype.itemsize
         self._optr = int(out.data.ptr)
+        self._lane = pool.lane(conn, "r")
+        self._lane.append(self)
 
     def _post(self) -> None:
+        if not self._todo or self._lane[0] is not self:
+            return  # all posted (and out of the lane), or not our turn yet
         while self._todo and len(self._flight) < _DEPTH:
             off, n = self._todo.popleft()
             buf = self._spare.pop() if self._spare else self._pool.get(self._piece)
             req = self.conn.irecv_into(memoryview(buf[1][:n]))  # type: ignore[arg-type]
             self._flight.append([off, n, buf, req, None])
+            if not self._todo:
+                self._lane.popleft()
 
     def _progress(self) -> bool:
+        lane = self._lane
+        if lane and lane[0] is not self:
+            lane[0].test()  # progress the lane like a connection progresses its queue
         while self._round():
             pass
         if self._todo or self._flight:
