@@ -1,0 +1,202 @@
+"""One fault scenario per run, on every rank; each rank writes its outcome as JSON.
+
+Run under ``mpiexec -disable-auto-cleanup -n N python tests/faults/scenario.py
+NAME OUTDIR`` (tests/test_faults.py does): with that flag MPICH's launcher keeps
+the survivors running when one rank dies, and tells them with SIGUSR1, which
+they ignore, so they can observe the fault and report it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import pycoll
+
+NAME, OUTDIR = sys.argv[1], sys.argv[2]
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+# The launcher stops forwarding output once a rank dies: log to a file instead,
+# and never die of SIGPIPE (MPI_Init may have restored its default action).
+signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+_log = os.open(os.path.join(OUTDIR, f"rank{RANK}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(_log, 2)
+os.close(_log)
+faulthandler.enable()
+
+
+def fds() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+def segments() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("pycoll-"))
+
+
+def report(**kw: object) -> None:
+    path = os.path.join(OUTDIR, f"rank{RANK}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(kw, f)
+    os.replace(path + ".tmp", path)
+
+
+def leaks(before: dict[str, str]) -> dict[str, object]:
+    deadline = time.monotonic() + 5
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = fds()
+    new = {k: v for k, v in after.items() if k not in before or before[k] != v}
+    return {
+        "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()],
+        "new_fds": new,
+        "sockets": [v for v in new.values() if v.startswith("socket:")],
+        "segments": segments(),
+    }
+
+
+def outcome(exc: BaseException | None, start: float) -> dict[str, object]:
+    d: dict[str, object] = {"elapsed": time.monotonic() - start}
+    if exc is None:
+        d["error"] = None
+        return d
+    d["error"] = type(exc).__name__
+    d["message"] = str(exc)
+    for attr in ("missing", "waiting_on", "peer", "ranks", "recorder"):
+        if hasattr(exc, attr):
+            v = getattr(exc, attr)
+            d[attr] = list(v) if isinstance(v, tuple) else v
+    if hasattr(exc, "status"):
+        d["status"] = {str(k): v for k, v in exc.status.items()}
+    return d
+
+
+def kill(transport: str) -> None:
+    before = fds()
+    comm = pycoll.init(timeout=60, transports=(transport,))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    x = np.ones(1 << 18, np.float32)
+    comm.allreduce(x)
+    WORLD.Barrier()
+    if RANK == 1:
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        time.sleep(10)
+    start = time.monotonic()
+    err = None
+    print(f"rank {RANK} looping", file=sys.stderr, flush=True)
+    try:
+        for _ in range(100000):  # mid-collective, whenever the victim dies
+            comm.allreduce(x)
+    except pycoll.PycollError as exc:
+        err = exc
+    print(f"rank {RANK} failed: {err!r}", file=sys.stderr, flush=True)
+    res = outcome(err, start)
+    comm.close()
+    print(f"rank {RANK} closed", file=sys.stderr, flush=True)
+    res.update(leaks(before))
+    report(**res)
+    # The launcher tears the job down once a survivor exits: wait for the others.
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not all(
+        os.path.exists(os.path.join(OUTDIR, f"rank{r}.json")) for r in range(SIZE) if r != 1
+    ):
+        time.sleep(0.05)
+    os._exit(0)  # a dead rank would make MPI_Finalize wait
+
+
+def timeout() -> None:
+    comm = pycoll.init(timeout=2)
+    x = np.ones(1000, np.float32)
+    comm.allreduce(x)
+    comm.broadcast(x, root=1)
+    start = time.monotonic()
+    err = None
+    if RANK == SIZE - 1:
+        time.sleep(8)  # never arrives in time
+    else:
+        try:
+            comm.allreduce(x)
+        except pycoll.PycollError as exc:
+            err = exc
+    res = outcome(err, start)
+    comm.close()
+    report(**res)
+
+
+def abort() -> None:
+    before = fds()
+    comm = pycoll.init(timeout=60)
+    x = np.ones(1 << 16, np.float32)
+    comm.allreduce(x)
+    res: dict[str, object] = {}
+    if RANK == 0:
+        req = comm.allreduce(x, async_op=True)  # rank 1 never joins
+        time.sleep(0.3)
+        t = time.monotonic()
+        comm.abort()
+        res["abort_s"] = time.monotonic() - t
+        try:
+            req.wait(timeout=10)
+            res["request"] = "completed"
+        except BaseException as exc:
+            res["request"] = type(exc).__name__
+        comm.abort()
+        comm.close()
+    else:
+        time.sleep(1.0)
+        comm.close()
+    res.update(leaks(before))
+    report(**res)
+    WORLD.Barrier()
+
+
+def check() -> None:
+    cases = {
+        "collective": lambda c: (
+            c.allreduce(np.ones(4, np.float32)) if RANK else c.broadcast(np.ones(4, np.float32))
+        ),
+        "count": lambda c: c.allreduce(np.ones(4 + RANK, np.float32)),
+        "dtype": lambda c: c.allreduce(np.ones(4, np.float32 if RANK else np.float64)),
+        "op": lambda c: c.allreduce(np.ones(4, np.float32), op="max" if RANK else "sum"),
+        "root": lambda c: c.broadcast(np.ones(4, np.float32), root=RANK % 2),
+        "algorithm": lambda c: c.allreduce(
+            np.ones(4, np.float32), algorithm="ring" if RANK else "tree"
+        ),
+    }
+    res: dict[str, object] = {}
+    for name, fn in cases.items():
+        comm = pycoll.init(timeout=20, check=True)
+        comm.allreduce(np.ones(8, np.float32))  # matching calls pass
+        try:
+            fn(comm)
+            res[name] = {"error": None}
+        except pycoll.PycollError as exc:
+            res[name] = {
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "ranks": list(getattr(exc, "ranks", ())),
+            }
+        comm.close()
+    report(**res)
+
+
+{
+    "kill-shm": lambda: kill("shm"),
+    "kill-tcp": lambda: kill("tcp"),
+    "timeout": timeout,
+    "abort": abort,
+    "check": check,
+}[NAME]()

@@ -1,0 +1,89 @@
+"""Communicators of several ranks inside one process, one thread per rank.
+
+:class:`ThreadComm` stands in for the few mpi4py calls the bootstrap makes
+(``bcast``, ``allgather``, ``allreduce``, ``Barrier``), so tests can build real
+communicators over real transports without a launcher.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pycoll
+from pycoll.config import Config
+
+
+class _Group:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots: list[Any] = [None] * n
+
+
+class ThreadComm:
+    """The mpi4py subset the bootstrap uses, for ranks that are threads."""
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self._g = group
+        self._rank = rank
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._g.n
+
+    def allgather(self, obj: Any) -> list[Any]:
+        g = self._g
+        g.slots[self._rank] = obj
+        g.barrier.wait()
+        out = list(g.slots)
+        g.barrier.wait()
+        return out
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self.allgather(obj)[root]
+
+    def allreduce(self, value: Any) -> Any:
+        return sum(self.allgather(value))
+
+    def Barrier(self) -> None:
+        self._g.barrier.wait()
+
+
+def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
+    """Run ``fn(rank)`` on ``n`` threads; return the results (or raise the first error)."""
+    out: list[Any] = [None] * n
+    errs: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:
+            errs.append(exc)
+
+    ths = [threading.Thread(target=go, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ths), "a rank thread hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+@contextmanager
+def communicators(n: int, **config: Any) -> Iterator[Sequence[pycoll.Communicator]]:
+    """``n`` connected communicators (ranks as threads); closed on exit."""
+    g = _Group(n)
+    cfg = Config.from_env({}, **config)
+    comms = run_ranks(n, lambda r: pycoll.Communicator(ThreadComm(g, r), cfg))  # type: ignore[arg-type]
+    try:
+        yield comms
+    finally:
+        for c in comms:
+            c.close()
