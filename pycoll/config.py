@@ -64,7 +64,7 @@ class Config:
     check: bool = False
     debug: str = "WARN"
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
-    device_chunk_bytes: int = 4 << 20
+    device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
