@@ -13,11 +13,21 @@ import sys
 
 
 def _info(args: argparse.Namespace) -> int:
+    from transports.base import TransportOptions
     from transports.rdma import caps
+    from transports.rdma.verbs import soft_address
 
-    soft_caps = frozenset(c for c in (args.soft_caps or "").split(",") if c)
+    soft_caps = frozenset(c.strip() for c in (args.soft_caps or "").split(",") if c.strip())
     found = caps.detect(provider=args.provider, soft_caps=soft_caps, gdr_level=args.gdr_level)
     print(caps.report(found))
+    chosen = next((p.name for p in found.paths if p.usable), "host")
+    print(f"rdma_memory=auto would use: {chosen}")
+    if args.provider == "soft" or (args.provider == "auto" and (found.pyverbs or not found.nics)):
+        opts = TransportOptions(
+            rank=0, size=1, socket_ifname=os.environ.get("PYCOLL_SOCKET_IFNAME")
+        )
+        claims = ",".join(sorted(soft_caps)) or "none"
+        print(f"soft provider: binds {soft_address(opts)}, claims {claims} (emulation, no DMA)")
     return 0
 
 
@@ -28,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--provider", default=os.environ.get("PYCOLL_RDMA_PROVIDER", "auto"))
     info.add_argument(
         "--soft-caps",
-        default="",
-        help="capabilities the soft provider claims (peermem,dmabuf)",
+        default=os.environ.get("PYCOLL_RDMA_SOFT_CAPS", ""),
+        help="capabilities the soft provider claims (peermem,dmabuf; PYCOLL_RDMA_SOFT_CAPS)",
     )
     info.add_argument(
         "--gdr-level",

@@ -18,9 +18,16 @@ from tests.launch import mpiexec
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: RDMA alone on the software provider: every pair over rdma:host, even on one host.
+RDMA_SOFT = {"PYCOLL_TRANSPORT": "rdma", "PYCOLL_RDMA_PROVIDER": "soft"}
+CASES = [pytest.param(n, {}, id=f"{n}") for n in (1, 2, 3, 4)] + [
+    pytest.param(n, RDMA_SOFT, id=f"{n}-rdma-soft") for n in (2, 3, 4)
+]
+
+
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_collectives_under_mpiexec(n: int) -> None:
+@pytest.mark.parametrize(("n", "variant"), CASES)
+def test_collectives_under_mpiexec(n: int, variant: dict[str, str]) -> None:
     cmd = mpiexec(n) + [
         sys.executable,
         "-m",
@@ -34,7 +41,7 @@ def test_collectives_under_mpiexec(n: int) -> None:
         "--with-mpi",
         str(ROOT / "tests" / "mpi"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **variant)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1450)
     assert proc.returncode == 0, (
         f"rc={proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

@@ -89,3 +89,29 @@ def test_collectives_across_hosts(layout: list[int], algo: str, tmp_path: Path) 
             if a != b:
                 want = "shm" if _host_of(a, layout) == _host_of(b, layout) else "tcp"
                 assert chosen.get((a, b)) == want, (a, b, chosen.get((a, b)), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_rdma_soft_across_hosts(layout: list[int], tmp_path: Path) -> None:
+    """shm inside a host, RDMA (soft provider) between hosts, bound to 198.18.0.x."""
+    logs = _run(
+        layout,
+        "collectives.py",
+        {
+            "PYCOLL_TRANSPORT": "shm,rdma",
+            "PYCOLL_RDMA_PROVIDER": "soft",
+            "PYCOLL_SOCKET_IFNAME": "eth0",
+            "PYCOLL_TEST_OTHER_HOST": "rdma:host",
+        },
+        tmp_path,
+    )
+    # Each rank's soft NIC listens on its own host's bench address, nothing else.
+    bound = {
+        int(r): addr
+        for r, addr in re.findall(
+            r"rdma: rank (\d+) listening via soft \(soft0\) at ([\d.]+)", logs
+        )
+    }
+    assert sorted(bound) == list(range(sum(layout))), bound
+    for r, addr in bound.items():
+        assert addr == f"{netns.SUBNET}.{_host_of(r, layout) + 1}", (r, addr)

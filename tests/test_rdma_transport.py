@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -158,7 +159,7 @@ def test_bad_blobs_raise_blob_error():
             Endpoint.unpack("not bytes")  # type: ignore[arg-type]
     finally:
         t.close()
-    assert BLOB_HEADER.size == 72
+    assert BLOB_HEADER.size == 88
 
 
 @pytest.mark.timeout(30)
@@ -170,6 +171,49 @@ def test_connection_closed_by_peer(pair):
         wait_all([r], Deadline.after(10))
     with pytest.raises(PeerClosedError):
         c0.isend(memoryview(b"x"))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("peer_connects", [True, False])
+def test_peer_gone_before_its_connections_settled(peer_connects):
+    """The peer closes right after (or instead of) connecting, before its NIC made
+    or accepted the streams: rank 0 must still learn of it, promptly."""
+    ts = [RdmaTransport(options(r)) for r in range(2)]
+    try:
+        blobs = [t.listen() for t in ts]
+        c0 = ts[0].connect(1, blobs[1])
+        if peer_connects:
+            ts[1].connect(0, blobs[0])
+        ts[1].close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerClosedError, match="peer 1.*IBV_WC_"):
+            wait_all([c0.irecv(10, lambda off, v: None)], Deadline.after(10))
+        assert time.monotonic() - t0 < 5
+    finally:
+        for t in ts:
+            t.close()
+
+
+@pytest.mark.timeout(30)
+def test_empty_messages_need_no_peer(pair):
+    """A rank that finished may close while a slower one still posts empty messages."""
+    c0, c1 = pair
+    c1.tr.close()
+    with pytest.raises(PeerClosedError):
+        wait_all([c0.irecv(1, lambda off, v: None)], Deadline.after(10))
+    assert c0.isend(memoryview(b"")).test() and c0.irecv(0, lambda off, v: None).test()
+
+
+@pytest.mark.timeout(30)
+def test_message_sent_just_before_the_peer_closed_is_delivered(pair):
+    c0, c1 = pair
+    wait_all([c1.isend(memoryview(b"last words"))], Deadline.after(10))
+    c1.tr.close()
+    out = bytearray(10)
+    wait_all([c0.irecv_into(memoryview(out))], Deadline.after(10))
+    assert out == b"last words"
+    with pytest.raises(PeerClosedError):
+        wait_all([c0.irecv(1, lambda off, v: None)], Deadline.after(10))
 
 
 @pytest.mark.timeout(30)

@@ -339,7 +339,8 @@ class Connection(abc.ABC):
     def isend_device(self, data: DeviceSpan) -> Request:
         """Post a send of device memory (only when ``device_capable``)."""
         raise TransportError(
-            f"{self.transport} cannot send device memory directly", peer=self.peer,
+            f"{self.transport} cannot send device memory directly",
+            peer=self.peer,
             transport=self.transport,
         )
 
@@ -347,7 +348,8 @@ class Connection(abc.ABC):
         """Post a receive whose pieces reach ``sink`` as device memory on ``device``
         (only when ``device_capable``); same ordering and alignment as :meth:`irecv`."""
         raise TransportError(
-            f"{self.transport} cannot receive into device memory directly", peer=self.peer,
+            f"{self.transport} cannot receive into device memory directly",
+            peer=self.peer,
             transport=self.transport,
         )
 

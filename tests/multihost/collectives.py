@@ -2,8 +2,8 @@
 
 The host layout comes from ``PYCOLL_TEST_HOSTS`` (ranks per host, e.g. ``2,2``),
 so each rank knows which peers share its host and asserts that pycoll picked
-``PYCOLL_TEST_SAME_HOST`` (default ``shm``) for them and ``tcp`` for everyone
-else.  Prints ``OK rank <r> ...`` at
+``PYCOLL_TEST_SAME_HOST`` (default ``shm``) for them and ``PYCOLL_TEST_OTHER_HOST``
+(default ``tcp``) for everyone else.  Prints ``OK rank <r> ...`` at
 the end; any mismatch raises, and mpi4py's ``-m mpi4py`` aborts the whole job.
 """
 
@@ -71,9 +71,10 @@ def main() -> int:
         assert size == sum(layout), (size, layout)
         me = host_of(r, layout)
         same_host = os.environ.get("PYCOLL_TEST_SAME_HOST", "shm")
+        other_host = os.environ.get("PYCOLL_TEST_OTHER_HOST", "tcp")
         kinds = {p: comm.transport_of(p) for p in range(size)}
         for p, kind in kinds.items():
-            want = "self" if p == r else (same_host if host_of(p, layout) == me else "tcp")
+            want = "self" if p == r else (same_host if host_of(p, layout) == me else other_host)
             assert kind == want, f"rank {r} -> {p}: transport {kind}, expected {want}"
         print(f"rank {r} host {socket.gethostname()} transports {kinds}", flush=True)
 

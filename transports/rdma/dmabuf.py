@@ -26,8 +26,13 @@ from transports.rdma.host import Registration
 NAME = "dmabuf"
 
 
-def export_range(ptr: int, nbytes: int) -> tuple[int, int, int, int]:
+def export_range(ptr: int, nbytes: int, cuda: Any = None) -> tuple[int, int, int, int]:
     """Export the page-aligned range around ``[ptr, ptr+nbytes)``.
+
+    Args:
+        ptr, nbytes: the device range.
+        cuda: a :class:`~transports.rdma.cuda.CudaDriver` (or a stand-in with
+            ``export_dmabuf``); None uses ``cuda.bindings`` directly.
 
     Returns:
         (fd, aligned_base, offset, aligned_len): ``offset = ptr - aligned_base``.
@@ -35,14 +40,16 @@ def export_range(ptr: int, nbytes: int) -> tuple[int, int, int, int]:
     Raises:
         TransportError: cuda.bindings is missing or the export failed.
     """
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError as exc:
-        raise TransportError("rdma:dmabuf needs cuda.bindings (pip install cuda-bindings)") from exc
     page = mmap.PAGESIZE
     base = ptr & ~(page - 1)
     offset = ptr - base
     length = (offset + nbytes + page - 1) & ~(page - 1)
+    if cuda is not None:
+        return int(cuda.export_dmabuf(base, length)), base, offset, length
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError as exc:
+        raise TransportError("rdma:dmabuf needs cuda.bindings (pip install cuda-bindings)") from exc
     kind = drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
     err, fd = drv.cuMemGetHandleForAddressRange(base, length, kind, 0)
     if int(err):
@@ -52,11 +59,22 @@ def export_range(ptr: int, nbytes: int) -> tuple[int, int, int, int]:
     return int(fd), base, offset, length
 
 
-def register(verbs: Any, pd: Any, ptr: int, nbytes: int, access: int) -> Registration:
-    """Register GPU memory through dma-buf; ``Registration.addr`` is the offset (iova)."""
-    fd, base, offset, _ = export_range(ptr, nbytes)
+def register(
+    verbs: Any, pd: Any, ptr: int, nbytes: int, access: int, cuda: Any = None
+) -> Registration:
+    """Register GPU memory through dma-buf; ``Registration.addr`` is the offset (iova).
+
+    The fd is closed once the MR holds the dma-buf (also when registration fails).
+    With the soft provider, ``cuda.soft_dma_ptr(base)`` says how it reaches the
+    bytes: a CUDA pointer (copies through CUDA), or None to map the fd itself.
+    """
+    fd, base, offset, _ = export_range(ptr, nbytes, cuda)
     try:
-        kwargs = {"soft_cuda_ptr": base} if verbs.name == "soft" else {}
+        kwargs: dict[str, Any] = {}
+        if verbs.name == "soft":
+            soft_ptr = base if cuda is None else cuda.soft_dma_ptr(base)
+            if soft_ptr is not None:
+                kwargs["soft_cuda_ptr"] = soft_ptr
         mr = verbs.DmaBufMR(pd, nbytes, access, fd, offset, **kwargs)
     except TypeError as exc:
         raise TransportError(

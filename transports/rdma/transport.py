@@ -8,12 +8,19 @@ carry every QP number.  Each rank also registers a receive area: for every peer,
 Data path (sender s -> receiver r)::
 
     isend: copy piece -> s's staging slot k -> RDMA WRITE WITH IMM into r's slot k
-           (imm: message sequence, last-piece flag)      [needs one credit]
+           (imm: message sequence, last-piece flag, device flag, credits for
+           s's own slots)                                 [needs one credit]
     r: CQ gives RECV_RDMA_WITH_IMM (slot k, byte_len) -> sink(offset, view of slot k)
-       -> slot k free -> credits go back to s as a zero-byte WRITE WITH IMM
+       -> slot k free -> its credit rides on r's next data piece to s, or goes
+       back as a zero-byte WRITE WITH IMM once half the slots are owed
 
 A sender starts with ``nslots`` credits; a slot is reused only after the
-receiver's sink has consumed it and the local write has completed.  Both sides
+receiver's sink has consumed it and the local write has completed.  Holding
+back fewer than half the credits cannot stall a sender: while it has none left,
+at least half the slots hold data that the receiver will consume (and owe)
+once it posts the receive, which the flow-control rule requires anyway.  A
+small message back and forth therefore costs one write each way, no credit
+write.  Both sides
 of a connection progress whenever any request of the transport is tested, so two
 ranks that both isend large messages and then irecv never deadlock.
 
@@ -30,6 +37,7 @@ import logging
 import random
 import struct
 import threading
+import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -40,6 +48,8 @@ from transports.base import (
     BlobError,
     ConnectError,
     Connection,
+    DeviceSink,
+    DeviceSpan,
     DoneRequest,
     PeerClosedError,
     Request,
@@ -55,22 +65,26 @@ from transports.rdma.verbs import open_verbs, soft_fabric
 log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ blob format
-#: Endpoint blob, little-endian, version 1:
+#: Endpoint blob, little-endian, version 2:
 #:   header  BLOB_HEADER  magic b"PCRD", version, provider (0 pyverbs, 1 soft),
 #:           port, mtu (ibv_mtu), lid, rank, size, nslots, slot_bytes, rkey,
-#:           slots base address, gid[16], fabric[16]
+#:           slots base address, gid[16], fabric[16], device slots' rkey and
+#:           base address (zeros when this rank has no device slots)
 #:   entries BLOB_ENTRY x size: (qp_num, psn) of the QP this rank made for peer i
 #:           (zeros for its own rank)
 #:   trailer CRC-32 of everything before it
 BLOB_MAGIC = b"PCRD"
-BLOB_VERSION = 1
-BLOB_HEADER = struct.Struct("<4sBBBBHxxIIIIIQ16s16s")
+BLOB_VERSION = 2
+BLOB_HEADER = struct.Struct("<4sBBBBHxxIIIIIQ16s16sIxxxxQ")
 BLOB_ENTRY = struct.Struct("<II")
 BLOB_CRC = struct.Struct("<I")
 PROVIDER_CODE = {"pyverbs": 0, "soft": 1}
 
-IMM_CREDIT = 1 << 31
+IMM_CREDIT = 1 << 31  # a credit-only write: the low 16 bits are the count
 IMM_LAST = 1 << 16
+IMM_DEVICE = 1 << 17  # the piece is in the receiver's device slot, not its host slot
+IMM_PIGGY_SHIFT = 18  # credits riding on a data piece: bits 18..30
+IMM_PIGGY_MAX = (1 << 13) - 1
 WR_DATA = 1 << 32
 WR_CREDIT = 2 << 32
 WR_RECV = 3 << 32
@@ -95,11 +109,14 @@ class Endpoint:
     gid: bytes
     fabric: bytes
     qps: list[tuple[int, int]]
+    dev_rkey: int = 0
+    dev_addr: int = 0
 
     def pack(self) -> bytes:
         head = BLOB_HEADER.pack(
             BLOB_MAGIC, BLOB_VERSION, self.provider, self.port, self.mtu, self.lid, self.rank, self.size,
             self.nslots, self.slot_bytes, self.rkey, self.slots_addr, self.gid, self.fabric,
+            self.dev_rkey, self.dev_addr,
         )  # fmt: skip
         body = head + b"".join(BLOB_ENTRY.pack(q, p) for q, p in self.qps)
         return body + BLOB_CRC.pack(zlib.crc32(body))
@@ -139,6 +156,8 @@ class Endpoint:
             slots_addr,
             gid,
             fabric,
+            dev_rkey,
+            dev_addr,
         ) = fields
         want = BLOB_HEADER.size + size * BLOB_ENTRY.size + BLOB_CRC.size
         if len(blob) != want:
@@ -165,6 +184,7 @@ class Endpoint:
         return cls(
             provider=provider, port=port, mtu=mtu, lid=lid, rank=rank, size=size, nslots=nslots,
             slot_bytes=slot_bytes, rkey=rkey, slots_addr=slots_addr, gid=gid, fabric=fabric, qps=qps,
+            dev_rkey=dev_rkey, dev_addr=dev_addr,
         )  # fmt: skip
 
 
@@ -174,38 +194,47 @@ def _peer_index(owner: int, peer: int) -> int:
 
 
 # ------------------------------------------------------------------ requests
-class _SendReq(Request):
-    def __init__(self, conn: RdmaConnection, data: memoryview) -> None:
-        self.peer = conn.peer
-        self.conn = conn
-        self.data = data
-        self.seq = 0
-        self.posted = 0  # bytes handed to the NIC
-        self.outstanding = 0  # writes not yet completed
+class _ConnReq(Request):
+    """A send or receive on one connection; testing it progresses the connection."""
 
-    def _progress(self) -> bool:
-        self.conn._progress()
-        return self._done
-
-    def check_peer(self) -> None:
-        self.conn.check_peer()
-
-
-class _RecvReq(Request):
-    def __init__(self, conn: RdmaConnection, nbytes: int, sink: Sink) -> None:
+    def __init__(self, conn: RdmaConnection, nbytes: int) -> None:
         self.peer = conn.peer
         self.conn = conn
         self.nbytes = nbytes
-        self.sink = sink
         self.seq = 0
-        self.received = 0
 
     def _progress(self) -> bool:
-        self.conn._progress()
-        return self._done
+        conn = self.conn
+        conn._progress()
+        if self._done:  # completed before the connection broke: still a success
+            return True
+        conn._raise_if_broken()
+        return False
 
     def check_peer(self) -> None:
         self.conn.check_peer()
+
+    def block(self, seconds: float) -> None:
+        """The idle hook of :func:`transports.base.idle_round`."""
+        self.conn.tr.block(seconds)
+
+
+class _SendReq(_ConnReq):
+    def __init__(self, conn: RdmaConnection, data: memoryview | DeviceSpan) -> None:
+        super().__init__(conn, data.nbytes if isinstance(data, DeviceSpan) else len(data))
+        self.data = data
+        self.posted = 0  # bytes handed to the NIC
+        self.outstanding = 0  # writes not yet completed
+
+
+class _RecvReq(_ConnReq):
+    def __init__(
+        self, conn: RdmaConnection, nbytes: int, sink: Sink | DeviceSink, device: bool = False
+    ) -> None:
+        super().__init__(conn, nbytes)
+        self.sink = sink
+        self.device = device
+        self.received = 0
 
 
 # ------------------------------------------------------------------ connection
@@ -244,32 +273,100 @@ class RdmaConnection(Connection):
         self.recv_seq = 0
         self.recv_slot = 0
         self.arrivals: deque[tuple[int, int, int]] = deque()  # (slot, nbytes, imm)
+        # consumed slots in arrival order, each with the CUDA event its device
+        # sink's work must pass before the slot is handed back (None: free now)
+        self.consumed: deque[Any] = deque()
         self.error: TransportError | None = None
         self.closed = False
         self._registrations: list[Registration] = []
+        # device paths (dmabuf, gdr): our device slots for this peer, the peer's
+        # device slots for us (when it has any) and device send staging
+        self.device_capable = tr.memory_path in ("dmabuf", "gdr")
+        self.device = tr.device
+        #: the stream handed to device sinks; the layer above sets its own so that
+        #: sinks' work is ordered with the rest of its work.  0 (the default): the
+        #: legacy default stream, and each piece's sink work is waited for.
+        self.sink_stream = 0
+        self.dev_recv_ptr = 0
+        self.remote_dev_rkey = 0
+        self.remote_dev_base = 0
+        self.dev_staging: int = 0
+        self.dev_staging_reg: Registration | None = None
+        if self.device_capable:
+            self.dev_recv_ptr = tr.dev_recv_ptr + off
+            if remote.dev_rkey:
+                self.remote_dev_rkey = remote.dev_rkey
+                self.remote_dev_base = remote.dev_addr + _peer_index(remote.rank, tr.rank) * n * sb
+                self.dev_staging = tr.cuda.alloc(n * sb)
+                try:
+                    self.dev_staging_reg = tr._register_device(
+                        self.dev_staging, n * sb, e.IBV_ACCESS_LOCAL_WRITE
+                    )
+                except BaseException:
+                    tr.cuda.free(self.dev_staging)
+                    self.staging_mr.close()
+                    self.staging.close()
+                    raise
 
     # ------------------------------------------------------------ public verbs
+    # A zero-byte message moves nothing and needs no peer: it completes at once,
+    # even when the peer has already finished its work and closed (a fast rank
+    # may close before a slow one posts its last, empty, message to it).
     def isend(self, data: memoryview) -> Request:
-        self._raise_if_broken()
         mv = (
             memoryview(data).cast("B")
             if not isinstance(data, memoryview) or data.format != "B"
             else data
         )
-        if len(mv) == 0:
+        if len(mv) == 0 and not self.closed:
             return DoneRequest(self.peer)
-        req = _SendReq(self, mv)
+        return self._queue_send(_SendReq(self, mv))
+
+    def irecv(self, nbytes: int, sink: Sink) -> Request:
+        if nbytes == 0 and not self.closed:
+            return DoneRequest(self.peer)
+        return self._queue_recv(_RecvReq(self, nbytes, sink))
+
+    def isend_device(self, data: DeviceSpan) -> Request:
+        """Post a send of device memory (paths dmabuf and gdr).
+
+        Each piece is copied on ``data.stream`` (after the work queued there) into
+        this connection's registered device staging and written from there into
+        the peer's device slot; a peer without device slots gets it in its host
+        slot instead (staged through this side's host staging).
+        """
+        if not self.device_capable:
+            return super().isend_device(data)
+        if data.nbytes == 0 and not self.closed:
+            return DoneRequest(self.peer)
+        return self._queue_send(_SendReq(self, data))
+
+    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
+        """Post a receive whose pieces reach ``sink`` as spans of this side's device
+        slots (on stream :attr:`sink_stream`); a slot is reused only after the
+        work the sink enqueued there has finished (a CUDA event)."""
+        if not self.device_capable:
+            return super().irecv_device(nbytes, sink, device)
+        if device != self.device:
+            raise TransportError(
+                f"rdma device slots are on GPU {self.device}, not GPU {device}",
+                peer=self.peer,
+                transport=self.transport,
+            )
+        if nbytes == 0 and not self.closed:
+            return DoneRequest(self.peer)
+        return self._queue_recv(_RecvReq(self, nbytes, sink, device=True))
+
+    def _queue_send(self, req: _SendReq) -> Request:
+        self._raise_if_broken()
         req.seq = self.send_seq
         self.send_seq = (self.send_seq + 1) & 0xFFFF
         self.sendq.append(req)
         self._progress()
         return req
 
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
+    def _queue_recv(self, req: _RecvReq) -> Request:
         self._raise_if_broken()
-        if nbytes == 0:
-            return DoneRequest(self.peer)
-        req = _RecvReq(self, nbytes, sink)
         req.seq = self.recv_seq
         self.recv_seq = (self.recv_seq + 1) & 0xFFFF
         self.recvq.append(req)
@@ -290,13 +387,11 @@ class RdmaConnection(Connection):
             mv = memoryview(buffer).cast("B")
             addr = HostBuffer.address_of(mv)
             return host.register(verbs, pd, addr, len(mv), access)
-        nbytes = int(buffer)
-        if self.tr.memory_path == "dmabuf":
-            return dmabuf.register(verbs, pd, device_ptr, nbytes, access)
-        if self.tr.memory_path == "gdr":
-            return gdr.register(verbs, pd, device_ptr, nbytes, access)
+        if self.tr.memory_path in ("dmabuf", "gdr"):
+            return self.tr._register_device(device_ptr, int(buffer), access)
         raise TransportError(
-            "GPU buffers on the rdma:host path go through pinned host staging (not implemented yet)",
+            "GPU buffers on the rdma:host path are staged through host memory by the "
+            "layer above (this connection is not device_capable)",
             peer=self.peer,
             transport=self.transport,
         )
@@ -311,11 +406,18 @@ class RdmaConnection(Connection):
         self.tr._forget(self)
         for reg in self._registrations:
             reg.close()
-        for obj in (self.qp, self.staging_mr):
+        for obj in (self.qp, self.staging_mr, self.dev_staging_reg):
             try:
-                obj.close()
+                if obj is not None:
+                    obj.close()
             except Exception:  # already torn down with the context
                 pass
+        if self.dev_staging:
+            try:
+                self.tr.cuda.free(self.dev_staging)
+            except Exception as exc:
+                log.debug("rdma: freeing device staging: %s", exc)
+            self.dev_staging = 0
         self.staging.close()
         if self.error is None:
             self.error = PeerClosedError(
@@ -330,28 +432,51 @@ class RdmaConnection(Connection):
             raise self.error
 
     def _progress(self) -> None:
+        """Take completions, deliver arrivals, post what flow control allows.
+
+        Arrivals that completed before an error are still delivered, so a
+        message the peer sent just before it closed is not lost; the error is
+        raised by the requests it leaves unfinished.
+        """
         self.tr._poll()
-        self._raise_if_broken()
         self._deliver()
-        self._pump_sends()
-        self._return_credits()
+        if self.error is None:
+            self._reap_slots()
+            self._pump_sends()
+            self._return_credits()
 
     def _fail(self, exc: TransportError) -> None:
         if self.error is None:
             self.error = exc
             log.debug("%s", exc)
 
+    def _wc_error(self, wc: Any) -> TransportError:
+        """The exception for a failed work completion: the peer, the status, a hint.
+
+        Retry-exceeded and flush statuses mean the peer (or the path to it) is
+        gone: :class:`PeerClosedError`.  Access and protocol statuses mean a
+        request was refused (bad rkey, out of bounds, missing access rights):
+        a plain :class:`TransportError`.
+        """
+        e = self._e
+        status = int(wc.status)
+        name = self.tr.verbs.wc_status_name(status)
+        kind = {WR_DATA: "data write", WR_CREDIT: "credit write", WR_RECV: "receive"}.get(
+            wc.wr_id & ~0xFFFFFFFF, "request"
+        )
+        hint = _WC_HINTS.get(name, "")
+        msg = (
+            f"rdma QP to peer {self.peer} failed: work completion {name} (status {status}) "
+            f"on a {kind} (wr_id {wc.wr_id:#x}){': ' + hint if hint else ''}"
+        )
+        gone = status in (e.IBV_WC_RETRY_EXC_ERR, e.IBV_WC_RNR_RETRY_EXC_ERR, e.IBV_WC_WR_FLUSH_ERR)
+        cls = PeerClosedError if gone else TransportError
+        return cls(msg, peer=self.peer, transport=self.transport)
+
     def _on_wc(self, wc: Any) -> None:
         e = self._e
         if wc.status != e.IBV_WC_SUCCESS:
-            self._fail(
-                PeerClosedError(
-                    f"rdma QP to peer {self.peer} failed: work completion "
-                    f"{self.tr.verbs.wc_status_name(wc.status)} (status {wc.status}, wr_id {wc.wr_id:#x})",
-                    peer=self.peer,
-                    transport=self.transport,
-                )
-            )
+            self._fail(self._wc_error(wc))
             return
         kind = wc.wr_id & ~0xFFFFFFFF
         if kind == WR_RECV:
@@ -360,6 +485,7 @@ class RdmaConnection(Connection):
             if imm & IMM_CREDIT:
                 self.credits += imm & 0xFFFF
             else:
+                self.credits += (imm >> IMM_PIGGY_SHIFT) & IMM_PIGGY_MAX
                 self.arrivals.append((self.recv_slot, int(wc.byte_len), imm))
                 self.recv_slot = (self.recv_slot + 1) % self.nslots
         elif kind == WR_DATA:
@@ -369,7 +495,7 @@ class RdmaConnection(Connection):
             self.staging_owner[slot] = None
             if req is not None:
                 req.outstanding -= 1
-                if req.outstanding == 0 and req.posted == len(req.data):
+                if req.outstanding == 0 and req.posted == req.nbytes:
                     req._done = True
         elif kind == WR_CREDIT:
             self.sq_used -= 1
@@ -379,6 +505,7 @@ class RdmaConnection(Connection):
 
     def _deliver(self) -> None:
         sb = self.slot_bytes
+        flushed = False
         while self.arrivals and self.recvq:
             slot, n, imm = self.arrivals[0]
             req = self.recvq[0]
@@ -402,14 +529,42 @@ class RdmaConnection(Connection):
                 self._raise_if_broken()
             self.arrivals.popleft()
             base = slot * sb
+            in_device = bool(imm & IMM_DEVICE)
+            event = None
             try:
-                req.sink(req.received, self.recv_view[base : base + n])
+                if req.device:
+                    cuda = self.tr.cuda
+                    ptr = self.dev_recv_ptr + base
+                    if not in_device:  # the peer staged it through our host slot
+                        host_addr = HostBuffer.address_of(self.recv_view[base : base + n])
+                        cuda.copy_htod(ptr, host_addr, n, self.sink_stream)
+                    elif self.tr.flusher is not None and not flushed:
+                        # gdr: the NIC's writes must reach GPU memory before a kernel reads
+                        # them; one READ flushes every piece that arrived before it
+                        assert self.tr.dev_recv_reg is not None
+                        self.tr.flusher.flush(self.tr.dev_recv_reg)
+                        flushed = True
+                    req.sink(req.received, DeviceSpan(ptr, n, self.device, self.sink_stream))  # type: ignore[arg-type]
+                    if self.sink_stream:
+                        event = cuda.record(self.sink_stream)
+                    else:
+                        # Nobody named the consumer's stream: the sink's work on the
+                        # legacy stream is not ordered before a non-blocking stream's,
+                        # so it is finished here.
+                        cuda.synchronize(0)
+                else:
+                    view = self.recv_view[base : base + n]
+                    if in_device:  # a device piece for a host receive: bring it over
+                        self.tr.cuda.copy_dtoh(
+                            HostBuffer.address_of(view), self.dev_recv_ptr + base, n, 0
+                        )
+                    req.sink(req.received, view)  # type: ignore[arg-type]
             except BaseException as exc:
                 req._error = exc
                 self.recvq.popleft()
                 raise
             finally:
-                self.credits_to_return += 1
+                self.consumed.append(event)
             req.received = end
             if last:
                 self.recvq.popleft()
@@ -424,20 +579,37 @@ class RdmaConnection(Connection):
             if self.staging_owner[slot] is not None:
                 return  # the write out of this staging slot has not completed yet
             req = self.sendq[0]
-            n = min(sb, len(req.data) - req.posted)
+            n = min(sb, req.nbytes - req.posted)
             base = slot * sb
-            self.staging.view[base : base + n] = req.data[req.posted : req.posted + n]
-            last = req.posted + n == len(req.data)
-            sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
+            last = req.posted + n == req.nbytes
+            give = min(self.credits_to_return, IMM_PIGGY_MAX)
+            imm = req.seq | (IMM_LAST if last else 0) | (give << IMM_PIGGY_SHIFT)
+            rkey, raddr = self.remote_rkey, self.remote_base + base
+            if isinstance(req.data, DeviceSpan):
+                span = req.data
+                src = span.ptr + req.posted
+                if self.remote_dev_rkey and self.dev_staging_reg is not None:
+                    tr.cuda.copy_dtod(self.dev_staging + base, src, n, span.stream)
+                    reg = self.dev_staging_reg
+                    sge = verbs.SGE(reg.addr + base, n, reg.lkey)
+                    rkey, raddr = self.remote_dev_rkey, self.remote_dev_base + base
+                    imm |= IMM_DEVICE
+                else:  # the peer has host slots only
+                    tr.cuda.copy_dtoh(self.staging.addr + base, src, n, span.stream)
+                    sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
+            else:
+                self.staging.view[base : base + n] = req.data[req.posted : req.posted + n]
+                sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
             wr = verbs.SendWR(
                 wr_id=WR_DATA | slot,
                 opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
                 num_sge=1,
                 sg=[sge],
-                imm_data=req.seq | (IMM_LAST if last else 0),
+                imm_data=imm,
             )
-            wr.set_wr_rdma(self.remote_rkey, self.remote_base + base)
+            wr.set_wr_rdma(rkey, raddr)
             self._post_send(wr)
+            self.credits_to_return -= give
             self.staging_owner[slot] = req
             req.outstanding += 1
             req.posted += n
@@ -446,8 +618,17 @@ class RdmaConnection(Connection):
             if last:
                 self.sendq.popleft()
 
+    def _reap_slots(self) -> None:
+        """Consumed slots whose sink work is done become credits owed, in slot order
+        (the peer reuses its slots round-robin)."""
+        consumed = self.consumed
+        while consumed and (consumed[0] is None or self.tr.cuda.done(consumed[0])):
+            consumed.popleft()
+            self.credits_to_return += 1
+
     def _return_credits(self) -> None:
-        if not self.credits_to_return or self.sq_used >= self.tr.max_send_wr:
+        """Send owed credits on their own once half the slots are owed."""
+        if self.credits_to_return < max(1, self.nslots // 2) or self.sq_used >= self.tr.max_send_wr:
             return
         e = self._e
         wr = self.tr.verbs.SendWR(
@@ -464,11 +645,18 @@ class RdmaConnection(Connection):
         try:
             self.qp.post_send(wr)
         except Exception as exc:
+            state = _qp_state_name(self.tr.verbs, self.qp)
+            why = (
+                f"the QP is in state {state}, not RTS"
+                if state != "IBV_QPS_RTS"
+                else "the send queue refused it"
+            )
             self._fail(
-                PeerClosedError(
-                    f"rdma post_send to peer {self.peer} failed: {exc}",
+                TransportError(
+                    f"rdma post_send to peer {self.peer} failed: {why} ({exc})",
                     peer=self.peer,
                     transport=self.transport,
+                    errno=getattr(exc, "error_code", None),
                 )
             )
             raise self.error from exc  # type: ignore[misc]
@@ -482,14 +670,34 @@ class RdmaTransport(Transport):
     Options read from ``options.extra``: ``rdma_provider`` (auto, pyverbs, soft),
     ``rdma_memory`` (auto, dmabuf, gdr, host), ``rdma_device``, ``rdma_port``,
     ``rdma_gid_index``, ``rdma_gdr_level`` (PIX, PXB, PHB, NODE, SYS),
-    ``rdma_gpu`` (CUDA device index for the path choice), ``soft_addr``,
+    ``rdma_gpu`` (CUDA device of this rank's device slots; default: the current
+    CUDA context's device, else 0), ``soft_addr``,
     ``soft_caps`` (comma list: peermem, dmabuf).
+
+    With the dmabuf or gdr path, :meth:`listen` also allocates device receive
+    slots (``nslots`` x ``slot_bytes`` per peer, ``cuMemAlloc``) and registers
+    them through that path; their rkey and address travel in the blob, and
+    connections become ``device_capable``.
+
+    Args:
+        options: as every transport.
+        cuda: the CUDA access object (:class:`~transports.rdma.cuda.CudaDriver`
+            or a stand-in with its methods); default: a CudaDriver, made only
+            when a device path is chosen.
     """
 
     name = "rdma"
 
-    def __init__(self, options: TransportOptions) -> None:
+    def __init__(self, options: TransportOptions, *, cuda: Any = None) -> None:
         super().__init__(options)
+        #: CUDA device of the device slots: ``rdma_gpu``, else the device of the
+        #: CUDA context current when the path is chosen, else 0
+        self.device = int(options.get("rdma_gpu", "0") or 0)
+        self.cuda: Any = cuda
+        self._own_cuda = cuda is None
+        self.dev_recv_ptr = 0
+        self.dev_recv_reg: Registration | None = None
+        self.flusher: gdr.Flusher | None = None
         self.rank = options.rank
         self.size = options.size
         self.slot_bytes = max(PIECE_ALIGN, options.slot_bytes // PIECE_ALIGN * PIECE_ALIGN)
@@ -562,6 +770,17 @@ class RdmaTransport(Transport):
             self.close()
             raise ConnectError(f"rdma setup failed: {exc}", transport="rdma") from exc
         self.memory_path = self._choose_memory_path()
+        if self.memory_path in ("dmabuf", "gdr"):
+            try:
+                self._setup_device_slots()
+            except Exception as exc:
+                self.close()
+                if isinstance(exc, TransportError):
+                    raise
+                raise ConnectError(
+                    f"rdma:{self.memory_path} device slots could not be set up: {exc}",
+                    transport="rdma",
+                ) from exc
         fabric = (
             soft_fabric(verbs.context_kwargs["soft_addr"])
             if verbs.name == "soft"
@@ -572,13 +791,47 @@ class RdmaTransport(Transport):
             size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, rkey=self.recv_mr.rkey,
             slots_addr=self.recv_mr.addr, gid=_gid_bytes(self.gid), fabric=fabric,
             qps=[(int(self.qps[p].qp_num), self.psns[p]) if p != self.rank else (0, 0) for p in range(self.size)],
+            dev_rkey=self.dev_recv_reg.rkey if self.dev_recv_reg else 0,
+            dev_addr=self.dev_recv_reg.addr if self.dev_recv_reg else 0,
         )  # fmt: skip
         self._blob = ep.pack()
+        where = f" at {verbs.context_kwargs['soft_addr']}" if verbs.name == "soft" else ""
         log.info(
-            "rdma: rank %d listening via %s (%s), lid %d, gid %s, memory path %s",
-            self.rank, verbs.name, verbs.device, self.lid, _gid_bytes(self.gid).hex(), self.memory_path,
+            "rdma: rank %d listening via %s (%s)%s, lid %d, gid %s, memory path %s",
+            self.rank, verbs.name, verbs.device, where, self.lid, _gid_bytes(self.gid).hex(),
+            self.memory_path,
         )  # fmt: skip
         return self._blob
+
+    def _setup_device_slots(self) -> None:
+        """Device receive slots for every peer, registered through the memory path."""
+        if self.cuda is None:
+            from transports.rdma.cuda import CudaDriver
+
+            self.cuda = CudaDriver(self.device)
+        e = self.verbs.e
+        area = max(0, self.size - 1) * self.nslots * self.slot_bytes
+        self.dev_recv_ptr = self.cuda.alloc(area)
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        self.dev_recv_reg = self._register_device(self.dev_recv_ptr, max(area, 1), access)
+        if self.memory_path == "gdr":
+            timeout = float(self.options.timeout)
+            self.flusher = gdr.Flusher(
+                self.verbs, self.ctx, self.pd, self.port_num, self.gid, self.lid, timeout
+            )
+        if self.verbs.name == "soft":
+            log.info(
+                "rdma: soft provider moves bytes to and from GPU %d with CUDA copies "
+                "(rdma:%s is emulated, not DMA)",
+                self.device,
+                self.memory_path,
+            )
+
+    def _register_device(self, ptr: int, nbytes: int, access: int) -> Registration:
+        """Register device memory: a dma-buf MR (dmabuf) or an MR on the CUDA pointer (gdr)."""
+        if self.memory_path == "dmabuf":
+            return dmabuf.register(self.verbs, self.pd, ptr, nbytes, access, self.cuda)
+        return gdr.register(self.verbs, self.pd, ptr, nbytes, access)
 
     def _gid_index(self) -> int:
         wanted = self.options.get("rdma_gid_index", "auto")
@@ -612,7 +865,11 @@ class RdmaTransport(Transport):
             return "host"
         verbs = self.verbs
         c = capmod.Capabilities()
-        c.gpus, c.gpu_error = capmod.detect_gpus()
+        c.gpus, c.gpu_error = self.cuda.gpus() if self.cuda is not None else capmod.detect_gpus()
+        if c.gpus and not self.options.get("rdma_gpu"):
+            from transports.rdma.cuda import current_device
+
+            self.device = current_device()
         soft_caps = (
             frozenset(verbs.context_kwargs.get("soft_caps", ()))
             if verbs.name == "soft"
@@ -633,7 +890,7 @@ class RdmaTransport(Transport):
             provider=verbs.name,
             soft_caps=soft_caps,
             gdr_level=self.options.get("rdma_gdr_level", "PXB") or "PXB",
-            gpu=int(self.options.get("rdma_gpu", "0") or 0),
+            gpu=self.device,
         )
         order = MEMORY_PATHS if wanted == "auto" else (wanted,)
         for st in statuses:
@@ -737,6 +994,18 @@ class RdmaTransport(Transport):
                 if n < 32:
                     return
 
+    def block(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the CQ to have something (requests' idle hook).
+
+        The soft provider's CQ can be waited on (its NIC work then runs in this
+        thread); with pyverbs this is a plain sleep.
+        """
+        cq = getattr(self, "cq", None)
+        if cq is None or self._closed or self.verbs.name != "soft":
+            time.sleep(seconds)
+        else:
+            cq.wait(seconds)
+
     def _forget(self, conn: RdmaConnection) -> None:
         with self._lock:
             self._conns.pop(conn.qp_num, None)
@@ -751,7 +1020,7 @@ class RdmaTransport(Transport):
         for name in ("qps",):
             for qp in getattr(self, name, {}).values():
                 qp.close()
-        for name in ("recv_mr", "cq", "pd", "ctx"):
+        for name in ("flusher", "dev_recv_reg", "recv_mr", "cq", "pd", "ctx"):
             obj = getattr(self, name, None)
             if obj is not None:
                 try:
@@ -761,6 +1030,44 @@ class RdmaTransport(Transport):
         area = getattr(self, "recv_area", None)
         if area is not None:
             area.close()
+        if self.cuda is not None:
+            try:
+                if self.dev_recv_ptr:
+                    self.cuda.free(self.dev_recv_ptr)
+                    self.dev_recv_ptr = 0
+                if self._own_cuda:
+                    self.cuda.close()
+            except Exception as exc:
+                log.debug("rdma: releasing CUDA memory: %s", exc)
+
+
+#: What a failed work completion usually means, for the error message.
+_WC_HINTS = {
+    "IBV_WC_REM_ACCESS_ERR": "the peer refused the RDMA access (wrong rkey, out of the "
+    "registered bounds, or no remote access right); nothing was written",
+    "IBV_WC_REM_INV_REQ_ERR": "the peer refused the request as invalid",
+    "IBV_WC_REM_OP_ERR": "the peer could not complete the operation",
+    "IBV_WC_LOC_PROT_ERR": "a local buffer is not covered by its memory region (lkey)",
+    "IBV_WC_LOC_LEN_ERR": "a message is longer than the posted receive",
+    "IBV_WC_RETRY_EXC_ERR": "the peer stopped answering (process gone, QP destroyed, "
+    "or the path to it down)",
+    "IBV_WC_RNR_RETRY_EXC_ERR": "the peer had no receive posted for too long",
+    "IBV_WC_WR_FLUSH_ERR": "the QP is in the error state (the peer went away or an "
+    "earlier request failed)",
+}
+
+
+def _qp_state_name(verbs: Any, qp: Any) -> str:
+    """The QP's state as ``IBV_QPS_*`` (``?`` when it cannot be queried)."""
+    try:
+        state = int(qp.qp_state)
+    except Exception:
+        try:
+            attr, _ = qp.query(verbs.e.IBV_QP_STATE)
+            state = int(attr.qp_state)
+        except Exception:
+            return "?"
+    return str(verbs.e.name_of("IBV_QPS_", state))
 
 
 def _gid_bytes(gid: Any) -> bytes:

@@ -68,15 +68,20 @@ class Enums:
                 return int(val)
         raise AttributeError(f"no verbs constant {name}")
 
-    def name_of(self, prefix: str, value: int) -> str:
-        """The constant name of ``value`` among those starting with ``prefix``."""
+    def name_of(self, prefix: str, value: int, suffixes: tuple[str, ...] = ("",)) -> str:
+        """The constant name of ``value`` among those starting with ``prefix`` (and
+        ending with one of ``suffixes``: opcodes and statuses share a prefix)."""
         for mod in self._modules:
-            for key in dir(mod):
-                if key.startswith(prefix):
+            names = list(dir(mod))
+            for obj in vars(mod).values():  # rdma-core 59+: members of enum classes
+                if isinstance(obj, type) and issubclass(obj, enum.Enum):
+                    names.extend(k for k in obj.__members__ if k not in names)
+            for key in names:
+                if key.startswith(prefix) and key.endswith(suffixes):
                     try:
-                        if int(getattr(mod, key)) == value:
+                        if int(getattr(self, key)) == value:
                             return key
-                    except (TypeError, ValueError):
+                    except (AttributeError, TypeError, ValueError):
                         continue
         return f"{prefix}{value}"
 
@@ -101,7 +106,7 @@ class Verbs:
         return self.ns["Context"](name=self.device, **self.context_kwargs)
 
     def wc_status_name(self, status: int) -> str:
-        return self.e.name_of("IBV_WC_", status)
+        return self.e.name_of("IBV_WC_", status, ("_ERR", "SUCCESS"))
 
 
 def _load_pyverbs() -> Verbs:

@@ -49,8 +49,14 @@ What it cannot emulate, and does not pretend to:
   IPv4-mapped address; they route the emulation and nothing else;
 * the lkey/rkey distinction (both are the same number) and key randomness.
 
-Progress is made by one helper thread per context that sleeps in ``select``
-(no busy spin); ``CQ.poll`` never blocks.
+Progress: each context has a helper thread that sleeps in ``select`` (no busy
+spin) and serves the sockets when no user thread does.  ``CQ.poll`` on an
+empty queue and ``QP.post_send`` run the NIC's ready work in the calling thread
+(as a provider's poll does), so a polling thread gets its completions without a
+thread hand-off; ``CQ.poll`` never blocks for long.  ``CQ.wait(seconds)`` is a
+soft-only extension (what a completion channel gives a real provider): it
+blocks until NIC events arrive or the time is up.  See
+:mod:`transports.rdma.soft.engine`.
 """
 
 from __future__ import annotations

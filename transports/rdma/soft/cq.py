@@ -95,12 +95,26 @@ class CQ:
         creator._add_ref(self)
 
     def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
-        """Take up to ``num_entries`` completions: ``(count, [WC, ...])``."""
+        """Take up to ``num_entries`` completions: ``(count, [WC, ...])``.
+
+        An empty queue first lets the calling thread run the NIC's ready work
+        (as a provider's poll does), so a polling thread sees a completion
+        without waiting for the progress thread to wake up.
+        """
         out: list[WC] = []
         wcs = self._wcs
+        if not wcs and not self._closed:
+            self.context.engine.progress()
         while wcs and len(out) < num_entries:
             out.append(wcs.popleft())
         return len(out), out
+
+    def wait(self, timeout: float) -> None:
+        """Soft-only: block up to ``timeout`` seconds until a completion may be
+        there (what a completion channel gives a real provider's user)."""
+        if self._wcs or self._closed:
+            return
+        self.context.engine.wait(timeout, lambda: bool(self._wcs))
 
     def _push(self, wc: WC) -> None:
         if not self._closed:

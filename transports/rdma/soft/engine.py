@@ -1,11 +1,23 @@
 """The emulated NIC of one soft context: a TCP listener and one progress thread.
 
-Every socket is non-blocking and owned by the progress thread, which sleeps in
-``select`` (no spinning) and wakes for socket readiness, for timers (RNR
-back-off, connect retries) and for work posted by the user's threads through
-:meth:`Engine.call_soon` (a self-pipe).  Data moves straight between the
-sockets and the registered memory: ``sendmsg`` from the source range,
-``recv_into`` the checked target range, so the kernel does the only copies.
+Every socket is non-blocking.  The NIC's work (reading requests and responses,
+writing payloads, timers) runs under :attr:`Engine.lock`, by whichever thread
+gets there first:
+
+* the *progress thread* sleeps in ``select`` (no spinning) and wakes for socket
+  readiness, for timers (RNR back-off, connect retries) and for work queued by
+  other threads through :meth:`Engine.call_soon` (a self-pipe);
+* a *user thread* that posts a work request or polls an empty CQ runs the
+  ready work itself (:meth:`Engine.progress`) when the lock is free.  A thread
+  that is already polling needs no wake-up, so a small message costs no thread
+  hand-off on either side (the wake-up of a parked thread costs tens of
+  microseconds, and the GIL hand-off to a woken thread up to a switch
+  interval).  When a user thread finds the lock taken, the work is queued for
+  the progress thread as before.
+
+Data moves straight between the sockets and the registered memory:
+``sendmsg`` from the source range, ``recv_into`` the checked target range, so
+the kernel does the only copies.
 """
 
 from __future__ import annotations
@@ -34,6 +46,16 @@ log = logging.getLogger(__name__)
 HELLO = struct.Struct("<4sHxxII16sHxx")
 HELLO_MAGIC = b"pcsr"
 HELLO_VERSION = 1
+
+#: How long a user thread's poll keeps the progress thread off the sockets.
+POLL_LEASE = 1e-3
+#: How long closing a stream may wait to send what is already queued on it.
+CLOSE_FLUSH = 0.5
+#: How long a user thread waits for the lock while the progress thread holds it.
+#: Waiting (rather than trying and spinning on) releases the GIL, which that
+#: thread may need to finish: a spinning caller would make it wait for the
+#: interpreter's switch interval (5 ms) while it holds the lock.
+USER_LOCK_WAIT = 5e-3
 
 _EMPTY = memoryview(bytearray(0))
 _SCRATCH = memoryview(bytearray(1 << 18))  # discarded payloads land here (progress thread only)
@@ -70,6 +92,7 @@ class Link:
         self._rx_pos = 0
         self._rx_done: Callable[[], None] | None = None
         self._mask = 0
+        engine.links.add(self)
         self._update_mask()
 
     # ------------------------------------------------------------------ reading
@@ -154,6 +177,8 @@ class Link:
 
     # ------------------------------------------------------------------ events
     def _on_event(self, mask: int) -> None:
+        if self.closed:  # a readiness event that outlived its socket (two threads select)
+            return
         if self.connecting:
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
@@ -207,11 +232,14 @@ class Link:
 
     def lost(self, exc: BaseException | None) -> None:
         owner = self.owner
-        self.close()
+        self.close(flush=False)
         if owner is not None:
             owner.on_link_lost(self, exc)
 
-    def close(self) -> None:
+    def close(self, flush: bool = True) -> None:
+        """Close the stream.  What is already queued (typically the ACK of the last
+        request, generated before the QP was destroyed) is still sent, waiting at
+        most :data:`CLOSE_FLUSH` seconds, as a NIC transmits what it has generated."""
         if self.closed:
             return
         self.closed = True
@@ -221,7 +249,15 @@ class Link:
             except (KeyError, ValueError):
                 pass
         self._mask = 0
+        if flush and self._out and not self.connecting:
+            try:
+                self.sock.settimeout(CLOSE_FLUSH)
+                for buf in self._out:
+                    self.sock.sendall(buf)
+            except OSError:
+                pass
         self._out.clear()
+        self.engine.links.discard(self)
         self.sock.close()
 
 
@@ -230,8 +266,12 @@ class Engine:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        #: held by whichever thread runs the NIC's work (see the module docstring)
         self.lock = threading.RLock()
+        self._runner: threading.Thread | None = None
+        self._lease = 0.0  # until when a polling user thread runs the NIC's work
         self.sel = selectors.DefaultSelector()
+        self.links: set[Link] = set()
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind((ctx.addr, 0))
@@ -255,22 +295,70 @@ class Engine:
 
     # ----------------------------------------------------------------- scheduling
     def in_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        """True when the calling thread is running the NIC's work right now."""
+        return self._runner is threading.current_thread()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the progress thread (from any thread)."""
+        """Run ``fn`` as NIC work (from any thread), in order with earlier calls.
+
+        Inside NIC work the call is queued and runs before that work returns;
+        from a user thread it runs at once when the lock is free, else the
+        progress thread is woken for it.
+        """
         self._calls.append(fn)
-        if self.in_thread() or self._wake_flag:
+        if self.in_thread():
             return
-        self._wake_flag = True
+        if self._closed or not self.lock.acquire(timeout=USER_LOCK_WAIT):
+            self._wake()
+            return
         try:
-            os.write(self._wwake, b"\0")
-        except (BlockingIOError, OSError):
-            pass
+            self._enter()
+            self._drain()
+        finally:
+            self._leave()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the progress thread after ``delay`` seconds (progress thread only)."""
+        """Run ``fn`` as NIC work after ``delay`` seconds (from NIC work only)."""
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+        if threading.current_thread() is not self._thread:
+            self._wake()  # the progress thread must recompute its select timeout
+
+    def progress(self) -> None:
+        """Run whatever is ready (socket events, queued calls, due timers) in the
+        calling thread; return when another thread is at it for long."""
+        if self._closed or not self.lock.acquire(timeout=USER_LOCK_WAIT):
+            return
+        try:
+            self._enter()
+            self._lease = time.monotonic() + POLL_LEASE
+            self._dispatch(self.sel.select(0))
+        except OSError:  # a descriptor closed under us during shutdown
+            if not self._closed:
+                raise
+        finally:
+            self._leave()
+
+    def wait(self, timeout: float, ready: Callable[[], bool]) -> None:
+        """Block up to ``timeout`` seconds for NIC events, running them in the calling
+        thread; return early once something happened.  ``ready()`` (checked with
+        the lock held) says there is already something to take."""
+        if self._closed:
+            time.sleep(timeout)
+            return
+        if not self.lock.acquire(timeout=min(timeout, USER_LOCK_WAIT)):
+            return  # another thread runs the NIC's work; that wait was the nap
+        try:
+            self._enter()
+            self._lease = time.monotonic() + timeout + POLL_LEASE
+            events = self.sel.select(0)
+            if not events and not self._calls and not ready():
+                events = self.sel.select(timeout)
+            self._dispatch(events)
+        except OSError:  # a descriptor closed under us during shutdown
+            if not self._closed:
+                raise
+        finally:
+            self._leave()
 
     def connect(self, host: str, port: int, owner: LinkOwner, hello: bytes) -> Link:
         """Start a non-blocking connect; ``hello`` goes out first once connected."""
@@ -285,29 +373,94 @@ class Engine:
         link.send(hello)
         return link
 
-    # ----------------------------------------------------------------- the loop
-    def _run(self) -> None:
+    # ----------------------------------------------------------------- running
+    def _enter(self) -> None:
+        """Called with the lock just taken."""
+        self._runner = threading.current_thread()
+
+    def _leave(self) -> None:
+        self._runner = None
+        self.lock.release()
+        if self._calls and not self._closed:
+            self._wake()  # queued by a thread that found the lock taken just now
+
+    def _wake(self) -> None:
+        if self._wake_flag or self._closed:
+            return
+        self._wake_flag = True
+        try:
+            os.write(self._wwake, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """Handle ``events``, then queued calls and due timers (lock held)."""
+        for key, mask in events:
+            if self._closed:
+                return
+            self._guard(key.data, mask)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Run queued calls, and timers as they fall due (lock held)."""
+        calls, timers = self._calls, self._timers
         while not self._closed:
-            if self._calls:
-                timeout: float | None = 0.0
-            elif self._timers:
-                timeout = min(1.0, max(0.0, self._timers[0][0] - time.monotonic()))
-            else:
-                timeout = 1.0
-            try:
-                events = self.sel.select(timeout)
-            except OSError:  # a descriptor closed under us during shutdown
-                if self._closed:
-                    break
-                raise
-            for key, mask in events:
-                self._guard(key.data, mask)
-            calls = self._calls
-            while calls and not self._closed:
+            if calls:
                 self._guard(calls.popleft())
-            now = time.monotonic()
-            while self._timers and self._timers[0][0] <= now and not self._closed:
-                self._guard(heapq.heappop(self._timers)[2])
+            elif timers and timers[0][0] <= time.monotonic():
+                self._guard(heapq.heappop(timers)[2])
+            else:
+                return
+
+    def _run(self) -> None:
+        # While a user thread is polling (its lease is fresh), it runs the NIC's
+        # work itself: this thread then watches only the wake-up pipe and the
+        # timers, and never waits for the lock, because holding it while waiting
+        # for the GIL that a spinning poller holds would stall that poller.
+        quiet = selectors.DefaultSelector()
+        quiet.register(self._rwake, selectors.EVENT_READ, self._on_wake)
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                lease = self._lease - now
+                if self._calls:
+                    timeout = 0.0
+                elif self._timers:
+                    timeout = min(1.0, max(0.0, self._timers[0][0] - now))
+                else:
+                    timeout = 1.0
+                try:
+                    if lease > 0 and timeout > 0:
+                        if quiet.select(min(lease, timeout)):
+                            self._on_wake(0)
+                        events = []
+                    else:
+                        events = self.sel.select(timeout)
+                except OSError:  # a descriptor closed under us during shutdown
+                    if self._closed:
+                        break
+                    raise
+                if not events and not self._calls and not self._due():
+                    continue
+                if self._lease > time.monotonic():
+                    if not self.lock.acquire(blocking=False):
+                        # the poller holds the lock and runs the queued work itself
+                        if quiet.select(max(0.0, min(self._lease - time.monotonic(), POLL_LEASE))):
+                            self._on_wake(0)
+                        continue
+                else:
+                    self.lock.acquire()
+                try:
+                    self._enter()
+                    self._dispatch(events)
+                finally:
+                    self._runner = None
+                    self.lock.release()
+        finally:
+            quiet.close()
+
+    def _due(self) -> bool:
+        return bool(self._timers) and self._timers[0][0] <= time.monotonic()
 
     def _guard(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -337,6 +490,7 @@ class Engine:
 
     # ----------------------------------------------------------------- closing
     def close(self) -> None:
+        """Stop the progress thread and close every socket: peers see the port go away."""
         if self._closed:
             return
         self._closed = True
@@ -344,18 +498,18 @@ class Engine:
             os.write(self._wwake, b"\0")
         except OSError:
             pass
-        if not self.in_thread():
+        if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
-        for key in list(self.sel.get_map().values()):
-            obj = key.fileobj
-            try:
-                if isinstance(obj, socket.socket):
-                    obj.close()
-            except OSError:
-                pass
-        self.sel.close()
-        os.close(self._rwake)
-        os.close(self._wwake)
+        with self.lock:
+            for link in list(self.links):  # registered or not (parked, paused)
+                link.close()
+            self.links.clear()
+            self.listener.close()
+            self.sel.close()
+            os.close(self._rwake)
+            os.close(self._wwake)
+            self._calls.clear()
+            self._timers.clear()
 
 
 class _Greeter:

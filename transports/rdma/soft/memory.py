@@ -10,8 +10,12 @@ user-space process cannot map a GPU dma-buf or a peer-memory BAR.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger(__name__)
+_said_cuda = False
 
 
 class Memory(Protocol):
@@ -71,6 +75,13 @@ class CudaMemory:
     def __init__(self, dev_ptr: int, length: int) -> None:
         from transports.rdma.soft import cuda
 
+        global _said_cuda
+        if not _said_cuda:
+            _said_cuda = True
+            log.info(
+                "soft RDMA: GPU memory is reached with CUDA copies through host memory "
+                "(emulated, not DMA)"
+            )
         self.addr = dev_ptr
         self.length = length
         self._copier = cuda.Copier.for_pointer(dev_ptr)

@@ -83,9 +83,11 @@ class Requester:
         self.link: Link | None = None
         self._hdr = bytearray(RESP.size)
         a = qp.attr
-        # Transport timer: connect attempts are retried for timeout * (retry_cnt + 1)
-        # (4.096 us * 2**timeout each; 0 means forever), then the WRs fail with
-        # IBV_WC_RETRY_EXC_ERR as on a real HCA whose peer never answers.
+        # Transport timer: connect attempts to an unreachable host are retried for
+        # timeout * (retry_cnt + 1) (4.096 us * 2**timeout each; 0 means forever),
+        # then the WRs fail with IBV_WC_RETRY_EXC_ERR as on a real HCA whose peer
+        # never answers.  A refused connection (the peer's port is closed) fails
+        # at once.
         per_try = 4.096e-6 * (1 << a.timeout) if a.timeout else None
         self._connect_budget = None if per_try is None else max(1.0, per_try * (a.retry_cnt + 1))
         self._connect_spent = 0.0
@@ -110,12 +112,15 @@ class Requester:
     def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
         if link is not self.link or self.qp.qp_state == e.IBV_QPS_ERR:
             return
-        refused = isinstance(exc, OSError) and exc.errno in (
-            errno.ECONNREFUSED,
+        # A context listens from its creation until it closes, before its address
+        # is ever published: a refused connection means the peer is gone, so the
+        # QP fails at once.  An unreachable host may be a network still coming up.
+        unreachable = isinstance(exc, OSError) and exc.errno in (
             errno.EHOSTUNREACH,
+            errno.ENETUNREACH,
         )
         if (
-            refused
+            unreachable
             and not link.established
             and (self._connect_budget is None or self._connect_spent < self._connect_budget)
         ):
