@@ -146,6 +146,7 @@ class Communicator:
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
         self._backoff = Backoff()
+        self._links_cache: dict[tuple[Any, ReduceOp | None], Links] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
@@ -536,16 +537,28 @@ class Communicator:
         return name
 
     def _links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
-        return Links(
-            self.rank,
-            self.size,
-            self._conns,
-            Deadline.after(self.config.timeout),
-            self.config.chunk_bytes,
-            dtype,
-            None if op is None else ufunc(op),
-            self._backoff,
-        )
+        """The Links for (dtype, op), reused across calls with a fresh deadline.
+
+        Only one collective runs at a time (async ones on the worker thread, and
+        blocking ones inline only while none is queued), and each one ends with
+        ``finish()``, so a cached Links holds no pending request between calls.
+        """
+        key = (dtype, op)
+        L = self._links_cache.get(key)
+        if L is None or L.conns is not self._conns:
+            L = Links(
+                self.rank,
+                self.size,
+                self._conns,
+                Deadline(None),
+                self.config.chunk_bytes,
+                dtype,
+                None if op is None else ufunc(op),
+                self._backoff,
+            )
+            self._links_cache[key] = L
+        L.deadline = Deadline.after(self.config.timeout)
+        return L
 
     def _staged(
         self,

@@ -624,7 +624,9 @@ class _ShmSend(Request):
         self.conn = conn
         self.peer = conn.peer
         self.src = src
-        self.addr = src.__array_interface__["data"][0]
+        # where the bytes sit (page offset of slot copies, direct-read descriptors);
+        # small messages skip the lookup, which costs as much as their copy
+        self.addr = src.__array_interface__["data"][0] if src.size >= _PAGE else 0
         self.off = 0
         self.need_tail = 0
 
