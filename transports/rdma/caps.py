@@ -320,7 +320,8 @@ def report(caps: Capabilities) -> str:
             lines.append(f"  {n.name} [{n.pci_path or '?'}] dma-buf {dm} {n.dmabuf_why}".rstrip())
     else:
         lines.append(
-            "  none (/sys/class/infiniband is empty or absent; the soft provider will be used)"
+            "  none (/sys/class/infiniband is empty or absent; rdma is used only with "
+            "PYCOLL_RDMA_PROVIDER=soft, the software provider)"
         )
     lines.append(f"peer memory (nvidia_peermem): {caps.peermem or 'absent'}")
     if caps.distances:

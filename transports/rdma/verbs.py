@@ -5,7 +5,9 @@
 
 * ``pyverbs``: import rdma-core's pyverbs and open an HCA; fail loudly if none.
 * ``soft``: :mod:`transports.rdma.soft`, the software emulation over TCP.
-* ``auto``: pyverbs when it imports and lists a device, else soft.
+* ``auto``: pyverbs when it imports and lists a device; otherwise the transport
+  is unavailable (the soft provider is an emulation, slower than tcp, used only
+  when asked for), so transport selection moves on to tcp.
 
 Both expose the same names (``Context``, ``PD``, ``MR``, ``QP`` ...); the
 ``IBV_*`` constants come through :class:`Enums`, which reads either enum
@@ -257,12 +259,11 @@ def open_verbs(options: TransportOptions) -> Verbs:
                 "(software emulation) or PYCOLL_TRANSPORT=tcp.",
                 transport="rdma",
             ) from exc
-        log.info(
-            "rdma: pyverbs unusable (%s: %s); using the soft provider",
-            type(exc).__name__,
-            exc,
-        )
-        return _load_soft(options)
+        raise RdmaUnavailableError(
+            f"no RDMA hardware: pyverbs cannot be used ({type(exc).__name__}: {exc}); "
+            "PYCOLL_RDMA_PROVIDER=soft emulates verbs in software",
+            transport="rdma",
+        ) from exc
     wanted = options.get("rdma_device")
     if wanted:
         devices = [d for d in devices if d == wanted]
@@ -278,7 +279,10 @@ def open_verbs(options: TransportOptions) -> Verbs:
                 "PYCOLL_RDMA_PROVIDER=soft or PYCOLL_TRANSPORT=tcp.",
                 transport="rdma",
             )
-        log.info("rdma: pyverbs imports but lists no device; using the soft provider")
-        return _load_soft(options)
+        raise RdmaUnavailableError(
+            "no RDMA hardware: pyverbs lists no device; PYCOLL_RDMA_PROVIDER=soft "
+            "emulates verbs in software",
+            transport="rdma",
+        )
     verbs.device = devices[0]
     return verbs
