@@ -146,7 +146,12 @@ class Communicator:
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
         self._backoff = Backoff()
+        # Asynchronous collectives run on a worker thread beside the caller's
+        # computation: there a spinning waiter would take the core (and the GIL)
+        # that the computation needs, so it naps almost at once instead.
+        self._polite = Backoff(spins=4, yields=16, max_sleep=200e-6)
         self._links_cache: dict[tuple[Any, ReduceOp | None], Links] = {}
+        self._caller = threading.current_thread()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
@@ -558,6 +563,9 @@ class Communicator:
             )
             self._links_cache[key] = L
         L.deadline = Deadline.after(self.config.timeout)
+        L._backoff = (
+            self._polite if threading.current_thread() is not self._caller else self._backoff
+        )
         return L
 
     def _staged(
