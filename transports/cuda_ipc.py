@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from transports import _atomic
+from transports import _atomic, _segment
 from transports.base import (
     PIECE_ALIGN,
     Backoff,
@@ -65,7 +65,7 @@ from transports.base import (
 log = logging.getLogger(__name__)
 
 NAME = "cuda_ipc"
-SHM_DIR = "/dev/shm"
+SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
 _VERSION = 1
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
@@ -93,22 +93,6 @@ def _cuda() -> Any:
     return cupy.cuda.runtime
 
 
-def _read_boot_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            h = f.read().strip().replace("-", "")
-        return bytes.fromhex(h) if len(h) == 32 else b"\0" * 16
-    except (OSError, ValueError):
-        return b"\0" * 16
-
-
-def _ns_inode(kind: str) -> int:
-    try:
-        return os.stat(f"/proc/self/ns/{kind}").st_ino
-    except OSError:
-        return 0
-
-
 class _Identity:
     """Same host (boot id), same IPC namespace and /dev/shm, and which GPU (PCI bus id)."""
 
@@ -117,13 +101,10 @@ class _Identity:
     def __init__(self, rank: int, token: bytes, bus: bytes) -> None:
         self.rank = rank
         self.token = token
-        self.boot = _read_boot_id()
-        self.ipc_ns = _ns_inode("ipc")
-        self.pid_ns = _ns_inode("pid")
-        try:
-            self.shm_dev = os.stat(SHM_DIR).st_dev
-        except OSError:
-            self.shm_dev = 0
+        self.boot = _segment.boot_id()
+        self.ipc_ns = _segment.ns_inode("ipc")
+        self.pid_ns = _segment.ns_inode("pid")
+        self.shm_dev = _segment.shm_device()
         self.pid = os.getpid()
         self.bus = bus
 
@@ -221,12 +202,9 @@ class CudaIpcTransport(Transport):
         ok, why = _atomic.available()
         if not ok:
             return False, why
-        if a.boot != b.boot or a.boot == b"\0" * 16:
-            return False, "different kernel boot (another host)"
-        if a.ipc_ns != b.ipc_ns:
-            return False, "different IPC namespace (another container or simulated host)"
-        if a.shm_dev != b.shm_dev:
-            return False, f"different {SHM_DIR} filesystem"
+        ok, why = _segment.shared_memory_verdict(a, b)
+        if not ok:
+            return False, why
         if a.bus == b.bus:
             return True, f"same host and GPU ({a.bus.decode()})"
         try:
@@ -260,7 +238,7 @@ class CudaIpcTransport(Transport):
         except BaseException as exc:
             mm.close()
             if creator:
-                _unlink(name)
+                _segment.unlink(name)
             if isinstance(exc, TransportError) or not isinstance(exc, Exception):
                 raise
             raise ConnectError(
@@ -273,60 +251,21 @@ class CudaIpcTransport(Transport):
         return conn
 
     def _create(self, name: str, peer: int) -> mmap.mmap:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise ConnectError(
-                f"cuda_ipc: cannot create {path}: {exc.strerror}",
-                peer=peer,
-                transport=NAME,
-                errno=exc.errno,
-            ) from exc
-        try:
-            try:
-                os.posix_fallocate(fd, 0, _SEG_BYTES)
-            except OSError as exc:
-                os.unlink(path)
-                raise ConnectError(
-                    f"cuda_ipc: {SHM_DIR} has no room for an {_SEG_BYTES}-byte control "
-                    f"segment: {exc.strerror}",
-                    peer=peer,
-                    transport=NAME,
-                    errno=exc.errno,
-                ) from exc
-            mm = mmap.mmap(fd, _SEG_BYTES)
-        finally:
-            os.close(fd)
+        mm = _segment.create(name, _SEG_BYTES, peer=peer, transport=NAME)
         _HDR.pack_into(mm, 8, _VERSION, self.nslots, self.slot_bytes)
         struct.pack_into("<Q", mm, 0, _MAGIC)  # last: the attacher waits for it
         return mm
 
     def _attach(self, name: str, peer: int, deadline: Deadline) -> mmap.mmap:
-        path = os.path.join(SHM_DIR, name)
-        bo = Backoff(spins=0, yields=16)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                try:
-                    if os.fstat(fd).st_size == _SEG_BYTES:
-                        mm = mmap.mmap(fd, _SEG_BYTES)
-                        if struct.unpack_from("<Q", mm, 0)[0] == _MAGIC:
-                            break
-                        mm.close()
-                finally:
-                    os.close(fd)
-            if deadline.expired():
-                raise ConnectError(
-                    f"cuda_ipc: segment {name} from rank {peer} never appeared within "
-                    f"{self.options.timeout:g} s",
-                    peer=peer,
-                    transport=NAME,
-                )
-            bo.pause()
+        mm = _segment.attach(
+            name,
+            magic=_MAGIC,
+            min_size=_SEG_BYTES,
+            peer=peer,
+            transport=NAME,
+            deadline=deadline,
+            timeout=self.options.timeout,
+        )
         ver, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
         if ver != _VERSION or not 2 <= nslots <= _MAX_SLOTS or slot_bytes % 4096:
             mm.close()
@@ -336,7 +275,7 @@ class CudaIpcTransport(Transport):
                 peer=peer,
                 transport=NAME,
             )
-        _unlink(name)  # both sides attached: nothing outlives the job
+        _segment.unlink(name)  # both sides attached: nothing outlives the job
         return mm
 
     def close(self) -> None:
@@ -354,13 +293,6 @@ def _bus_id(rt: Any, dev: int) -> bytes:
 
         bus = cupy.cuda.Device(dev).pci_bus_id
     return str(bus).lower().encode()[:16]
-
-
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
 
 
 class _Dir:
@@ -669,7 +601,7 @@ class CudaIpcConnection(Connection):
         except BufferError:
             log.warning("cuda_ipc: segment %s still has views; not unmapped", self._name)
         if self._creator:
-            _unlink(self._name)
+            _segment.unlink(self._name)
 
 
 class _on_device:

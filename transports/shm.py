@@ -39,10 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic, _cma
+from transports import _atomic, _cma, _segment
 from transports.base import (
     PIECE_ALIGN,
-    Backoff,
     BlobError,
     ConnectError,
     Connection,
@@ -58,7 +57,7 @@ from transports.base import (
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
 _VERSION = 1
 _PAGE = 4096
@@ -85,21 +84,6 @@ _BLOB = struct.Struct("<4sHH16sQQQQQ")  # tag, version, rank... see _Identity
 _BLOB_TAG = b"PCSM"
 
 
-def _read_boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _ns_inode(kind: str) -> int:
-    try:
-        return os.stat(f"/proc/self/ns/{kind}").st_ino
-    except OSError:
-        return 0
-
-
 class _Identity:
     """What decides whether two ranks can share memory.
 
@@ -112,14 +96,10 @@ class _Identity:
     def __init__(self, rank: int, token: bytes) -> None:
         self.rank = rank
         self.token = token  # 8 random bytes naming this rank's segments
-        boot = _read_boot_id().replace("-", "")
-        self.boot = bytes.fromhex(boot) if len(boot) == 32 else b"\0" * 16
-        self.ipc_ns = _ns_inode("ipc")
-        self.pid_ns = _ns_inode("pid")
-        try:
-            self.shm_dev = os.stat(SHM_DIR).st_dev
-        except OSError:
-            self.shm_dev = 0
+        self.boot = _segment.boot_id()
+        self.ipc_ns = _segment.ns_inode("ipc")
+        self.pid_ns = _segment.ns_inode("pid")
+        self.shm_dev = _segment.shm_device()
         self.pid = os.getpid()
 
     def pack(self) -> bytes:
@@ -155,11 +135,6 @@ def _segment_bytes(nslots: int, slot_bytes: int) -> int:
     return _DATA0 + 2 * nslots * (slot_bytes + _PAGE)
 
 
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 class ShmTransport(Transport):
     """Connections through a shared segment per pair of ranks on one host."""
 
@@ -174,7 +149,7 @@ class ShmTransport(Transport):
         # this host, all segments together should take at most half of what is free.
         try:
             pairs = max(1, options.size * (options.size - 1) // 2)
-            budget = _free_bytes(SHM_DIR) // 2 // pairs
+            budget = _segment.free_bytes() // 2 // pairs
             fit = (budget - _DATA0) // (2 * self.nslots) - _PAGE
             if fit < slot:
                 slot = max(_PAGE, fit // _PAGE * _PAGE)
@@ -192,15 +167,7 @@ class ShmTransport(Transport):
         ok, why = _atomic.available()
         if not ok:
             return False, why
-        if not os.path.isdir(SHM_DIR):
-            return False, f"{SHM_DIR} does not exist"
-        if a.boot != b.boot or a.boot == b"\0" * 16:
-            return False, "different kernel boot (another host)"
-        if a.ipc_ns != b.ipc_ns:
-            return False, "different IPC namespace (another container or simulated host)"
-        if a.shm_dev != b.shm_dev:
-            return False, f"different {SHM_DIR} filesystem"
-        return True, f"same host, IPC namespace and {SHM_DIR}"
+        return _segment.shared_memory_verdict(a, b)
 
     def connect(self, peer_rank: int, peer: bytes) -> Connection:
         other = _Identity.unpack(peer)
@@ -227,7 +194,7 @@ class ShmTransport(Transport):
         except BaseException:
             mm.close()
             if creator:
-                os.unlink(os.path.join(SHM_DIR, name))
+                _segment.unlink(name)
             raise
         self._conns.append(conn)
         log.debug(
@@ -240,33 +207,13 @@ class ShmTransport(Transport):
         return conn
 
     def _create(self, name: str, size: int, peer: int) -> mmap.mmap:
-        path = os.path.join(SHM_DIR, name)
-        free = _free_bytes(SHM_DIR)
-        if size > free:
-            raise ConnectError(
-                f"shm segment for peer {peer} needs {size} bytes but {SHM_DIR} has only "
-                f"{free} free; enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
-                peer=peer,
-                transport="shm",
-            )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                # Reserve the pages now: a tmpfs that runs out later kills us with SIGBUS.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                os.unlink(path)
-                raise ConnectError(
-                    f"shm segment for peer {peer} needs {size} bytes in {SHM_DIR} "
-                    f"({free} free): {exc.strerror}; enlarge it (docker --shm-size) or "
-                    "lower PYCOLL_CHUNK_BYTES",
-                    peer=peer,
-                    transport="shm",
-                    errno=exc.errno,
-                ) from exc
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        mm = _segment.create(
+            name,
+            size,
+            peer=peer,
+            transport="shm",
+            hint="enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
+        )
         _HDR.pack_into(mm, 8, _VERSION, self.nslots, self.slot_bytes)
         struct.pack_into("<Q", mm, _PID_OFF[0], os.getpid())
         # magic last: the attacher waits for it before trusting the rest
@@ -274,32 +221,16 @@ class ShmTransport(Transport):
         return mm
 
     def _attach(self, name: str, peer: int, deadline: Deadline) -> mmap.mmap:
-        path = os.path.join(SHM_DIR, name)
-        size = 0
-        bo = Backoff(spins=0, yields=16)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                try:
-                    size = os.fstat(fd).st_size
-                    if size >= _DATA0:
-                        mm = mmap.mmap(fd, size)
-                        if struct.unpack_from("<Q", mm, 0)[0] == _MAGIC:
-                            break
-                        mm.close()
-                finally:
-                    os.close(fd)
-            if deadline.expired():
-                raise ConnectError(
-                    f"shm segment {name} from rank {peer} never appeared within "
-                    f"{self.options.timeout:g} s",
-                    peer=peer,
-                    transport="shm",
-                )
-            bo.pause()
+        mm = _segment.attach(
+            name,
+            magic=_MAGIC,
+            min_size=_DATA0,
+            peer=peer,
+            transport="shm",
+            deadline=deadline,
+            timeout=self.options.timeout,
+        )
+        size = len(mm)
         ver, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
         # The creator chose the geometry (it sized the segment to fit /dev/shm).
         if (
@@ -317,10 +248,7 @@ class ShmTransport(Transport):
             )
         struct.pack_into("<Q", mm, _PID_OFF[1], os.getpid())
         # Both sides are attached now; unlink so that nothing outlives the job.
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _segment.unlink(name)
         return mm
 
     def close(self) -> None:
@@ -603,10 +531,7 @@ class ShmConnection(Connection):
         except BufferError:  # a view escaped; the mapping goes with the process
             log.warning("shm: segment %s still has views; not unmapped", self._name)
         if self._creator:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self._name))
-            except FileNotFoundError:
-                pass
+            _segment.unlink(self._name)
 
 
 def _is_zombie(pid: int) -> bool:
