@@ -371,9 +371,8 @@ def test_soft_rdma_requests_fuzz(reqs):
             b.qp.post_recv(v.RecvWR(wr_id=1))
         s = socket.create_connection(("127.0.0.1", b.ctx.query_port(1).lid), timeout=5)
         s.sendall(
-            eng.HELLO.pack(
-                eng.HELLO_MAGIC,
-                eng.HELLO_VERSION,
+            eng.hello(
+                b.ctx.secret,
                 b.qp.qp_num,
                 a.qp.qp_num,
                 bytes(a.ctx.query_gid(1, 0)),

@@ -152,7 +152,7 @@ def _load_soft(options: TransportOptions) -> Verbs:
 
     ns = {name: getattr(soft, name) for name in soft.__all__ if name != "enums"}
     caps = {c.strip() for c in (options.get("soft_caps", "") or "").split(",") if c.strip()}
-    kwargs = {"soft_addr": soft_address(options), "soft_caps": caps}
+    kwargs = {"soft_addr": soft_address(options), "soft_caps": caps, "soft_secret": options.secret}
     return Verbs("soft", ns, Enums(soft.enums), kwargs, device=soft.device.DEVICE_NAME)
 
 

@@ -105,6 +105,7 @@ class Context:
         soft_addr: IPv4 address to bind (loopback or 198.18.0.0/15); default
             127.0.0.1.
         soft_caps: capabilities to claim, a subset of :data:`SOFT_CAPS`.
+        soft_secret: the job's secret; connections must prove they hold it.
     """
 
     _qpn_counter = itertools.count(0x100)
@@ -116,6 +117,7 @@ class Context:
         *,
         soft_addr: str = "127.0.0.1",
         soft_caps: Iterable[str] = (),
+        soft_secret: bytes = b"",
         **_kw: object,
     ) -> None:
         from transports.rdma.soft.engine import Engine
@@ -130,6 +132,7 @@ class Context:
             )
         self.name = DEVICE_NAME
         self.soft_caps = caps
+        self.secret = bytes(soft_secret)
         self.addr = check_address(soft_addr)
         self.gid = GID.from_ipv4(self.addr)
         self.mrs: dict[int, object] = {}  # lkey/rkey -> MR

@@ -23,7 +23,9 @@ the kernel does the only copies.
 from __future__ import annotations
 
 import errno
+import hashlib
 import heapq
+import hmac
 import itertools
 import logging
 import os
@@ -42,10 +44,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: First bytes on every connection: magic, version, destination QPN, source
-#: QPN, source GID, source LID (the source context's TCP port).
-HELLO = struct.Struct("<4sHxxII16sHxx")
+#: QPN, source GID, source LID (the source context's TCP port), then an
+#: HMAC-SHA256 of those fields under the job's secret (:func:`hello`).
+HELLO_FIELDS = struct.Struct("<4sHxxII16sHxx")
+HELLO = struct.Struct(HELLO_FIELDS.format + "32s")
 HELLO_MAGIC = b"pcsr"
-HELLO_VERSION = 1
+HELLO_VERSION = 2
+
+
+def hello(secret: bytes, dst_qpn: int, src_qpn: int, src_gid: bytes, src_lid: int) -> bytes:
+    """The hello a QP sends first, proving that its sender holds the job's secret.
+
+    A real HCA needs no such proof (the fabric is the boundary); the emulation
+    listens on a TCP port anyone on the host can reach, so it asks for one, like
+    the tcp transport.  The fields it signs bind the proof to one QP pair.
+    """
+    fields = HELLO_FIELDS.pack(HELLO_MAGIC, HELLO_VERSION, dst_qpn, src_qpn, src_gid, src_lid)
+    return fields + hmac.new(secret, fields, hashlib.sha256).digest()
+
 
 #: How long a user thread's poll keeps the progress thread off the sockets.
 POLL_LEASE = 1e-3
@@ -522,10 +538,18 @@ class _Greeter:
         self.link.expect(memoryview(self.buf), self._on_hello)
 
     def _on_hello(self) -> None:
-        magic, version, dst_qpn, src_qpn, src_gid, src_lid = HELLO.unpack(self.buf)
+        magic, version, dst_qpn, src_qpn, src_gid, src_lid, tag = HELLO.unpack(self.buf)
         qp = self.engine.ctx.qps.get(dst_qpn)
         if magic != HELLO_MAGIC or version != HELLO_VERSION or qp is None:
             log.debug("soft RDMA: dropping a connection for unknown QP %#x", dst_qpn)
+            self.link.close()
+            return
+        want = hello(self.engine.ctx.secret, dst_qpn, src_qpn, bytes(src_gid), src_lid)
+        if not hmac.compare_digest(bytes(tag), want[-32:]):
+            log.warning(
+                "soft RDMA: dropping a connection to QP %#x that does not hold the job's secret",
+                dst_qpn,
+            )
             self.link.close()
             return
         self.link.owner = None

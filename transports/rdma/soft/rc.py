@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from transports.rdma.soft import enums as e
-from transports.rdma.soft.engine import HELLO, HELLO_MAGIC, HELLO_VERSION, Link
+from transports.rdma.soft.engine import Link, hello
 
 if TYPE_CHECKING:
     from transports.rdma.soft.mr import MR
@@ -98,15 +98,10 @@ class Requester:
         qp = self.qp
         ah = qp.attr.ah_attr
         host = ah.dgid.ipv4() if ah.is_global else None
-        hello = HELLO.pack(
-            HELLO_MAGIC,
-            HELLO_VERSION,
-            qp.attr.dest_qp_num,
-            qp.qp_num,
-            bytes(qp.ctx.gid),
-            qp.ctx.lid,
+        greeting = hello(
+            qp.ctx.secret, qp.attr.dest_qp_num, qp.qp_num, bytes(qp.ctx.gid), qp.ctx.lid
         )
-        self.link = self.engine.connect(host or "127.0.0.1", ah.dlid, self, hello)
+        self.link = self.engine.connect(host or "127.0.0.1", ah.dlid, self, greeting)
         self.link.expect(memoryview(self._hdr), self._on_resp)
 
     def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
