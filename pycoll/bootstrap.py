@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,29 @@ def _options(
     )
 
 
+def _arrive(mpi_comm: Any, timeout: float, rank: int) -> None:
+    """Wait, at most ``timeout`` seconds, until every rank has entered ``pycoll.init``.
+
+    MPI's own collectives wait forever; a non-blocking barrier polled against
+    the deadline keeps a rank that never calls ``init`` from hanging the others.
+
+    Raises:
+        ConnectError: not every rank arrived in time.
+    """
+    req = mpi_comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    nap = 1e-4
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise ConnectError(
+                f"rank {rank}: pycoll.init: not every rank of the {mpi_comm.Get_size()} "
+                f"called init within {timeout:g} s (PYCOLL_TIMEOUT)",
+                rank=rank,
+            )
+        time.sleep(nap)
+        nap = min(2 * nap, 0.01)
+
+
 def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:
     """Build every connection of this rank.
 
@@ -86,6 +110,8 @@ def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:
     w = Wiring(rank, size)
     if size == 1:
         return w
+    if not device:
+        _arrive(mpi_comm, cfg.timeout, rank)
     secret = mpi_comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
     opts = _options(cfg, rank, size, secret, device)
     names = cfg.device_transports if device else cfg.transports

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,23 @@ def test_check_mismatches_raise_on_every_rank(tmp_path):
     # values are named: e.g. the counts of every rank
     assert "ranks [0]: 4; ranks [1]: 5; ranks [2]: 6" in res[0]["count"]["message"]
     assert "float64" in res[1]["dtype"]["message"] and "float32" in res[1]["dtype"]["message"]
+
+
+@pytest.mark.timeout(120)
+def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
+    """A rank that never calls init: the others raise ConnectError after PYCOLL_TIMEOUT."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = mpiexec(2) + [sys.executable, str(root / "tests" / "faults" / "late_init.py"), "6", "1.5"]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert "RAISED" in proc.stdout and "called init within 1.5 s" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
+    assert time.monotonic() - t0 < 60
