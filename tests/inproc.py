@@ -53,6 +53,16 @@ class ThreadComm:
     def Barrier(self) -> None:
         self._g.barrier.wait()
 
+    def Ibarrier(self) -> _DoneBarrier:
+        """A barrier that completes before it returns (the ranks are threads)."""
+        self._g.barrier.wait()
+        return _DoneBarrier()
+
+
+class _DoneBarrier:
+    def Test(self) -> bool:
+        return True
+
 
 def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
     """Run ``fn(rank)`` on ``n`` threads; return the results (or raise the first error)."""
