@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,21 +24,7 @@ from tests.inproc import communicators, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
-GOOD = [
-    np.dtype(t)
-    for t in (
-        np.int8,
-        np.uint8,
-        np.int32,
-        np.uint32,
-        np.int64,
-        np.uint64,
-        np.float16,
-        ml_dtypes.bfloat16,
-        np.float32,
-        np.float64,
-    )
-]
+GOOD = list(pycoll.DTYPES.values())  # every dtype pycoll supports
 BAD_DTYPES = [
     np.dtype(t)
     for t in (

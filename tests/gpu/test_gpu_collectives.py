@@ -34,21 +34,7 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 PRIME = 65537 + 34
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [
-    np.dtype(t)
-    for t in (
-        np.int8,
-        np.uint8,
-        np.int32,
-        np.uint32,
-        np.int64,
-        np.uint64,
-        np.float16,
-        ml_dtypes.bfloat16,
-        np.float32,
-        np.float64,
-    )
-]
+DTYPES = list(pycoll.DTYPES.values())  # every dtype pycoll supports
 OPS = ["sum", "prod", "min", "max", "avg"]
 ALGOS = ["ring", "tree"]
 SIZES = [1, 7, PRIME]

@@ -24,21 +24,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 PRIME = 65537 + 34  # 65571 is prime
-DTYPES = [
-    np.dtype(t)
-    for t in (
-        np.int8,
-        np.uint8,
-        np.int32,
-        np.uint32,
-        np.int64,
-        np.uint64,
-        np.float16,
-        ml_dtypes.bfloat16,
-        np.float32,
-        np.float64,
-    )
-]
+DTYPES = list(pycoll.DTYPES.values())  # every dtype pycoll supports
 OPS = ["sum", "prod", "min", "max", "avg"]
 ALGOS = {
     c: list(names(c)) for c in ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
