@@ -8,9 +8,10 @@ reduce_scatter (n-1)/n, broadcast 1).  ``size`` is the whole buffer (allgather:
 the output, reduce_scatter: the input).  Implementations, all timed in one run
 on the same float32 CuPy buffers:
 
-* ``pycoll``: device collectives (cuda_ipc between ranks of one host);
+* ``pycoll``: device collectives, ``algorithm="auto"`` (one-sided ``direct``
+  reads and writes of the peers' buffers when every pair has CUDA IPC);
+* ``pycoll-ring``: the chunked ring through the cuda_ipc slots, for comparison;
 * ``pycoll-staged``: pycoll with ``device_transports=()`` (pinned staging over shm);
-* ``pycoll-16M``: pycoll with 16 MiB device chunks (the default is 4 MiB);
 * ``mpi-staged``: copy to pinned host memory, the MPI collective, copy back;
 * ``gloo``: torch.distributed's Gloo backend on CUDA tensors.
 
@@ -103,12 +104,13 @@ def make_ops(impl: str, coll: str, nbytes: int, comms: dict, dist) -> tuple | No
     x = cp.ones(count if coll != "allgather" else k, cp.float32)
     out = cp.empty(k if coll == "reduce_scatter" else count, cp.float32)
     if impl.startswith("pycoll"):
-        c = comms[impl]
+        c = comms["pycoll" if impl == "pycoll-ring" else impl]
+        algo = "ring" if impl == "pycoll-ring" else "auto"
         f = {
-            "allreduce": lambda: c.allreduce(x),
-            "allgather": lambda: c.allgather(x, out),
-            "broadcast": lambda: c.broadcast(x, root=0),
-            "reduce_scatter": lambda: c.reduce_scatter(x, out),
+            "allreduce": lambda: c.allreduce(x, algorithm=algo),
+            "allgather": lambda: c.allgather(x, out, algorithm=algo),
+            "broadcast": lambda: c.broadcast(x, root=0, algorithm=algo),
+            "reduce_scatter": lambda: c.reduce_scatter(x, out, algorithm=algo),
         }[coll]
         return f, count
     if impl == "mpi-staged":
@@ -171,7 +173,7 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", default="256M")
     ap.add_argument("-f", "--stepfactor", type=int, default=8)
     ap.add_argument("--colls", default="allreduce,allgather,broadcast,reduce_scatter")
-    ap.add_argument("--impls", default="pycoll,pycoll-16M,pycoll-staged,mpi-staged,gloo")
+    ap.add_argument("--impls", default="pycoll,pycoll-ring,pycoll-staged,mpi-staged,gloo")
     ap.add_argument("--staged-colls", default="allreduce,allgather")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds per point")
     ap.add_argument("--deadline", type=float, default=420.0, help="stop after this many s")
@@ -190,8 +192,6 @@ def main() -> None:
     comms = {"pycoll": pycoll.init(timeout=300)}
     if "pycoll-staged" in impls:
         comms["pycoll-staged"] = pycoll.init(timeout=300, device_transports=())
-    if "pycoll-16M" in impls:
-        comms["pycoll-16M"] = pycoll.init(timeout=300, device_chunk_bytes=16 << 20)
     dist = None
     if "gloo" in impls:
         try:
@@ -215,9 +215,7 @@ def main() -> None:
     for coll in a.colls.split(","):
         for nbytes in sizes:
             for impl in impls:
-                if impl in ("pycoll-staged", "pycoll-16M") and coll not in a.staged_colls.split(
-                    ","
-                ):
+                if impl == "pycoll-staged" and coll not in a.staged_colls.split(","):
                     continue
                 if W.bcast(time.perf_counter() - start > a.deadline, root=0):
                     stopped = True

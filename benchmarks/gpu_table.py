@@ -22,7 +22,14 @@ def main(paths: list[str]) -> None:
             print()
         impls = sorted(
             {r["impl"] for r in d["rows"]},
-            key=["pycoll", "pycoll-16M", "pycoll-staged", "mpi-staged", "gloo"].index,
+            key=[
+                "pycoll",
+                "pycoll-ring",
+                "pycoll-16M",
+                "pycoll-staged",
+                "mpi-staged",
+                "gloo",
+            ].index,
         )
         for coll in dict.fromkeys(r["coll"] for r in d["rows"]):
             print(f"### {coll}: busbw GB/s (time us)\n")

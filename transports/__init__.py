@@ -21,6 +21,7 @@ from transports.base import (
     TransportError,
     TransportOptions,
     TransportTimeout,
+    UnshareableMemoryError,
     wait_all,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "TransportError",
     "TransportOptions",
     "TransportTimeout",
+    "UnshareableMemoryError",
     "wait_all",
 ]

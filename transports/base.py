@@ -83,6 +83,11 @@ class BlobError(ConnectError):
     """An endpoint blob could not be parsed (truncated, corrupted, wrong version)."""
 
 
+class UnshareableMemoryError(TransportError):
+    """Device memory that cannot be exposed to another process (say, memory from a
+    stream-ordered ``cudaMallocAsync`` pool for CUDA IPC)."""
+
+
 # --------------------------------------------------------------------------- waiting
 class Backoff:
     """Spin, then yield the CPU, then sleep with growing naps.
@@ -349,6 +354,40 @@ class Connection(abc.ABC):
         (only when ``device_capable``); same ordering and alignment as :meth:`irecv`."""
         raise TransportError(
             f"{self.transport} cannot receive into device memory directly",
+            peer=self.peer,
+            transport=self.transport,
+        )
+
+    #: True when the connection offers one-sided windows on device memory
+    #: (:meth:`expose`, :meth:`open_window`, :meth:`release`, :meth:`wait_released`):
+    #: the peer reads and writes our buffers itself, ordered by device events, and
+    #: the host never waits for the device.
+    one_sided: bool = False
+
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+        """Let the peer read and write ``spans`` once the work queued on ``stream`` is
+        done.  Exposures are matched in order with the peer's :meth:`open_window`;
+        a span stays exposed until the peer's matching :meth:`release`."""
+        raise self._not_one_sided()
+
+    def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+        """The peer's next exposure, as spans usable in this process; work queued on
+        ``stream`` after this call runs only after the peer's exposed data is ready."""
+        raise self._not_one_sided()
+
+    def release(self, stream: int) -> None:
+        """Tell the peer that the work queued on ``stream`` so far is our last use of
+        the window :meth:`open_window` returned last (oldest unreleased first)."""
+        raise self._not_one_sided()
+
+    def wait_released(self, stream: int, deadline: Deadline) -> None:
+        """Make ``stream`` wait until the peer is done with our oldest exposure that
+        this call has not yet waited for (its reads and writes of our memory)."""
+        raise self._not_one_sided()
+
+    def _not_one_sided(self) -> TransportError:
+        return TransportError(
+            f"{self.transport} has no one-sided device windows",
             peer=self.peer,
             transport=self.transport,
         )

@@ -27,6 +27,11 @@ event, and stores ``tail + 1`` only once that event completed, so the peer
 never overwrites a slot that a queued kernel still reads.  Several slots are in
 flight per direction, so copies, reductions and the host's polling overlap.
 
+One-sided windows (:attr:`~transports.base.Connection.one_sided`): besides the
+rings, a connection lets each side expose whole buffers to the other (see
+:class:`_Window`): descriptors in the host segment, ordering through device words
+written and waited on by the streams themselves, so the host never waits.
+
 Completion is observed by polling events from the host: a request is done when
 its bytes were copied (send) or consumed by the sink's queued work (receive).
 CUDA is reached through CuPy's runtime API, imported lazily.
@@ -34,13 +39,14 @@ CUDA is reached through CuPy's runtime API, imported lazily.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import secrets
 import struct
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transports import _atomic, _segment
@@ -60,6 +66,8 @@ from transports.base import (
     Transport,
     TransportError,
     TransportOptions,
+    TransportTimeout,
+    UnshareableMemoryError,
 )
 
 log = logging.getLogger(__name__)
@@ -67,7 +75,7 @@ log = logging.getLogger(__name__)
 NAME = "cuda_ipc"
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
-_VERSION = 1
+_VERSION = 2
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
 # per side (0 = creator = lower rank): pid, ready flag, ipc handle, raw pointer
 _SIDE_OFF = (256, 512)
@@ -75,7 +83,15 @@ _SIDE = struct.Struct("<Q8x64sQ")  # pid, (ready is a counter at +8), handle, pt
 _CLOSED_OFF = (1024, 1152)
 _CTRL0 = 4096
 _CTRL_SIZE = 2048
-_SEG_BYTES = 8192
+# one-sided windows, per side (written by that side): the host's exposed and
+# released counts, then one descriptor per window slot
+_WIN_OFF = (8192, 12288)
+_WIN_SLOTS = 4
+_W_EXPOSED, _W_RELEASED, _W_DESC = 0, 128, 1024
+_W_DESC_BYTES = 512
+_W_MAX_SPANS = 4
+_W_SPAN = struct.Struct("<64sQQQ")  # handle, offset in the allocation, nbytes, raw pointer
+_SEG_BYTES = 16384
 _MAX_SLOTS = (_CTRL_SIZE - 256) // 8
 _BLOB = struct.Struct("<4sHH16sQQQQQ16s")
 _BLOB_TAG = b"PCIP"
@@ -84,6 +100,9 @@ _D2D = 3  # cudaMemcpyDeviceToDevice
 _DEFAULT = 4  # cudaMemcpyDefault (unified addressing: across GPUs too)
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _EVENT_FLAGS = 0x2  # cudaEventDisableTiming (blocking sync off: we poll)
+_FLAG_BYTES = 256  # device words after the ring: "exposed" at +0, "released" at +128
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, wrap-safe
+_OPEN_CACHE = 32  # peer allocations kept mapped per connection
 
 
 def _cuda() -> Any:
@@ -351,7 +370,9 @@ class CudaIpcConnection(Connection):
         self.sink_stream = 0
         self._own_stream = 0
         with _on_device(device):
-            self._ring = int(rt.malloc(self.nslots * self.slot_bytes))
+            # the ring, then the window flags (see _Window) in the same allocation
+            self._ring = int(rt.malloc(self.nslots * self.slot_bytes + _FLAG_BYTES))
+            rt.memset(self._ring + self.nslots * self.slot_bytes, 0, _FLAG_BYTES)
             try:
                 handle = rt.ipcGetMemHandle(self._ring)
             except BaseException:
@@ -359,6 +380,7 @@ class CudaIpcConnection(Connection):
                 self._ring = 0
                 raise
         _SIDE.pack_into(mm, _SIDE_OFF[self._side], os.getpid(), handle, self._ring)
+        self._win = _Window(self, mm)
         _atomic.Counter(mm, _SIDE_OFF[self._side] + 8).store(1)
         # sender state
         self._issued = 0  # slots whose copy was enqueued
@@ -530,6 +552,27 @@ class CudaIpcConnection(Connection):
             if req.done_bytes >= req.nbytes:
                 req._done = True
 
+    # ------------------------------------------------------------------ one-sided
+    one_sided = True
+
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+        self._check_open()
+        self._win.expose(spans, stream, deadline)
+
+    def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+        self._check_open()
+        if not self._peer_opened:
+            self._open_peer()
+        return self._win.open(stream, deadline)
+
+    def release(self, stream: int) -> None:
+        self._check_open()
+        self._win.release(stream)
+
+    def wait_released(self, stream: int, deadline: Deadline) -> None:
+        self._check_open()
+        self._win.wait_released(stream, deadline)
+
     # ------------------------------------------------------------------ health
     def check_peer(self) -> None:
         if self._closed:
@@ -572,6 +615,7 @@ class CudaIpcConnection(Connection):
                     rt.eventSynchronize(ev)
                 for _, ev, *_ in list(self._copying):
                     rt.eventSynchronize(ev)
+                self._win.close()
                 if self._peer_ipc:
                     rt.ipcCloseMemHandle(self._peer_ring)
                 if self._ring:
@@ -594,6 +638,7 @@ class CudaIpcConnection(Connection):
             self._peer_ready,
             self._closed_peer,
             self._closed_me,
+            *self._win.counters(),
         ):
             ctr.release_buffer()
         try:
@@ -602,6 +647,219 @@ class CudaIpcConnection(Connection):
             log.warning("cuda_ipc: segment %s still has views; not unmapped", self._name)
         if self._creator:
             _segment.unlink(self._name)
+
+
+class _Window:
+    """One-sided windows of one connection: the host side of :meth:`Connection.expose`.
+
+    Ordering on the device uses two 32-bit words per side in device memory, right
+    after each side's ring (the peer has that allocation mapped already): our
+    "exposed" and "released" counts.  Exposing ``k`` enqueues a write of ``k`` into
+    our "exposed" word on the exposing stream (``cuStreamWriteValue32``, after the
+    work already queued there); the peer's stream waits until that word reaches
+    ``k`` (``cuStreamWaitValue32``).  The counts only grow, so no signal is ever
+    reused, and the host never waits for the device.
+
+    The host needs the same counts, in the shared segment, for the descriptors:
+    our exposure ``k`` describes its spans in slot ``(k - 1) % 4``, and a slot is
+    rewritten only once the peer's host released the exposure that used it.
+    """
+
+    def __init__(self, conn: CudaIpcConnection, mm: mmap.mmap) -> None:
+        self._conn = conn
+        self._rt = conn._rt
+        mine = _WIN_OFF[conn._side]
+        theirs = _WIN_OFF[1 - conn._side]
+        self._mm = mm
+        self._mine = mine
+        self._theirs = theirs
+        self._exposed_me = _atomic.Counter(mm, mine + _W_EXPOSED)
+        self._released_me = _atomic.Counter(mm, mine + _W_RELEASED)
+        self._exposed_peer = _atomic.Counter(mm, theirs + _W_EXPOSED)
+        self._released_peer = _atomic.Counter(mm, theirs + _W_RELEASED)
+        self.exposed = self.waited = 0  # our exposures made / whose release we waited for
+        self.opened = self.released = 0  # the peer's exposures opened / released
+        self._flags = conn._ring + conn.nslots * conn.slot_bytes  # our device words
+        self._maps: OrderedDict[bytes, int] = OrderedDict()  # peer handle -> mapped base
+
+    def counters(self) -> tuple[_atomic.Counter, ...]:
+        return (self._exposed_me, self._released_me, self._exposed_peer, self._released_peer)
+
+    # ------------------------------------------------------------------ helpers
+    def _await(self, ctr: _atomic.Counter, value: int, deadline: Deadline, what: str) -> None:
+        if ctr.load() >= value:
+            return
+        bo = Backoff()
+        while ctr.load() < value:
+            self._conn.check_peer()
+            if deadline.expired():
+                raise TransportTimeout(
+                    f"cuda_ipc: timed out waiting for peer {self._conn.peer} to {what}",
+                    pending=[self._conn.peer],
+                )
+            bo.pause()
+
+    def _peer_flags(self) -> int:
+        conn = self._conn
+        if not conn._peer_opened:
+            conn._open_peer()
+        return conn._peer_ring + conn.nslots * conn.slot_bytes
+
+    def _map(self, handle: bytes, raw: int) -> int:
+        """The base of the peer's allocation ``handle`` in our address space (cached)."""
+        conn = self._conn
+        if not conn._peer_ipc:
+            return raw  # both ends in one process
+        base = self._maps.get(handle)
+        if base is not None:
+            self._maps.move_to_end(handle)
+            return base
+        rt = self._rt
+        with _on_device(conn.device):
+            if len(self._maps) >= _OPEN_CACHE:
+                rt.deviceSynchronize()  # no queued kernel may still use what we unmap
+                _, old = self._maps.popitem(last=False)
+                rt.ipcCloseMemHandle(old)
+            try:
+                base = int(rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
+            except Exception as exc:
+                raise TransportError(
+                    f"cuda_ipc: cannot map peer {conn.peer}'s exposed buffer: {exc}",
+                    peer=conn.peer,
+                    transport=NAME,
+                ) from exc
+        self._maps[handle] = base
+        return base
+
+    # ------------------------------------------------------------------ protocol
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+        if len(spans) > _W_MAX_SPANS:
+            raise ValueError(f"cuda_ipc: at most {_W_MAX_SPANS} spans per window")
+        seq = self.exposed + 1
+        self._await(self._released_peer, seq - _WIN_SLOTS, deadline, "release a window")
+        slot = (seq - 1) % _WIN_SLOTS
+        off = self._mine + _W_DESC + slot * _W_DESC_BYTES
+        struct.pack_into("<Q", self._mm, off, len(spans))
+        for i, sp in enumerate(spans):
+            handle, offset = export(sp.ptr) if sp.nbytes else (bytes(64), 0)
+            _W_SPAN.pack_into(
+                self._mm, off + 8 + i * _W_SPAN.size, handle, offset, sp.nbytes, sp.ptr
+            )
+        _stream_write(stream, self._flags + _F_EXPOSED, seq)
+        self.exposed = seq
+        self._exposed_me.store(seq)
+
+    def open(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+        seq = self.opened + 1
+        self._await(self._exposed_peer, seq, deadline, "expose its buffers")
+        flags = self._peer_flags()
+        slot = (seq - 1) % _WIN_SLOTS
+        off = self._theirs + _W_DESC + slot * _W_DESC_BYTES
+        (count,) = struct.unpack_from("<Q", self._mm, off)
+        spans = []
+        dev = self._conn.device
+        for i in range(min(count, _W_MAX_SPANS)):
+            handle, offset, nbytes, raw = _W_SPAN.unpack_from(self._mm, off + 8 + i * _W_SPAN.size)
+            ptr = self._map(handle, raw - offset) + offset if nbytes else 0
+            spans.append(DeviceSpan(ptr, nbytes, dev, stream))
+        _stream_wait(stream, flags + _F_EXPOSED, seq)
+        self.opened = seq
+        return spans
+
+    def release(self, stream: int) -> None:
+        seq = self.released + 1
+        if seq > self.opened:
+            raise TransportError(
+                "cuda_ipc: release() without an open window", peer=self._conn.peer, transport=NAME
+            )
+        _stream_write(stream, self._flags + _F_RELEASED, seq)
+        self.released = seq
+        self._released_me.store(seq)
+
+    def wait_released(self, stream: int, deadline: Deadline) -> None:
+        seq = self.waited + 1
+        if seq > self.exposed:
+            raise TransportError(
+                "cuda_ipc: wait_released() without an exposure",
+                peer=self._conn.peer,
+                transport=NAME,
+            )
+        _stream_wait(stream, self._peer_flags() + _F_RELEASED, seq)
+        self.waited = seq
+
+    def close(self) -> None:
+        """Unmap the peer's buffers (after the device is done with them)."""
+        rt = self._rt
+        if self._maps:
+            rt.deviceSynchronize()
+        for base in self._maps.values():
+            rt.ipcCloseMemHandle(base)
+        self._maps.clear()
+
+
+_F_EXPOSED, _F_RELEASED = 0, 128
+
+
+def _stream_write(stream: int, addr: int, value: int) -> None:
+    """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
+    err = _driver().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0)
+    if err:
+        raise TransportError(f"cuda_ipc: cuStreamWriteValue32 failed with CUDA error {err}")
+
+
+def _stream_wait(stream: int, addr: int, value: int) -> None:
+    """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
+    err = _driver().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
+    if err:
+        raise TransportError(f"cuda_ipc: cuStreamWaitValue32 failed with CUDA error {err}")
+
+
+_libcuda: Any = None
+
+
+def _driver() -> Any:
+    """The CUDA driver library, for the few calls CuPy's runtime module lacks."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+        for fn in (lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        _libcuda = lib
+    return _libcuda
+
+
+def allocation_base(ptr: int) -> int:
+    """The base address of the CUDA allocation holding device pointer ``ptr``."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    if err:
+        raise UnshareableMemoryError(
+            f"cuda_ipc: {ptr:#x} is not device memory (cuMemGetAddressRange: error {err})"
+        )
+    return int(base.value)
+
+
+def export(ptr: int) -> tuple[bytes, int]:
+    """The IPC handle of the allocation holding device pointer ``ptr``, and the
+    offset of ``ptr`` in it (``cudaIpcGetMemHandle`` names whole allocations).
+
+    Raises:
+        UnshareableMemoryError: the memory cannot be shared (say, from a
+            stream-ordered ``cudaMallocAsync`` pool or the virtual-memory APIs).
+    """
+    base = allocation_base(ptr)
+    try:
+        handle = _cuda().ipcGetMemHandle(base)
+    except Exception as exc:
+        raise UnshareableMemoryError(
+            f"cuda_ipc: device memory at {ptr:#x} cannot be shared: {exc}"
+        ) from exc
+    return bytes(handle), ptr - base
 
 
 class _on_device:

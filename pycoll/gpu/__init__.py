@@ -60,6 +60,14 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
                 exc,
             )
             wiring = None
+    # one-sided windows only when every pair has them: all ranks must agree
+    mine = (
+        local
+        and wiring is not None
+        and len(wiring.conns) == size - 1
+        and all(c.one_sided for c in wiring.conns.values())
+    )
+    one_sided = mine if size == 1 else mpi_comm.allreduce(int(mine), op=_min()) > 0
     if not local:
         if wiring is not None:
             wiring.close()
@@ -68,7 +76,7 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
 
     from pycoll.gpu.context import GpuContext
 
-    return GpuContext(
+    ctx = GpuContext(
         rank,
         size,
         int(cupy.cuda.runtime.getDevice()),
@@ -78,3 +86,19 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         config.timeout,
         wiring.close if wiring else None,
     )
+    ctx.one_sided = one_sided and size > 1
+    log.info(
+        "rank %d: device collectives %s",
+        rank,
+        "read and write peer buffers directly (one-sided windows to every peer)"
+        if ctx.one_sided
+        else "move chunks through the device connections or pinned host staging "
+        "(not every pair has one-sided windows)",
+    )
+    return ctx
+
+
+def _min() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MIN

@@ -10,11 +10,15 @@ Stream semantics (as NCCL's, with one honest difference):
 * Work queued on that stream after the call waits for the collective: an
   event recorded after its last write is waited on by the stream
   (``cudaStreamWaitEvent``).
-* The call blocks the host: the host thread synchronizes the start event before
-  moving any byte (so the algorithms can run on pycoll's own non-blocking
+* ``direct`` (one-sided windows, :mod:`pycoll.gpu.direct`) does not block the
+  host: pycoll's stream waits for the start event and everything is enqueued.
+* ``ring``/``tree`` block the host: the host thread synchronizes the start event
+  before moving any byte (so the algorithms can run on pycoll's own non-blocking
   stream) and drives every transfer by polling events, so the call returns once
   all bytes have moved; only the last local step (the division of ``avg``, a
   final local reduction) may still be queued, and the stream waits for it.
+* Small messages that ``auto`` sends through the host (:meth:`GpuContext.through_host`)
+  block until the result is copied back.
 * With ``async_op=True`` the collective runs on pycoll's thread; its output is
   ready for the host and for work queued on the stream once ``Request.wait()``
   has returned (work queued before that is not ordered after it).
@@ -31,13 +35,23 @@ import numpy as np
 from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
 from pycoll.errors import InvalidArgumentError
+from pycoll.gpu import direct
 from pycoll.gpu import reduce as dreduce
+from pycoll.gpu.direct import Scratch, Windows
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
 from pycoll.reduce import ReduceOp
 from transports.base import Backoff, Connection, Deadline
 
 log = logging.getLogger(__name__)
+
+_D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
+
+
+def _device(dev: int) -> Any:
+    import cupy
+
+    return cupy.cuda.Device(dev)
 
 
 class GpuContext:
@@ -74,6 +88,9 @@ class GpuContext:
         self._close = close
         self._stream: Any = None
         self._pool: Pinned | None = None
+        #: every pair has one-sided windows (agreed by all ranks at setup)
+        self.one_sided = False
+        self._scratch: Scratch | None = None
 
     def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
         """How device bytes reach ``peer``: "cuda_ipc", "rdma:gdr", ... or "staged:shm"."""
@@ -93,6 +110,11 @@ class GpuContext:
             with cupy.cuda.Device(self.device):
                 self._stream = cupy.cuda.Stream(non_blocking=True)
         return self._stream
+
+    def scratch(self) -> Scratch:
+        if self._scratch is None:
+            self._scratch = Scratch(self.device)
+        return self._scratch
 
     def pool(self) -> Pinned:
         if self._pool is None:
@@ -123,10 +145,66 @@ class GpuContext:
         user = resolve_stream(stream, x.obj, self.device, self.rank, what)
         return DeviceCall(self, x, out, user, host_conns, backoff)
 
+    def through_host(
+        self,
+        body: Callable[[Any, Any], None],
+        x: Buffer,
+        out: Buffer | None,
+        stream: Any,
+        copy_in: bool,
+        copy_out: bool,
+        rank: int,
+    ) -> None:
+        """Run the host ``body(hx, ho)`` on pinned copies of device buffers.
+
+        The copies are ordered on the caller's stream (``stream=`` or the current
+        one); the host waits for the copy in, runs the host collective, and waits
+        for the copy out, so the call blocks like a host collective.
+        """
+        rt = self._rt()
+        user = resolve_stream(stream, x.obj, self.device, rank, "collective")
+        pool = self.pool()
+        bufs = []
+
+        def pinned(count: int, dtype: np.dtype[Any]) -> Any:
+            buf = pool.get(max(1, count * dtype.itemsize))
+            bufs.append(buf)
+            return buf[1][: count * dtype.itemsize].view(dtype)
+
+        flat_dt = x.flat.dtype  # bfloat16 travels as uint16 on the device
+        hx = pinned(x.count, flat_dt)
+        if out is None:
+            ho = None
+        elif out.same_memory(x):
+            ho = hx
+        else:
+            ho = pinned(out.count, flat_dt)
+        try:
+            with _device(self.device):
+                if copy_in and x.nbytes:
+                    rt.memcpyAsync(hx.ctypes.data, data_ptr(x.flat), x.nbytes, _D2H, user)
+                    rt.streamSynchronize(user)
+                body(hx.view(x.dtype), None if ho is None else ho.view(x.dtype))
+                if out is not None and ho is not None and copy_out and out.nbytes:
+                    rt.memcpyAsync(data_ptr(out.flat), ho.ctypes.data, out.nbytes, _H2D, user)
+                    rt.streamSynchronize(user)  # the pinned buffers are reused after this
+        finally:
+            for buf in bufs:
+                pool.put(len(buf[1]), buf)
+
+    @staticmethod
+    def _rt() -> Any:
+        import cupy
+
+        return cupy.cuda.runtime
+
     def close(self) -> None:
         if self._close is not None:
             self._close()
             self._close = None
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
         self.dconns = {}
         if self._pool is not None:
             self._pool.close()
@@ -207,12 +285,31 @@ class DeviceCall:
             piece_bytes(ctx.chunk_bytes),
         )
 
-    def _run(self, body: Callable[[], Any]) -> Any:
+    def windows(self) -> Windows:
+        ctx = self.ctx
+        return Windows(
+            ctx.rank,
+            ctx.size,
+            ctx.dconns,
+            ctx.stream(),
+            Deadline.after(ctx.timeout),
+            ctx.scratch(),
+        )
+
+    def _run(self, body: Callable[[], Any], host_waits: bool = True) -> Any:
+        """Run ``body`` on pycoll's stream, after the caller's stream's earlier work.
+
+        ``host_waits``: the body drives transfers from the host, so the host first
+        waits for that work; otherwise (one-sided windows) only the stream waits.
+        """
         rt = self._rt
         with self._cp.cuda.Device(self.ctx.device):
             try:
-                rt.eventSynchronize(self._start)  # the stream's earlier work is done
                 s = self.ctx.stream()
+                if host_waits:
+                    rt.eventSynchronize(self._start)  # the stream's earlier work is done
+                else:
+                    rt.streamWaitEvent(s.ptr, self._start, 0)
                 with s:
                     result = body()
                 end = int(rt.eventCreateWithFlags(0x2))
@@ -233,12 +330,14 @@ class DeviceCall:
             if self.ctx.size == 1:
                 if data_ptr(oa) != data_ptr(xa):
                     oa[...] = xa
+            elif x.count and algo == "direct":
+                direct.allreduce(self.windows(), op, x.dtype, xa, oa)
             elif x.count:
                 algorithms.get("allreduce", algo)(self.links(op), xa, oa)
             if op is ReduceOp.AVG:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body)
+        self._run(body, algo != "direct")
         return out.obj
 
     def allgather(self, algo: str) -> Any:
@@ -251,20 +350,24 @@ class DeviceCall:
             mine = oa[r * k : (r + 1) * k]
             if k and data_ptr(mine) != data_ptr(xa):
                 mine[...] = xa
-            if n > 1 and k:
+            if n > 1 and k and algo == "direct":
+                direct.allgather(self.windows(), xa, oa)
+            elif n > 1 and k:
                 algorithms.get("allgather", algo)(self.links(None), xa, oa)
 
-        self._run(body)
+        self._run(body, algo != "direct")
         return out.obj
 
     def broadcast(self, root: int, algo: str) -> Any:
         b = self.x
 
         def body() -> None:
-            if self.ctx.size > 1 and b.count:
+            if self.ctx.size > 1 and b.count and algo == "direct":
+                direct.broadcast(self.windows(), b.flat, root)
+            elif self.ctx.size > 1 and b.count:
                 algorithms.get("broadcast", algo)(self.links(None), b.flat, root)
 
-        self._run(body)
+        self._run(body, algo != "direct")
         return b.obj
 
     def reduce_scatter(self, op: ReduceOp, algo: str) -> Any:
@@ -275,12 +378,14 @@ class DeviceCall:
             xa, oa = x.flat, out.flat
             if self.ctx.size == 1:
                 oa[...] = xa
+            elif oa.size and algo == "direct":
+                direct.reduce_scatter(self.windows(), op, x.dtype, xa, oa)
             elif oa.size:
                 algorithms.get("reduce_scatter", algo)(self.links(op), xa, oa)
             if op is ReduceOp.AVG:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body)
+        self._run(body, algo != "direct")
         return out.obj
 
     def reduce(self, op: ReduceOp, root: int, algo: str) -> Any:
@@ -293,10 +398,12 @@ class DeviceCall:
             if self.ctx.size == 1:
                 if data_ptr(oa) != data_ptr(xa):
                     oa[...] = xa
+            elif x.count and algo == "direct":
+                direct.reduce(self.windows(), op, x.dtype, xa, oa, root)
             elif x.count:
                 algorithms.get("reduce", algo)(self.links(op), xa, oa, root)
             if op is ReduceOp.AVG and is_root:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body)
+        self._run(body, algo != "direct")
         return out.obj if out is not None else None

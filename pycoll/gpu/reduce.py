@@ -114,3 +114,41 @@ def finish_avg(out: Any, n: int, dtype: np.dtype[Any]) -> None:
         _bf16_div_kernel()(out, np.float32(n), out)
         return
     cp.divide(out, dtype.type(n), out=out)
+
+
+_NARY_BODY = {ReduceOp.SUM: "acc = acc + {x};", ReduceOp.AVG: "acc = acc + {x};"}
+_NARY_BODY[ReduceOp.PROD] = "acc = acc * {x};"
+
+
+def nary(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., Any] | None:
+    """``f(inputs, out)``: ``out = ((in0 OP in1) OP in2) ...`` in one kernel, or None
+    where only the pairwise :func:`reducer` is exact (min, max, bfloat16).
+
+    One pass reads every input once and writes once (the chain of pairwise
+    kernels rereads and rewrites the partial sum n - 2 times), and since each
+    element is read before it is written, ``out`` may alias any input.  The
+    operands combine in the same order, with the same per-step rounding, as the
+    chain, so the bits match it.
+    """
+    if dtype == BF16 or op not in _NARY_BODY or n < 2:
+        return None
+    k = _nary_kernel(op, n)
+
+    def f(inputs: list[Any], out: Any) -> Any:
+        return k(*inputs, out)
+
+    return f
+
+
+@functools.cache
+def _nary_kernel(op: ReduceOp, n: int) -> Any:
+    cp = _cupy()
+    step = _NARY_BODY[op]
+    body = "T acc = x0; " + " ".join(step.format(x=f"x{i}") for i in range(1, n)) + " y = acc;"
+    return cp.ElementwiseKernel(
+        ", ".join(f"T x{i}" for i in range(n)),
+        "T y",
+        body,
+        f"pycoll_nary_{op.value}_{n}",
+        options=_EXACT,
+    )

@@ -36,7 +36,8 @@ PRIME = 65537 + 34
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = list(pycoll.DTYPES.values())  # every dtype pycoll supports
 OPS = ["sum", "prod", "min", "max", "avg"]
-ALGOS = ["ring", "tree"]
+ALGOS = ["ring", "tree", "direct"]
+STAGED_ALGOS = ["ring", "tree"]  # direct needs one-sided windows between every pair
 SIZES = [1, 7, PRIME]
 
 
@@ -270,13 +271,79 @@ def test_auto_algorithm(comm):
         assert_close(cp.asnumpy(got), reference(xs, "sum"), np.dtype(np.float32), SIZE, "auto")
 
 
+def test_direct_is_the_default_between_ipc_peers(comm):
+    """Above device_host_bytes, auto takes the one-sided path; below, the host."""
+    x = cp.ones(1 << 20, cp.float32)
+    comm.allreduce(x)
+    assert ("algo=direct" in comm.recent()[-1]) == (SIZE > 1), comm.recent()[-1]
+    assert float(x[0]) == SIZE and float(x[-1]) == SIZE
+    small = cp.ones(1000, cp.float32)
+    comm.allreduce(small, algorithm="ring")  # an explicit algorithm stays on the device
+    assert "algo=ring" in comm.recent()[-1]
+    assert float(small[0]) == SIZE
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_direct_with_unshareable_memory(comm, op):
+    """Buffers from a stream-ordered pool cannot be exposed through CUDA IPC: the
+    one-sided path goes through its own scratch memory, in place and out of place."""
+    pool = cp.cuda.MemoryAsyncPool()
+    count = PRIME
+    xs = [data(r, count, np.dtype(np.float32), op) for r in range(SIZE)]
+    ref = reference(xs, op)
+    with cp.cuda.using_allocator(pool.malloc):
+        x = cp.asarray(xs[RANK])
+        out = cp.full(count, np.nan, cp.float32)
+        comm.allreduce(x, out, op=op)
+        comm.allreduce(x, op=op)
+        ag = comm.allgather(cp.asarray(xs[RANK]))
+        rs = comm.reduce_scatter(cp.asarray(xs[RANK][: count // SIZE * SIZE]), op=op)
+    for got, what in ((out, "out of place"), (x, "in place")):
+        h = cp.asnumpy(got)
+        assert_close(h, ref, np.dtype(np.float32), SIZE, f"unshareable allreduce {what}")
+        assert_identical_everywhere(h, what)
+    assert np.array_equal(cp.asnumpy(ag), np.stack(xs))
+    k = count // SIZE
+    rs_ref = reference([v[: k * SIZE] for v in xs], op)[RANK * k : (RANK + 1) * k]
+    assert_close(cp.asnumpy(rs), rs_ref, np.dtype(np.float32), SIZE, "unshareable reduce_scatter")
+
+
+@pytest.mark.parametrize(
+    "dtype", [BF16, np.dtype(np.float16), np.dtype(np.int8), np.dtype(np.float64)], ids=str
+)
+def test_auto_small_messages_through_the_host(comm, dtype):
+    """auto below device_host_bytes: pinned copies and the host algorithms, every collective."""
+    count = PRIME
+    for op in ("sum", "max"):
+        xs = [data(r, count, dtype, op) for r in range(SIZE)]
+        got = to_host(comm.allreduce(to_dev(xs[RANK])), dtype) if op == "sum" else None
+        if got is not None:
+            assert_close(got, reference(xs, op), dtype, SIZE, f"auto allreduce {dtype}")
+            assert_identical_everywhere(got, "auto allreduce")
+        out = empty_dev(count, dtype)
+        comm.allreduce(to_dev(xs[RANK]), out, op=op)
+        assert_close(to_host(out, dtype), reference(xs, op), dtype, SIZE, f"auto allreduce {op}")
+        k = count // SIZE
+        rs = comm.reduce_scatter(to_dev(xs[RANK][: k * SIZE]), op=op)
+        ref = reference([x[: k * SIZE] for x in xs], op)[RANK * k : (RANK + 1) * k]
+        assert_close(to_host(rs, dtype), ref, dtype, SIZE, f"auto reduce_scatter {op}")
+        red = comm.reduce(to_dev(xs[RANK]), root=SIZE - 1, op=op)
+        if RANK == SIZE - 1:
+            assert_close(to_host(red, dtype), reference(xs, op), dtype, SIZE, f"auto reduce {op}")
+    ag = comm.allgather(to_dev(xs[RANK]))
+    assert np.array_equal(to_host(ag, dtype).view(np.uint8), np.stack(xs).view(np.uint8))
+    b = to_dev(xs[0]) if RANK == 0 else empty_dev(count, dtype)
+    comm.broadcast(b, root=0)
+    assert np.array_equal(to_host(b, dtype).view(np.uint8), xs[0].view(np.uint8))
+
+
 # ----------------------------------------------------------------------------- staging
 @pytest.mark.parametrize("which", ["comm_staged", "comm_tcp"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int64)], ids=str)
 def test_staged_paths(request, which, dtype):
     c = request.getfixturevalue(which)
     count = 300_007  # several staging pieces per message
-    for algo, op in itertools.product(ALGOS, ("sum", "max", "avg")):
+    for algo, op in itertools.product(STAGED_ALGOS, ("sum", "max", "avg")):
         if not _cases(dtype, op):
             continue
         xs = [data(r, count, dtype, op) for r in range(SIZE)]
@@ -316,12 +383,13 @@ def _spin_fill(x, value: float, stream, ms: float = 30.0) -> None:
         k(((n + 255) // 256,), (256,), (x, np.int64(n), np.float32(value), np.int64(cycles)))
 
 
+@pytest.mark.parametrize("n", [1 << 16, 1 << 19], ids=["via-host", "on-device"])
 @pytest.mark.parametrize("form", ["cupy", "int", "current", "torch"])
-def test_stream_ordering(comm, form):
+def test_stream_ordering(comm, form, n):
     """The collective sees work queued before it on the stream; work after sees its result."""
     s = cp.cuda.Stream(non_blocking=True)
-    n = 1 << 16
-    x = cp.zeros(n, cp.float32)
+    with s:  # on s: a zeroing on the legacy stream could land after the fill
+        x = cp.zeros(n, cp.float32)
     torch = _torch()
     if form == "torch" and torch is None:
         pytest.skip("torch with CUDA is not available")
