@@ -10,6 +10,9 @@
    that *both* ends accept, so the two sides always agree.
 4. Connections are made; a pair with no common transport fails loudly, naming
    every refusal (like NCCL's "No transport found for rank a -> rank b").
+5. When every pair of ranks chose shm (one host, shared memory allowed there and
+   by ``PYCOLL_TRANSPORT``), the ranks also share one group segment
+   (:mod:`transports.shm_group`), which the ``direct`` algorithms use.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pycoll.config import Config
 from pycoll.errors import ConnectError, PycollError, translate
 from transports.base import Connection, Transport, TransportOptions
 from transports.registry import transport_class
+from transports.shm_group import ShmGroup
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,16 @@ class Wiring:
     kind: dict[int, str] = field(default_factory=dict)  # peer -> "shm", "tcp", "rdma:host"...
     why: dict[int, str] = field(default_factory=dict)
     transports: list[Transport] = field(default_factory=list)
+    group: ShmGroup | None = None  # the segment every rank shares, when on one host
+    group_why: str = "not built"
 
     def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.close()
+            except Exception as exc:
+                log.warning("closing the group segment: %s", exc)
+            self.group = None
         for c in reversed(list(self.conns.values())):
             try:
                 c.close()
@@ -196,6 +208,68 @@ def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:
         w.close()
         msg = "; ".join(errors) if errors else f"connection set-up failed on {failed} other rank(s)"
         raise ConnectError(f"rank {rank}: {msg}", rank=rank)
+    if not device:
+        try:
+            _group(mpi_comm, cfg, w)
+        except BaseException:
+            w.close()
+            raise
     # nobody may leave until every segment is attached (and so unlinked)
     mpi_comm.Barrier()
     return w
+
+
+def _group(mpi_comm: Any, cfg: Config, w: Wiring) -> None:
+    """Build the group segment when every pair of ranks uses shm (step 5).
+
+    Its absence is no error: the ``direct`` algorithms are then not candidates.
+    Every rank takes the same decision (each verdict is allgathered).
+    """
+    rank, size = w.rank, w.size
+    why = ""
+    if cfg.group_slot_bytes <= 0:
+        why = "PYCOLL_GROUP_SLOT_BYTES=0"
+    else:
+        off = sorted(p for p, k in w.kind.items() if k != "shm")
+        if off:
+            why = f"rank {rank} reaches rank(s) {off} by {w.kind[off[0]]}, not shm"
+    whys = mpi_comm.allgather(why)
+    refused = [(r, y) for r, y in enumerate(whys) if y]
+    if refused:
+        w.group_why = f"not every rank is on one host with shared memory ({refused[0][1]})"
+        log.info("rank %d: no group segment: %s", rank, w.group_why)
+        return
+    token = mpi_comm.bcast(secrets.token_bytes(8) if rank == 0 else None, root=0)
+    group: ShmGroup | None = None
+    err = ""
+    if rank == 0:
+        try:
+            group = ShmGroup.create(token, rank, size, cfg.group_slot_bytes)
+        except Exception as exc:
+            err = f"rank {rank}: {type(exc).__name__}: {exc}"
+    # the others look for the segment only once it exists
+    err = mpi_comm.bcast(err, root=0)
+    if rank != 0 and not err:
+        try:
+            group = ShmGroup.attach(token, rank, size, cfg.timeout)
+        except Exception as exc:
+            err = f"rank {rank}: {type(exc).__name__}: {exc}"
+    errs = [e for e in mpi_comm.allgather(err) if e]
+    if errs:  # everyone saw the same list: drop the group on every rank
+        if group is not None:
+            group.close()
+        w.group_why = f"group segment failed ({errs[0]})"
+        log.info("rank %d: no group segment: %s", rank, w.group_why)
+        return
+    assert group is not None
+    group.unlink()  # every rank has attached: nothing may outlive the job
+    ok, cma_why = group.probe()
+    verdicts = mpi_comm.allgather((ok, cma_why))
+    group.cma = all(v for v, _ in verdicts)
+    if not group.cma:
+        cma_why = next(f"rank {r}: {y}" for r, (v, y) in enumerate(verdicts) if not v)
+    w.group = group
+    w.group_why = f"all {size} ranks share memory on one host; " + (
+        "large messages by direct reads" if group.cma else f"no direct reads ({cma_why})"
+    )
+    log.info("rank %d: group segment %s: %s", rank, group.name, w.group_why)

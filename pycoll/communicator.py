@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import zlib
@@ -136,6 +137,9 @@ class Communicator:
         self._conns = self._wiring.conns
         self._kinds = dict(self._wiring.kind)
         self._kinds[self.rank] = "self"
+        # memory every rank shares (one host): the "direct" algorithms need it
+        self._group = self._wiring.group
+        self._candidates: dict[str, tuple[str, ...]] = {}
         try:  # the device side (second connection table, cuda_ipc); None without a GPU
             self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
         except BaseException:
@@ -145,7 +149,7 @@ class Communicator:
         self._failed: BaseException | None = None
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
-        self._backoff = Backoff()
+        self._backoff = _waiting_policy(1 + sum(k == "shm" for k in self._wiring.kind.values()))
         # Asynchronous collectives run on a worker thread beside the caller's
         # computation: there a spinning waiter would take the core (and the GIL)
         # that the computation needs, so it naps almost at once instead.
@@ -212,8 +216,9 @@ class Communicator:
         out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
-        if x.is_device and self._gpu is not None:
+        if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allreduce(rop, algo), async_op, x, rop, 0, algo)
 
         def run() -> Any:
@@ -227,7 +232,7 @@ class Communicator:
                 if rop is ReduceOp.AVG:
                     finish_avg(oa, self.size)
 
-            self._staged(body, x, out)
+            self._staged(body, x, out, stream=stream)
             return out.obj
 
         return self._submit(what, run, async_op, x, rop, 0, algo)
@@ -260,8 +265,9 @@ class Communicator:
         out = self._output(recvbuf, x, self.size * x.count, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         k, r = x.count, self.rank
-        if x.is_device and self._gpu is not None:
+        if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
 
         def run() -> Any:
@@ -272,7 +278,7 @@ class Communicator:
                 if self.size > 1 and k:
                     algorithms.get(what, algo)(self._links(x.dtype, None), xa, oa)
 
-            self._staged(body, x, out)
+            self._staged(body, x, out, stream=stream)
             return out.obj
 
         return self._submit(what, run, async_op, x, None, 0, algo)
@@ -296,8 +302,9 @@ class Communicator:
         self._check_root(root, what)
         b = as_buffer(buf, self.rank, what, "buf", writable=self.rank != root)
         algo = self._algorithm(what, algorithm, b.nbytes)
-        if b.is_device and self._gpu is not None:
+        if b.is_device and self._gpu is not None and not self._via_host(what, algorithm, b.nbytes):
             dc = self._gpu.call(what, b, None, stream, self._conns, self._backoff)
+            algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(
                 what, lambda: dc.broadcast(root, algo), async_op, b, None, root, algo
             )
@@ -307,7 +314,9 @@ class Communicator:
                 if self.size > 1 and b.count:
                     algorithms.get(what, algo)(self._links(b.dtype, None), ba, root)
 
-            self._staged(body, b, b, copy_in=self.rank == root, copy_out=self.rank != root)
+            self._staged(
+                body, b, b, copy_in=self.rank == root, copy_out=self.rank != root, stream=stream
+            )
             return b.obj
 
         return self._submit(what, run, async_op, b, None, root, algo)
@@ -346,8 +355,9 @@ class Communicator:
             )
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
-        if x.is_device and self._gpu is not None:
+        if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(
                 what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
             )
@@ -361,7 +371,7 @@ class Communicator:
                 if rop is ReduceOp.AVG:
                     finish_avg(oa, self.size)
 
-            self._staged(body, x, out)
+            self._staged(body, x, out, stream=stream)
             return out.obj
 
         return self._submit(what, run, async_op, x, rop, 0, algo)
@@ -396,8 +406,9 @@ class Communicator:
             out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
-        if x.is_device and self._gpu is not None:
+        if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
+            algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(
                 what, lambda: dc.reduce(rop, root, algo), async_op, x, rop, root, algo
             )
@@ -414,7 +425,7 @@ class Communicator:
                 if rop is ReduceOp.AVG and is_root:
                     finish_avg(oa, self.size)
 
-            self._staged(body, x, out)
+            self._staged(body, x, out, stream=stream)
             return out.obj if out is not None else None
 
         return self._submit(what, run, async_op, x, rop, root, algo)
@@ -428,6 +439,9 @@ class Communicator:
         def run() -> None:
             n, r = self.size, self.rank
             L = self._links(token.dtype, None)
+            if self._group is not None:
+                algorithms.get(what, "direct")(L)
+                return
             got = np.empty(1, np.uint8)
             d = 1
             while d < n:
@@ -437,7 +451,8 @@ class Communicator:
             L.finish()
 
         dummy = Buffer(token, token, -1)
-        self._submit(what, run, False, dummy, None, 0, "dissemination")
+        algo = "dissemination" if self._group is None else "direct"
+        self._submit(what, run, False, dummy, None, 0, algo)
 
     def close(self) -> None:
         """Release every connection and segment; idempotent."""
@@ -524,7 +539,11 @@ class Communicator:
         return out
 
     def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
-        avail = algorithms.names(what)
+        avail = self._candidates.get(what)
+        if avail is None:
+            avail = self._candidates[what] = tuple(
+                a for a in algorithms.names(what) if self._usable(a)
+            )
         if not isinstance(algorithm, str):
             raise InvalidArgumentError(
                 f"rank {self.rank}: {what}: algorithm={algorithm!r} must be a string"
@@ -535,11 +554,42 @@ class Communicator:
         if name == "auto":
             return cost.choose(what, avail, self.size, nbytes, self.config.chunk_bytes)
         if name not in avail:
+            if name in algorithms.names(what):
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: {what}: algorithm={algorithm!r} is not available "
+                    f"here: {self._unusable_why(name)}"
+                )
             raise InvalidArgumentError(
                 f"rank {self.rank}: {what}: algorithm={algorithm!r} is not one of "
-                f"{', '.join(('auto', *avail))}"
+                f"{', '.join(('auto', *algorithms.names(what)))}"
             )
         return name
+
+    def _usable(self, algorithm: str) -> bool:
+        """Whether host ``algorithm`` can run here (``direct`` needs the shared group)."""
+        return algorithm != "direct" or self.size == 1 or self._group is not None
+
+    def _unusable_why(self, algorithm: str) -> str:
+        assert self._wiring is not None
+        return f"{algorithm} needs every rank on one host sharing memory ({self._wiring.group_why})"
+
+    def _via_host(self, what: str, requested: str, nbytes: int) -> bool:
+        """Whether a device collective goes through host memory and the host
+        algorithms: small messages when ``auto`` picks (see
+        :attr:`Config.device_host_bytes`); the choice depends only on what every
+        rank passes, so all ranks agree."""
+        if self.size == 1 or nbytes > self.config.device_host_bytes:
+            return False
+        return requested.lower() == "auto" and not self.config.algorithm_for(what)
+
+    def _device_algorithm(self, what: str, requested: str, algo: str) -> str:
+        """The algorithm for device buffers: ``direct`` (one-sided windows between
+        every pair) when all pairs have them and no other one was asked for."""
+        assert self._gpu is not None
+        explicit = requested.lower() != "auto" or bool(self.config.algorithm_for(what))
+        if self._gpu.one_sided and (algo == "direct" or not explicit):
+            return "direct"
+        return "ring" if algo == "direct" else algo
 
     def _links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
         """The Links for (dtype, op), reused across calls with a fresh deadline.
@@ -560,9 +610,10 @@ class Communicator:
                 dtype,
                 None if op is None else ufunc(op),
                 self._backoff,
+                self._group,
             )
             self._links_cache[key] = L
-        L.deadline = Deadline.after(self.config.timeout)
+        L.deadline.at = time.monotonic() + self.config.timeout  # a fresh deadline, no allocation
         L._backoff = (
             self._polite if threading.current_thread() is not self._caller else self._backoff
         )
@@ -575,10 +626,15 @@ class Communicator:
         out: Buffer | None,
         copy_in: bool = True,
         copy_out: bool = True,
+        stream: Any = None,
     ) -> None:
-        """Run ``body`` on host arrays; device buffers go through host copies."""
+        """Run ``body`` on host arrays; device buffers go through host copies
+        (pinned and ordered on ``stream`` when this rank has a GPU context)."""
         if not x.is_device:
             body(x.flat, None if out is None else out.flat)
+            return
+        if self._gpu is not None:
+            self._gpu.through_host(body, x, out, stream, copy_in, copy_out, self.rank)
             return
         hx = x.flat.get() if copy_in else np.empty(x.count, x.dtype)
         if out is None:
@@ -740,6 +796,23 @@ class Communicator:
                 rank=self.rank,
                 ranks=sorted(odd),
             )
+
+
+def _waiting_policy(local_ranks: int) -> Backoff:
+    """How a blocking collective waits, given how many ranks share this host.
+
+    With a core per rank, a short spin answers fastest.  With more ranks than
+    cores, a spinning waiter holds the very core its peer needs: it yields at
+    once, and keeps yielding (never sleeping: a nap lasts 50 us or more) for a
+    few milliseconds before it naps.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if local_ranks > cores:
+        return Backoff(spins=4, yields=20000)
+    return Backoff()
 
 
 def _algo_id(name: str) -> int:

@@ -51,6 +51,14 @@ class Config:
             connections).
         device_chunk_bytes: pipeline chunk and device slot size for GPU buffers
             (``PYCOLL_DEVICE_CHUNK_BYTES``).
+        device_host_bytes: device collectives of at most this many bytes per rank go
+            through pinned host memory and the host algorithms, when ``auto`` picks
+            (``PYCOLL_DEVICE_HOST_BYTES``; 0: never).  Ranks sharing one GPU pay for
+            every cross-process dependency on the device with a context switch, so
+            below about 1 MiB the host is faster.
+        group_slot_bytes: bytes of each rank's slots in the group segment that ranks
+            on one host share (``PYCOLL_GROUP_SLOT_BYTES``); 0 turns the segment, and
+            with it the ``direct`` algorithms, off.
     """
 
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
@@ -65,6 +73,8 @@ class Config:
     debug: str = "WARN"
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
+    device_host_bytes: int = 1 << 20
+    group_slot_bytes: int = 64 << 10
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -150,6 +160,21 @@ class Config:
             if n < 64:
                 raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "must be at least 64 bytes")
             kw["device_chunk_bytes"] = n
+        if v := e.get("PYCOLL_DEVICE_HOST_BYTES", "").strip():
+            try:
+                kw["device_host_bytes"] = _parse_bytes(v)
+            except ValueError:
+                raise bad("PYCOLL_DEVICE_HOST_BYTES", "not a size (e.g. 1M, or 0)") from None
+        if v := e.get("PYCOLL_GROUP_SLOT_BYTES", "").strip():
+            try:
+                n = _parse_bytes(v)
+            except ValueError:
+                raise bad(
+                    "PYCOLL_GROUP_SLOT_BYTES", "not a size (e.g. 64K), or 0 for off"
+                ) from None
+            if n < 0:
+                raise bad("PYCOLL_GROUP_SLOT_BYTES", "must not be negative")
+            kw["group_slot_bytes"] = n
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)  # type: ignore[arg-type]
 

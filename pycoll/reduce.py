@@ -54,9 +54,15 @@ _UFUNC: dict[ReduceOp, Callable[..., Any]] = {
 }
 
 
+_BY_NAME = {o.value: o for o in ReduceOp}
+
+
 def parse_op(op: object, rank: int, what: str) -> ReduceOp:
     if isinstance(op, ReduceOp):
         return op
+    rop = _BY_NAME.get(op) if isinstance(op, str) else None  # the common case, lowercase
+    if rop is not None:
+        return rop
     if isinstance(op, str):
         try:
             return ReduceOp(op.lower())

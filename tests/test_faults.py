@@ -52,7 +52,7 @@ def assert_clean(res: dict) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "direct"])  # direct: the group segment
 def test_killed_rank_is_reported_fast(tmp_path, transport):
     # Hydra, even with -disable-auto-cleanup, now and then kills the survivors
     # shortly after a rank dies; try again before judging.

@@ -166,3 +166,21 @@ def unlink(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         pass
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (or is a zombie its launcher has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the state follows the command name, which sits in parentheses and may hold any byte
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] in (b"Z", b"X")

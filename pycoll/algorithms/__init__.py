@@ -6,7 +6,7 @@ collective; ``auto`` picks by :mod:`pycoll.algorithms.cost`.
 
 from __future__ import annotations
 
-from pycoll.algorithms import oneshot, ring, tree  # noqa: F401 - registers the algorithms
+from pycoll.algorithms import direct, oneshot, ring, tree  # noqa: F401 - registers the algorithms
 from pycoll.algorithms.registry import ALGORITHMS, get, names
 
 __all__ = ["ALGORITHMS", "get", "names"]

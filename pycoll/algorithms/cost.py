@@ -27,6 +27,14 @@ ONESHOT_MAX_BYTES = 64 << 10
 #: Fitted from benchmarks/results (see RESULTS.md); shm on the 2-core CI machine.
 DEFAULT = Constants(alpha=5.52e-05, beta=1 / 9.77e9, gamma=1 / 2.3e9)
 
+#: A step of a ``direct`` algorithm, in units of ``alpha``: one store and one wait on
+#: shared memory, where the others' step is a message through a transport.  Measured
+#: on the 2-core machine (8 B, n = 2..4), direct took 0.2-0.4 of one-shot's time.
+DIRECT_STEP = 0.25
+#: Up to this many bytes a direct algorithm goes through the group's slots (one step);
+#: above it, by address (two or three steps).  The group's default slot size.
+DIRECT_SLOT_BYTES = 64 << 10
+
 
 def estimate(
     collective: str, algorithm: str, n: int, nbytes: int, chunk: int, k: Constants = DEFAULT
@@ -38,6 +46,8 @@ def estimate(
     slices = max(1, math.ceil(nbytes / (chunk * n)))
     chunks = max(1, math.ceil(nbytes / chunk))
     f = (n - 1) / n
+    if algorithm == "direct":
+        return _direct(collective, n, nbytes, k)
     if collective == "allreduce":
         if algorithm == "oneshot":
             if nbytes > ONESHOT_MAX_BYTES:
@@ -77,6 +87,37 @@ def estimate(
         if algorithm == "tree":
             fan = min(2, n - 1)  # bytes a node receives and reduces, per input byte
             return (lg + chunks) * k.alpha + fan * nbytes * (k.beta + k.gamma)
+    return math.inf
+
+
+def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
+    """Direct algorithms (ranks on one host): every rank reads from every other.
+
+    Through the slots: one step, the input copied in once, and each reader
+    copies (or reduces) every contribution it needs.  By address: a step to
+    post, the reads, and a closing step (so no buffer is reused while read).
+    """
+    f = (n - 1) / n
+    a = DIRECT_STEP * k.alpha
+    small = nbytes <= DIRECT_SLOT_BYTES
+    if collective == "allreduce":
+        if small:
+            return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
+        return 3 * a + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+    if collective == "reduce":
+        if small:
+            return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
+        return 3 * a + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+    if collective == "allgather":  # nbytes: one rank's block
+        if small:
+            return a + n * nbytes * k.beta
+        return 2 * a + (n - 1) * nbytes * k.beta
+    if collective == "broadcast":
+        return (1 if small else 2) * a + (2 if small else 1) * nbytes * k.beta
+    if collective == "reduce_scatter":  # nbytes: one rank's whole input
+        if small:
+            return a + nbytes * k.beta + f * nbytes * k.gamma
+        return 2 * a + f * nbytes * (k.beta + k.gamma)
     return math.inf
 
 

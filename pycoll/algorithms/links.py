@@ -16,12 +16,58 @@ that keeps :mod:`transports.base`'s flow-control rule):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
 from transports.base import Backoff, Connection, Deadline, Request, idle_round, wait_all
+
+
+class Group(Protocol):
+    """Memory that every rank of the communicator shares (ranks on one host).
+
+    Every rank counts the same steps (``seq``); for each it writes its slot or
+    posts ranges of its own memory, publishes the step, and says when it is done
+    reading the others'.  A step's slot is rewritten two steps later, once every
+    peer is done with it.
+    """
+
+    rank: int
+    size: int
+    slot_bytes: int
+    cma: bool  # whether posted ranges may be read (else everything goes by slots)
+    seq: int  # the last step this rank used
+
+    def views(self, dtype: Any, count: int) -> list[list[Any]]:
+        """``views[seq % 2][j]``: rank j's slot as ``count`` elements of ``dtype``."""
+        ...
+
+    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Wait until this rank may rewrite its slot for step ``seq``."""
+        ...
+
+    def post(self, seq: int, addr: int = 0, nbytes: int = 0) -> None:
+        """Publish step ``seq`` (and a range of this process's memory peers may read)."""
+        ...
+
+    def done(self, seq: int) -> None:
+        """This rank has finished reading everything of step ``seq``."""
+        ...
+
+    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Until every rank of ``peers`` posted step ``seq``."""
+        ...
+
+    def wait_done(
+        self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """Until every rank of ``peers`` is done with step ``seq``."""
+        ...
+
+    def read(self, j: int, seq: int, offset: int, out: Any) -> None:
+        """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
+        ...
 
 
 def _bytes(a: Any) -> memoryview:
@@ -39,6 +85,9 @@ class Links:
         chunk_bytes: the pipeline chunk size.
         itemsize: bytes per element of the collective's dtype.
         reduce: the ufunc-like ``reduce(a, b, out=...)`` of the collective's op.
+        backoff: how waits spin, yield and sleep.
+        group: memory shared by all ranks (one host), or None; algorithms that
+            need it (``direct``) are candidates only when it is there.
     """
 
     __slots__ = (
@@ -48,6 +97,7 @@ class Links:
         "conns",
         "deadline",
         "dtype",
+        "group",
         "rank",
         "reduce",
         "size",
@@ -63,6 +113,7 @@ class Links:
         dtype: np.dtype[Any],
         reduce: Callable[..., Any] | None,
         backoff: Backoff,
+        group: Group | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -73,6 +124,12 @@ class Links:
         self.reduce = reduce
         self._pending: list[Request] = []
         self._backoff = backoff
+        self.group = group
+
+    @property
+    def backoff(self) -> Backoff:
+        """How this collective's waits spin, yield and sleep."""
+        return self._backoff
 
     # ----------------------------------------------------------------- posting
     def send(self, peer: int, a: Any) -> Request:

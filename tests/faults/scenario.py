@@ -84,12 +84,13 @@ def outcome(exc: BaseException | None, start: float) -> dict[str, object]:
     return d
 
 
-def kill(transport: str) -> None:
+def kill(transport: str, algorithm: str = "auto") -> None:
     before = fds()
     comm = pycoll.init(timeout=60, transports=(transport,))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     x = np.ones(1 << 18, np.float32)
-    comm.allreduce(x)
+    small = np.ones(3, np.float32)
+    comm.allreduce(x, algorithm=algorithm)
     WORLD.Barrier()
     if RANK == 1:
         threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -99,7 +100,8 @@ def kill(transport: str) -> None:
     print(f"rank {RANK} looping", file=sys.stderr, flush=True)
     try:
         for _ in range(100000):  # mid-collective, whenever the victim dies
-            comm.allreduce(x)
+            comm.allreduce(x, algorithm=algorithm)
+            comm.allreduce(small, algorithm=algorithm)
     except pycoll.PycollError as exc:
         err = exc
     print(f"rank {RANK} failed: {err!r}", file=sys.stderr, flush=True)
@@ -194,7 +196,8 @@ def check() -> None:
 
 
 {
-    "kill-shm": lambda: kill("shm"),
+    "kill-shm": lambda: kill("shm", "ring"),
+    "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
     "timeout": timeout,
     "abort": abort,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 
 import ml_dtypes
 import numpy as np
@@ -40,9 +41,26 @@ def comm():
 
 @pytest.fixture(scope="module")
 def comm_small_chunks():
-    c = pycoll.init(timeout=120, chunk_bytes=4096)
+    # small group slots too: direct goes by address from 4 KiB
+    c = pycoll.init(timeout=120, chunk_bytes=4096, group_slot_bytes=4096)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def comm_slots():
+    """Direct algorithms without direct reads: every size goes through 4 KiB slots."""
+    c = pycoll.init(timeout=120, group_slot_bytes=4096)
+    if c._group is not None:
+        c._group.cma = False  # as when the kernel forbids cross-memory attach
+    yield c
+    c.close()
+
+
+def skip_unavailable(c, algo: str) -> None:
+    """``direct`` needs every rank on one host sharing memory (not so over rdma-only)."""
+    if algo == "direct" and SIZE > 1 and c._group is None:
+        pytest.skip("no group segment: direct is not available")
 
 
 def data(rank: int, count: int, dtype: np.dtype, op: str, salt: int = 0) -> np.ndarray:
@@ -103,6 +121,7 @@ SIZES = [1, 7, PRIME]
 @pytest.mark.parametrize("algo", ALGOS["allreduce"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_allreduce(comm, comm_small_chunks, algo, dtype):
+    skip_unavailable(comm, algo)
     for count, op, inplace, c in itertools.product(
         SIZES, OPS, (False, True), (comm, comm_small_chunks)
     ):
@@ -126,6 +145,7 @@ def test_allreduce(comm, comm_small_chunks, algo, dtype):
 @pytest.mark.parametrize("algo", ALGOS["reduce_scatter"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reduce_scatter(comm, comm_small_chunks, algo, dtype):
+    skip_unavailable(comm, algo)
     for k, op, c in itertools.product(SIZES, OPS, (comm, comm_small_chunks)):
         if op == "avg" and dtype.kind in "iu":
             continue
@@ -142,6 +162,7 @@ def test_reduce_scatter(comm, comm_small_chunks, algo, dtype):
 @pytest.mark.parametrize("algo", ALGOS["reduce"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reduce(comm, comm_small_chunks, algo, dtype):
+    skip_unavailable(comm, algo)
     for count, op, root, c in itertools.product(
         SIZES, OPS, sorted({0, SIZE - 1}), (comm, comm_small_chunks)
     ):
@@ -160,6 +181,7 @@ def test_reduce(comm, comm_small_chunks, algo, dtype):
 @pytest.mark.parametrize("algo", ALGOS["allgather"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_allgather(comm, comm_small_chunks, algo, dtype):
+    skip_unavailable(comm, algo)
     for count, c, inplace in itertools.product(SIZES, (comm, comm_small_chunks), (False, True)):
         xs = [data(r, count, dtype, "sum") for r in range(SIZE)]
         want = np.stack(xs)
@@ -179,6 +201,7 @@ def test_allgather(comm, comm_small_chunks, algo, dtype):
 @pytest.mark.parametrize("algo", ALGOS["broadcast"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_broadcast(comm, comm_small_chunks, algo, dtype):
+    skip_unavailable(comm, algo)
     for count, root, c in itertools.product(SIZES, range(SIZE), (comm, comm_small_chunks)):
         want = data(root, count, dtype, "sum", salt=7)
         buf = want.copy() if RANK == root else poison(np.empty(count, dtype))
@@ -187,9 +210,10 @@ def test_broadcast(comm, comm_small_chunks, algo, dtype):
         assert np.array_equal(buf.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("algo", ["ring", "tree"])
+@pytest.mark.parametrize("algo", ["ring", "tree", "direct"])
 def test_large_multichunk(comm, algo):
     """A few MiB through every collective (several pipeline chunks per rank)."""
+    skip_unavailable(comm, algo)
     count = (3 << 20) // 4 + 5
     for dtype in (np.dtype(np.float32), np.dtype(np.int32), np.dtype(ml_dtypes.bfloat16)):
         xs = [data(r, count, dtype, "sum") for r in range(SIZE)]
@@ -220,6 +244,8 @@ def test_large_multichunk(comm, algo):
 def test_deterministic_across_calls(comm):
     x = data(RANK, 100_003, np.dtype(np.float32), "sum")
     for algo in ALGOS["allreduce"]:
+        if algo == "direct" and SIZE > 1 and comm._group is None:
+            continue
         a = comm.allreduce(x, np.empty_like(x), algorithm=algo)
         b = comm.allreduce(x, np.empty_like(x), algorithm=algo)
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -257,3 +283,82 @@ def test_zero_elements(comm):
     assert comm.allgather(e).shape == (SIZE, 0)
     assert comm.broadcast(e) is e
     assert comm.reduce_scatter(e).size == 0
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.dtype(np.float32), np.dtype(np.int8), np.dtype(ml_dtypes.bfloat16)], ids=str
+)
+def test_direct_through_slots(comm_slots, dtype):
+    """Direct without direct reads: several rounds of 4 KiB slots, every collective."""
+    c = comm_slots
+    skip_unavailable(c, "direct")
+    for count, op, inplace in itertools.product([1, 7, 1021, PRIME], OPS, (False, True)):
+        if op == "avg" and dtype.kind in "iu":
+            continue
+        what = f"direct slots {dtype} {op} count={count} inplace={inplace}"
+        xs = [data(r, count, dtype, op) for r in range(SIZE)]
+        ref = reference(xs, op)
+        if inplace:
+            got = c.allreduce(xs[RANK].copy(), op=op, algorithm="direct")
+        else:
+            got = c.allreduce(xs[RANK], poison(np.empty(count, dtype)), op=op, algorithm="direct")
+        assert_close(got, ref, dtype, SIZE, f"allreduce {what}")
+        assert_identical_everywhere(got, f"allreduce {what}")
+        root = SIZE - 1
+        red = c.reduce(
+            xs[RANK].copy() if inplace else xs[RANK],
+            None if inplace else poison(np.empty(count, dtype)),
+            root=root,
+            op=op,
+            algorithm="direct",
+        )
+        if RANK == root:
+            assert_close(red, ref, dtype, SIZE, f"reduce {what}")
+        rs_in = [data(r, count * SIZE, dtype, op, salt=3) for r in range(SIZE)]
+        rs = c.reduce_scatter(
+            rs_in[RANK], poison(np.empty(count, dtype)), op=op, algorithm="direct"
+        )
+        want = reference(rs_in, op)[RANK * count : (RANK + 1) * count]
+        assert_close(rs, want, dtype, SIZE, f"reduce_scatter {what}")
+        if op != "sum":
+            continue
+        out = poison(np.empty((SIZE, count), dtype))
+        if inplace:
+            out[RANK] = xs[RANK]
+            c.allgather(out[RANK], out, algorithm="direct")
+        else:
+            c.allgather(xs[RANK], out, algorithm="direct")
+        assert np.array_equal(out.view(np.uint8), np.stack(xs).view(np.uint8)), what
+        buf = xs[0].copy() if RANK == 0 else poison(np.empty(count, dtype))
+        c.broadcast(buf, root=0, algorithm="direct")
+        assert np.array_equal(buf.view(np.uint8), xs[0].view(np.uint8)), what
+    c.barrier()
+
+
+def test_direct_is_offered_exactly_when_ranks_share_memory(comm):
+    for coll in ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce"):
+        assert "direct" in names(coll)
+    x = np.ones(4, np.float32)
+    if SIZE > 1 and os.environ.get("PYCOLL_TRANSPORT", "auto") not in ("auto", "shm"):
+        assert comm._group is None
+        with pytest.raises(
+            pycoll.InvalidArgumentError, match="direct needs every rank on one host"
+        ):
+            comm.allreduce(x, algorithm="direct")
+    elif SIZE > 1:
+        assert comm._group is not None
+
+
+def test_group_segment_leaves_no_name_behind(comm):
+    """The group segment is unlinked once every rank attached: nothing outlives the job."""
+    if comm._group is None:
+        pytest.skip("no group segment")
+    WORLD.Barrier()
+    assert not os.path.exists(os.path.join("/dev/shm", comm._group.name))
+    c = pycoll.init(timeout=60)
+    name = c._group.name
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+    c.allreduce(np.ones(3, np.float32), algorithm="direct")
+    c.close()
+    c.close()  # idempotent
+    assert not os.path.exists(os.path.join("/dev/shm", name))

@@ -1,0 +1,314 @@
+"""Direct algorithms: every rank reads what it needs straight from every other.
+
+For ranks that all share one host: they use the communicator's shared
+:class:`~pycoll.algorithms.links.Group` instead of point-to-point connections.
+Each collective is one or two *steps*; in a step every rank publishes its
+contribution and the readers wait only for the ranks they read from.
+
+Small messages (the contribution fits a slot) go through the slots: a rank
+copies its contribution into its slot and publishes the step; readers reduce or
+copy straight out of the peers' slots.  One step, one copy in, whatever n.
+Larger ones, when the group allows direct reads, go by address: a rank posts
+where its buffer is and the readers copy out of it with one kernel copy each
+(``read``); the collective ends when every reader said it is done, so no buffer
+is returned to its owner while a peer still reads it.  Without direct reads,
+larger messages go through the slots in rounds of a slot each.
+
+Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
+and every element is reduced by one rank only (or by every rank identically), so
+all ranks hold the same bits.
+
+allreduce: slots: everyone reduces every contribution.  By address: rank r
+    reduces segment r of every rank's input into its output (a reduce-scatter),
+    posts its output, then reads every other finished segment (an allgather).
+    Per rank (n-1)/n N read and reduced, (n-1)/n N read.
+allgather: rank r reads every peer's block into its output; (n-1) k read.
+broadcast: every non-root reads the root's buffer; N read.
+reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
+reduce: a reduce-scatter into segments, then the root reads every segment.
+barrier: every rank publishes a step and waits for everyone's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pycoll.algorithms.links import Group, Links
+from pycoll.algorithms.registry import register
+from pycoll.algorithms.ring import segments
+
+#: Peers' bytes are reduced in pieces of this size (they stay in cache).
+PIECE_BYTES = 256 << 10
+
+
+def _group(L: Links) -> Group:
+    G = L.group
+    assert G is not None, "direct algorithms need a shared group (the communicator checks)"
+    return G
+
+
+def _addr(a: Any) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _others(n: int, r: int) -> list[int]:
+    """Every rank but r, starting after it (so that readers spread over sources)."""
+    return [(r + d) % n for d in range(1, n)]
+
+
+def _by_address(G: Group, nbytes: int) -> bool:
+    return G.cma and nbytes > G.slot_bytes
+
+
+def _step(G: Group) -> int:
+    G.seq += 1
+    return G.seq
+
+
+# ------------------------------------------------------------------ by slots
+def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None:
+    """``out = x0 OP x1 OP ...`` through the slots, on every rank (root None) or the root."""
+    n, r = L.size, L.rank
+    f = L.reduce
+    assert f is not None
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    count = x.size
+    m = max(1, G.slot_bytes // x.itemsize)
+    for lo in range(0, count, m):
+        hi = min(lo + m, count)
+        s = _step(G)
+        v = G.views(x.dtype, hi - lo)[s & 1]
+        G.claim(s, dl, bo)
+        v[r][...] = x[lo:hi]
+        G.post(s)
+        if root is None or r == root:
+            G.wait(others, s, dl, bo)
+            o = out[lo:hi]
+            f(v[0], v[1], out=o)
+            for j in range(2, n):
+                f(o, v[j], out=o)
+        G.done(s)
+
+
+def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
+    n, r = L.size, L.rank
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    k = x.size
+    m = max(1, G.slot_bytes // x.itemsize)
+    for lo in range(0, k, m):
+        hi = min(lo + m, k)
+        s = _step(G)
+        v = G.views(x.dtype, hi - lo)[s & 1]
+        G.claim(s, dl, bo)
+        v[r][...] = x[lo:hi]
+        G.post(s)
+        G.wait(others, s, dl, bo)
+        for j in others:
+            out[j * k + lo : j * k + hi] = v[j]
+        G.done(s)
+
+
+def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
+    r = L.rank
+    dl, bo = L.deadline, L.backoff
+    count = buf.size
+    m = max(1, G.slot_bytes // buf.itemsize)
+    for lo in range(0, count, m):
+        hi = min(lo + m, count)
+        s = _step(G)
+        v = G.views(buf.dtype, hi - lo)[s & 1]
+        if r == root:
+            G.claim(s, dl, bo)
+            v[r][...] = buf[lo:hi]
+            G.post(s)
+        else:
+            G.wait((root,), s, dl, bo)
+            buf[lo:hi] = v[root]
+            G.done(s)
+
+
+def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
+    """Round by round: each rank's slot holds the same piece of every block."""
+    n, r = L.size, L.rank
+    f = L.reduce
+    assert f is not None
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    k = out.size
+    m = max(1, G.slot_bytes // x.itemsize // n)
+    for lo in range(0, k, m):
+        hi = min(lo + m, k)
+        c = hi - lo
+        s = _step(G)
+        v = G.views(x.dtype, n * c)[s & 1]
+        G.claim(s, dl, bo)
+        mine = v[r]
+        if c == k:
+            mine[...] = x
+        else:
+            for b in range(n):
+                mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
+        G.post(s)
+        G.wait(others, s, dl, bo)
+        o = out[lo:hi]
+        blk = slice(r * c, (r + 1) * c)
+        f(v[0][blk], v[1][blk], out=o)
+        for j in range(2, n):
+            f(o, v[j][blk], out=o)
+        G.done(s)
+
+
+# ------------------------------------------------------------------ by address
+def _reduce_range(L: Links, G: Group, s: int, x: Any, lo: int, hi: int, acc: Any) -> None:
+    """``acc = x0[lo:hi] OP x1[lo:hi] OP ...``, every rank's x posted for step ``s``.
+
+    ``acc`` may be this rank's own ``x[lo:hi]`` (in place).
+    """
+    n, r = L.size, L.rank
+    f = L.reduce
+    assert f is not None
+    isz = x.itemsize
+    p = max(1, PIECE_BYTES // isz)
+    width = min(p, hi - lo)
+    tmp = np.empty(width, x.dtype)
+    # in place, our operand would be overwritten before its turn (unless it is first)
+    own = np.empty(width, x.dtype) if r and np.may_share_memory(acc, x) else None
+    for a in range(lo, hi, p):
+        b = min(a + p, hi)
+        o = acc[a - lo : b - lo]
+        mine = x[a:b]
+        if own is not None:
+            mine = own[: b - a]
+            mine[...] = x[a:b]
+        if r == 0:
+            first = mine
+        else:
+            G.read(0, s, a * isz, o)
+            first = o
+        for j in range(1, n):
+            if j == r:
+                src = mine
+            else:
+                src = tmp[: b - a]
+                G.read(j, s, a * isz, src)
+            f(first if j == 1 else o, src, out=o)
+
+
+def _finish(L: Links, G: Group, s: int) -> None:
+    """Done with step ``s``; return once every peer is (our buffers are free)."""
+    G.done(s)
+    G.wait_done(_others(L.size, L.rank), s, L.deadline, L.backoff)
+
+
+@register("allreduce", "direct")
+def allreduce(L: Links, x: Any, out: Any) -> None:
+    G = _group(L)
+    if not _by_address(G, x.nbytes):
+        _slot_reduce(L, G, x, out, None)
+        return
+    n, r = L.size, L.rank
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    isz = x.itemsize
+    b = segments(0, x.size, n)
+    s = _step(G)
+    G.claim(s, dl, bo)
+    G.post(s, _addr(x), x.nbytes)
+    G.wait(others, s, dl, bo)
+    _reduce_range(L, G, s, x, b[r], b[r + 1], out[b[r] : b[r + 1]])
+    t = _step(G)
+    G.claim(t, dl, bo)
+    G.post(t, _addr(out), out.nbytes)
+    for j in others:
+        G.wait((j,), t, dl, bo)
+        G.read(j, t, b[j] * isz, out[b[j] : b[j + 1]])
+    _finish(L, G, t)
+
+
+@register("allgather", "direct")
+def allgather(L: Links, x: Any, out: Any) -> None:
+    G = _group(L)
+    if not _by_address(G, x.nbytes):
+        _slot_allgather(L, G, x, out)
+        return
+    dl, bo = L.deadline, L.backoff
+    k = x.size
+    s = _step(G)
+    G.claim(s, dl, bo)
+    G.post(s, _addr(x), x.nbytes)
+    for j in _others(L.size, L.rank):
+        G.wait((j,), s, dl, bo)
+        G.read(j, s, 0, out[j * k : (j + 1) * k])
+    _finish(L, G, s)
+
+
+@register("broadcast", "direct")
+def broadcast(L: Links, buf: Any, root: int) -> None:
+    G = _group(L)
+    if not _by_address(G, buf.nbytes):
+        _slot_broadcast(L, G, buf, root)
+        return
+    dl, bo = L.deadline, L.backoff
+    s = _step(G)
+    if L.rank == root:
+        G.claim(s, dl, bo)
+        G.post(s, _addr(buf), buf.nbytes)
+        G.wait_done(_others(L.size, root), s, dl, bo)
+    else:
+        G.wait((root,), s, dl, bo)
+        G.read(root, s, 0, buf)
+        G.done(s)
+
+
+@register("reduce_scatter", "direct")
+def reduce_scatter(L: Links, x: Any, out: Any) -> None:
+    G = _group(L)
+    if not _by_address(G, x.nbytes):
+        _slot_reduce_scatter(L, G, x, out)
+        return
+    r, k = L.rank, out.size
+    dl, bo = L.deadline, L.backoff
+    s = _step(G)
+    G.claim(s, dl, bo)
+    G.post(s, _addr(x), x.nbytes)
+    G.wait(_others(L.size, r), s, dl, bo)
+    _reduce_range(L, G, s, x, r * k, (r + 1) * k, out)
+    _finish(L, G, s)
+
+
+@register("reduce", "direct")
+def reduce(L: Links, x: Any, out: Any, root: int) -> None:
+    G = _group(L)
+    if not _by_address(G, x.nbytes):
+        _slot_reduce(L, G, x, out, root)
+        return
+    n, r = L.size, L.rank
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    b = segments(0, x.size, n)
+    s = _step(G)
+    G.claim(s, dl, bo)
+    G.post(s, _addr(x), x.nbytes)
+    G.wait(others, s, dl, bo)
+    mine = out[b[r] : b[r + 1]] if r == root else np.empty(b[r + 1] - b[r], x.dtype)
+    _reduce_range(L, G, s, x, b[r], b[r + 1], mine)
+    t = _step(G)
+    G.claim(t, dl, bo)
+    G.post(t, _addr(mine), mine.nbytes)
+    if r == root:
+        for j in others:
+            G.wait((j,), t, dl, bo)
+            G.read(j, t, 0, out[b[j] : b[j + 1]])
+    _finish(L, G, t)
+
+
+@register("barrier", "direct")
+def barrier(L: Links) -> None:
+    G = _group(L)
+    s = _step(G)
+    G.post(s)
+    G.wait(_others(L.size, L.rank), s, L.deadline, L.backoff)

@@ -1,0 +1,408 @@
+"""A segment shared by every rank of a group on one host: posted bytes and addresses.
+
+Where :mod:`transports.shm` joins two ranks through a ring of slots, this joins
+all ranks of a communicator at once, for algorithms in which every rank reads
+straight from every other (pycoll's ``direct`` family).  The lowest rank creates
+``pycoll-<token>-group`` under ``/dev/shm`` (mode 0600); the others attach, and
+the creator unlinks it once everyone has (:meth:`ShmGroup.unlink`), so nothing
+outlives the job.
+
+Layout (offsets in bytes)::
+
+    0        header: magic, version, ranks, slot_bytes
+    4096     control, 256 bytes a rank: "posted" and "done" counters on their own
+             cache lines, then pid, pid namespace, a "closed" flag, the address
+             of the rank's mapping (for the direct-read probe) and a posted
+             (address, length) range per parity
+    DATA0    slots: rank j's slot for parity p at DATA0 + (2 j + p) * slot_bytes
+
+Protocol.  Every rank counts the same sequence numbers (one per step of a
+collective).  For step ``s`` a rank writes its slot of parity ``s % 2`` (or its
+posted ranges) and then stores ``posted = s`` with release semantics; a reader
+loads ``posted`` with acquire semantics (:mod:`transports._atomic`), then reads
+the slot or the range.  A reader that has finished with everything of step
+``s`` stores ``done = s``; :meth:`ShmGroup.post` of step ``s`` stores
+``done = s - 1`` first, since a rank never posts a step before it has consumed
+the one before.  So a slot is rewritten (step ``s + 2``) only after every peer's
+``done`` reached ``s`` (:meth:`ShmGroup.claim`), and a posted user buffer is
+returned to its owner only after every reader said ``done`` (:meth:`ShmGroup.wait_done`).
+
+Large ranges are read with cross-memory attach (:mod:`transports._cma`): one
+copy, by the reader, out of the owner's memory.  :meth:`ShmGroup.probe` checks
+once whether the kernel allows it.
+
+Waiting spins briefly, then yields, then sleeps (:class:`transports.base.Backoff`),
+so four ranks on two cores do not starve each other; now and then it checks that
+the awaited rank is alive and that the deadline has not passed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from transports import _atomic, _cma, _segment
+from transports.base import (
+    Backoff,
+    ConnectError,
+    Deadline,
+    PeerClosedError,
+    TransportError,
+    TransportTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "shm"
+#: Default bytes of one slot (two per rank); PYCOLL_GROUP_SLOT_BYTES sets it.
+SLOT_BYTES = 64 << 10
+_MAGIC = 0x70636F6C6C677270  # "pcollgrp"
+_VERSION = 1
+_PAGE = 4096
+_HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, ranks, slot_bytes
+_CTRL0 = 4096
+_LINE = 256
+_POSTED, _DONE, _PID, _PIDNS, _CLOSED, _MAPADDR, _RANGES = 0, 64, 128, 136, 144, 152, 160
+_RANGE = struct.Struct("<QQ")
+
+
+def _data0(size: int) -> int:
+    return _CTRL0 + -(-size * _LINE // _PAGE) * _PAGE
+
+
+def segment_bytes(size: int, slot_bytes: int) -> int:
+    """Bytes of the segment for ``size`` ranks with ``slot_bytes`` slots."""
+    return _data0(size) + 2 * size * slot_bytes
+
+
+def segment_name(token: bytes) -> str:
+    return f"pycoll-{token.hex()}-group"
+
+
+class ShmGroup:
+    """This rank's view of the group segment.
+
+    Create it with :meth:`create` (the lowest rank) or :meth:`attach` (the others).
+
+    Attributes:
+        rank: this rank's index in the group.
+        size: number of ranks.
+        slot_bytes: bytes of one slot.
+        cma: whether peers' posted ranges may be read directly (set by the layer
+            above once every rank's :meth:`probe` succeeded).
+    """
+
+    def __init__(self, mm: mmap.mmap, name: str, rank: int, creator: bool) -> None:
+        self._mm = mm
+        self.name = name
+        self.rank = rank
+        self._creator = creator
+        _, self.size, self.slot_bytes = _HDR.unpack_from(mm, 8)
+        n = self.size
+        self._buf = np.frombuffer(mm, np.uint8)
+        self._posted = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _POSTED) for j in range(n)]
+        self._done = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _DONE) for j in range(n)]
+        self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _CLOSED) for j in range(n)]
+        self._my_posted = self._posted[rank].store
+        self._my_done = self._done[rank].store
+        # what we know for sure of each rank's "done", to skip loads
+        self._known_done = [0] * n
+        self._pids = [0] * n
+        self._data0 = _data0(n)
+        self._views: dict[tuple[Any, int], list[list[Any]]] = {}
+        self.cma = False
+        self.seq = 0
+        self._closed = False
+        line = _CTRL0 + rank * _LINE
+        struct.pack_into("<Q", mm, line + _PIDNS, _segment.ns_inode("pid"))
+        struct.pack_into("<Q", mm, line + _MAPADDR, self._buf.__array_interface__["data"][0])
+        # the pid last: a peer that sees it sees the rest of our line
+        _atomic.Counter(mm, line + _PID).store(os.getpid())
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def create(cls, token: bytes, rank: int, size: int, slot_bytes: int = SLOT_BYTES) -> ShmGroup:
+        """Create the segment (the lowest rank) and map it.
+
+        Raises:
+            ConnectError: /dev/shm lacks the room, or the file cannot be created.
+        """
+        slot = max(_PAGE, -(-slot_bytes // _PAGE) * _PAGE)
+        name = segment_name(token)
+        mm = _segment.create(
+            name,
+            segment_bytes(size, slot),
+            peer=-1,
+            transport=TRANSPORT,
+            hint="enlarge it (docker --shm-size) or lower PYCOLL_GROUP_SLOT_BYTES",
+        )
+        _HDR.pack_into(mm, 8, _VERSION, size, slot)
+        struct.pack_into("<Q", mm, 0, _MAGIC)  # last: attachers wait for it
+        try:
+            return cls(mm, name, rank, creator=True)
+        except BaseException:
+            mm.close()
+            _segment.unlink(name)
+            raise
+
+    @classmethod
+    def attach(cls, token: bytes, rank: int, size: int, timeout: float) -> ShmGroup:
+        """Map the segment the lowest rank created.
+
+        Raises:
+            ConnectError: it never appeared, or its geometry does not match.
+        """
+        name = segment_name(token)
+        mm = _segment.attach(
+            name,
+            magic=_MAGIC,
+            min_size=_CTRL0,
+            peer=0,
+            transport=TRANSPORT,
+            deadline=Deadline.after(timeout),
+            timeout=timeout,
+        )
+        ver, n, slot = _HDR.unpack_from(mm, 8)
+        if ver != _VERSION or n != size or slot % _PAGE or len(mm) != segment_bytes(n, slot):
+            mm.close()
+            raise ConnectError(
+                f"group segment {name} has version {ver}, {n} ranks and {slot}-byte slots, "
+                f"which does not match {size} ranks and its size: ranks run different "
+                "pycoll versions?",
+                transport=TRANSPORT,
+            )
+        return cls(mm, name, rank, creator=False)
+
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm (the creator, once every rank attached)."""
+        if self._creator:
+            _segment.unlink(self.name)
+
+    def probe(self) -> tuple[bool, str]:
+        """Whether this rank may read every peer's memory directly, and why not.
+
+        Call it once every rank has attached (each has published its mapping).
+        """
+        if not _cma.available():
+            return False, "process_vm_readv is not available"
+        got = np.zeros(1, np.uint64)
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            pid = self.pid(j)
+            if not pid:
+                return False, f"rank {j} runs in another pid namespace"
+            addr = struct.unpack_from("<Q", self._mm, _CTRL0 + j * _LINE + _MAPADDR)[0]
+            try:
+                _cma.read(pid, addr, got.__array_interface__["data"][0], 8)
+            except OSError as exc:
+                return False, f"reading rank {j}'s memory: {exc.strerror}"
+            if int(got[0]) != _MAGIC:
+                return False, f"rank {j}'s mapping did not read back"
+        return True, "cross-memory attach works"
+
+    def pid(self, j: int) -> int:
+        """Rank ``j``'s pid in our pid namespace, or 0 when unknown."""
+        pid = self._pids[j]
+        if not pid:
+            line = _CTRL0 + j * _LINE
+            pid, ns = struct.unpack_from("<QQ", self._mm, line + _PID)
+            if ns != _segment.ns_inode("pid"):
+                return 0
+            self._pids[j] = pid
+        return pid
+
+    # ------------------------------------------------------------------ data
+    def slot(self, j: int, seq: int) -> Any:
+        """Rank ``j``'s slot for step ``seq``, as bytes (a uint8 array)."""
+        start = self._data0 + (2 * j + (seq & 1)) * self.slot_bytes
+        return self._buf[start : start + self.slot_bytes]
+
+    def views(self, dtype: Any, count: int) -> list[list[Any]]:
+        """``views[parity][j]``: the first ``count`` elements of rank j's slots as ``dtype``.
+
+        Cached: small collectives call this once per call.
+        """
+        key = (dtype, count)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            v = [
+                [
+                    np.frombuffer(
+                        self._mm,
+                        dtype,
+                        count,
+                        self._data0 + (2 * j + p) * self.slot_bytes,
+                    )
+                    for j in range(self.size)
+                ]
+                for p in (0, 1)
+            ]
+            self._views[key] = v
+        return v
+
+    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Wait until this rank may overwrite its slot for step ``seq``.
+
+        That is, until every peer is done with step ``seq - 2`` (same parity).
+        """
+        need = seq - 2
+        if need <= 0:
+            return
+        known = self._known_done
+        for j in range(self.size):
+            if known[j] < need and j != self.rank:
+                self._wait(self._done, j, need, deadline, backoff)
+
+    def post(self, seq: int, addr: int = 0, nbytes: int = 0) -> None:
+        """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
+        read ``[addr, addr + nbytes)`` of this process's memory until they are done.
+
+        The range is kept per parity, like the slots: :meth:`claim` the step first.
+        """
+        if nbytes:
+            off = _CTRL0 + self.rank * _LINE + _RANGES + (seq & 1) * _RANGE.size
+            _RANGE.pack_into(self._mm, off, addr, nbytes)
+        self._my_done(seq - 1)
+        self._my_posted(seq)
+
+    def done(self, seq: int) -> None:
+        """Say that this rank has finished reading everything of step ``seq``."""
+        self._my_done(seq)
+
+    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Wait until every rank of ``peers`` posted step ``seq``."""
+        posted = self._posted
+        known = self._known_done
+        for j in peers:
+            if posted[j].load() < seq:
+                self._wait(posted, j, seq, deadline, backoff)
+            known[j] = max(known[j], seq - 1)
+
+    def wait_done(
+        self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """Wait until every rank of ``peers`` is done with step ``seq``."""
+        known = self._known_done
+        for j in peers:
+            if known[j] < seq:
+                self._wait(self._done, j, seq, deadline, backoff)
+
+    def read(self, j: int, seq: int, offset: int, out: Any) -> None:
+        """Copy bytes ``[offset, offset + out.nbytes)`` of the range rank ``j``
+        posted for step ``seq`` into the contiguous array ``out`` (cross-memory attach).
+
+        Raises:
+            PeerClosedError: rank j has exited.
+            TransportError: the read failed or falls outside the posted range.
+        """
+        addr, nbytes = _RANGE.unpack_from(
+            self._mm, _CTRL0 + j * _LINE + _RANGES + (seq & 1) * _RANGE.size
+        )
+        n = out.nbytes
+        if offset < 0 or offset + n > nbytes:
+            raise TransportError(
+                f"group: reading bytes [{offset}, {offset + n}) of rank {j}'s posted "
+                f"{nbytes}-byte range (mismatched collectives: do all ranks run the same one?)",
+                peer=j,
+                transport=TRANSPORT,
+            )
+        if not n:
+            return
+        try:
+            _cma.read(self.pid(j), addr + offset, out.__array_interface__["data"][0], n)
+        except OSError as exc:
+            cls = PeerClosedError if exc.errno == errno.ESRCH else TransportError
+            raise cls(
+                f"group: direct read of {n} bytes from rank {j}: {exc.strerror}",
+                peer=j,
+                transport=TRANSPORT,
+                errno=exc.errno,
+            ) from exc
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(
+        self,
+        counters: list[_atomic.Counter],
+        j: int,
+        seq: int,
+        deadline: Deadline,
+        bo: Backoff,
+    ) -> None:
+        c = counters[j]  # not its bound load: close() must be able to drop the memory
+        bo.reset()
+        spins = bo.spins
+        try:
+            while c.load() < seq:
+                bo.pause()
+                n = bo._n
+                if n > spins and n % 64 == 0:
+                    self._check(j, counters, seq, deadline)
+        except ValueError:  # the counters' memory went under us
+            self._check_open(j)
+            raise
+        if counters is self._done:
+            self._known_done[j] = seq
+
+    def _check_open(self, j: int) -> None:
+        if self._closed:
+            raise TransportError("group segment is closed", peer=j, transport=TRANSPORT)
+
+    def _check(self, j: int, counters: list[_atomic.Counter], seq: int, deadline: Deadline) -> None:
+        self._check_open(j)
+        if counters[j].load() >= seq:
+            return
+        if self._closed_flag[j].load():
+            raise PeerClosedError(
+                f"group: rank {j} closed its communicator", peer=j, transport=TRANSPORT
+            )
+        pid = self.pid(j)
+        if pid and _segment.process_gone(pid):
+            raise PeerClosedError(
+                f"group: rank {j} (pid {pid}) has exited", peer=j, transport=TRANSPORT
+            )
+        if deadline.expired():
+            raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Unmap (and, on the creator, unlink); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._closed_flag[self.rank].store(1)
+        except ValueError:
+            pass
+        for c in (*self._posted, *self._done, *self._closed_flag):
+            c.release_buffer()
+        self._my_posted = self._my_done = _closed  # they held the counters' memory
+        self._views.clear()
+        self._buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            # a collective still runs on another thread (abort): the mapping goes
+            # when its last view does
+            log.info("group: segment %s still in use; unmapped when that ends", self.name)
+        self._mm = None  # type: ignore[assignment]
+        self.unlink()
+
+    def __enter__(self) -> ShmGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _closed(value: int) -> None:
+    raise TransportError("group segment is closed", transport=TRANSPORT)
