@@ -79,6 +79,24 @@ def ceilings(nbytes: int) -> dict[str, float]:
     return res
 
 
+def staging_legs(c, nbytes: int) -> list[dict[str, float]]:
+    """Per rank, the copy rate of each staging leg (D2H, H2D) in a staged allreduce."""
+    from pycoll.gpu.staging import LegStats
+
+    pool = c._gpu.pool()
+    x = cp.ones(nbytes // 4, cp.float32)
+    c.allreduce(x, algorithm="ring")
+    pool.legs = legs = LegStats()
+    for _ in range(3):
+        c.allreduce(x, algorithm="ring")
+    cp.cuda.Device().synchronize()
+    pool.legs = None
+    rates = W.gather(legs.rates())
+    if RANK == 0:
+        print(f"staging legs at {nbytes} B (GB/s of copy time, per rank): {rates}", flush=True)
+    return rates
+
+
 def gloo_group():
     import torch.distributed as dist
 
@@ -248,6 +266,8 @@ def main() -> None:
                 break
         if stopped:
             break
+    if "pycoll-staged" in impls:
+        meta["staging_legs_GBps"] = staging_legs(comms["pycoll-staged"], min(hi, 256 << 20))
     if RANK == 0:
         meta["stopped_early"] = stopped
         with open(a.out, "w") as fh:

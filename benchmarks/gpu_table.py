@@ -20,6 +20,13 @@ def main(paths: list[str]) -> None:
         if ce:
             print("ceilings (GB/s, one way): " + ", ".join(f"{k} {v:.1f}" for k, v in ce.items()))
             print()
+        legs = m.get("staging_legs_GBps")
+        if legs:
+            cells = "; ".join(
+                f"rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in d.items())
+                for r, d in enumerate(legs)
+            )
+            print(f"staging legs, GB/s of copy time in a staged 256 MiB allreduce: {cells}\n")
         impls = sorted(
             {r["impl"] for r in d["rows"]},
             key=[

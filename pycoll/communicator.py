@@ -576,9 +576,9 @@ class Communicator:
     def _via_host(self, what: str, requested: str, nbytes: int) -> bool:
         """Whether a device collective goes through host memory and the host
         algorithms: small messages when ``auto`` picks (see
-        :attr:`Config.device_host_bytes`); the choice depends only on what every
+        :meth:`Config.device_host_limit`); the choice depends only on what every
         rank passes, so all ranks agree."""
-        if self.size == 1 or nbytes > self.config.device_host_bytes:
+        if self.size == 1 or nbytes > self.config.device_host_limit(what):
             return False
         return requested.lower() == "auto" and not self.config.algorithm_for(what)
 

@@ -29,6 +29,20 @@ def _parse_bytes(text: str) -> int:
     return int(float(t) * mult)
 
 
+#: Per collective, the input bytes per rank up to which device buffers go through
+#: the host by default: where the one-sided device path (a fixed cost of about
+#: 55-600 us on an H200 shared by 2-4 ranks) overtakes pinned copies plus the host
+#: collective, measured with ``benchmarks/gpu_sweep.py -b 32K -e 1M -f 2`` and
+#: ``PYCOLL_DEVICE_HOST_BYTES`` set to 0 and to 1M (benchmarks/RESULTS.md).
+DEVICE_HOST_BYTES = {
+    "allreduce": 64 << 10,
+    "broadcast": 128 << 10,
+    "reduce": 128 << 10,
+    "reduce_scatter": 256 << 10,
+    "allgather": 512 << 10,
+}
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings; environment first, arguments of :func:`pycoll.init` win.
@@ -51,11 +65,11 @@ class Config:
             connections).
         device_chunk_bytes: pipeline chunk and device slot size for GPU buffers
             (``PYCOLL_DEVICE_CHUNK_BYTES``).
-        device_host_bytes: device collectives of at most this many bytes per rank go
-            through pinned host memory and the host algorithms, when ``auto`` picks
-            (``PYCOLL_DEVICE_HOST_BYTES``; 0: never).  Ranks sharing one GPU pay for
-            every cross-process dependency on the device with a context switch, so
-            below about 1 MiB the host is faster.
+        device_host_bytes: device collectives of at most this many input bytes per
+            rank go through pinned host memory and the host algorithms, when
+            ``auto`` picks (``PYCOLL_DEVICE_HOST_BYTES``; 0: never).  None: per
+            collective, :data:`DEVICE_HOST_BYTES`, the crossovers measured on an
+            H200 shared by 2 and 4 ranks.
         group_slot_bytes: bytes of each rank's slots in the group segment that ranks
             on one host share (``PYCOLL_GROUP_SLOT_BYTES``); 0 turns the segment, and
             with it the ``direct`` algorithms, off.
@@ -73,8 +87,15 @@ class Config:
     debug: str = "WARN"
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
-    device_host_bytes: int = 1 << 20
+    device_host_bytes: int | None = None
     group_slot_bytes: int = 64 << 10
+
+    def device_host_limit(self, collective: str) -> int:
+        """The input bytes per rank up to which ``auto`` sends a device collective
+        through the host."""
+        if self.device_host_bytes is not None:
+            return self.device_host_bytes
+        return DEVICE_HOST_BYTES.get(collective, 128 << 10)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:

@@ -265,6 +265,7 @@ class CudaIpcTransport(Transport):
                 peer=peer_rank,
                 transport=NAME,
             ) from exc
+        conn.same_device = me.bus == other.bus
         self._conns.append(conn)
         log.debug("cuda_ipc: rank %d <-> %d over %s", me.rank, peer_rank, name)
         return conn
@@ -331,6 +332,8 @@ class CudaIpcConnection(Connection):
 
     transport = NAME
     device_capable = True
+    #: both ends use the same GPU (several ranks sharing one device)
+    same_device = False
 
     def __init__(
         self,

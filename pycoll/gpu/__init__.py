@@ -68,6 +68,13 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         and all(c.one_sided for c in wiring.conns.values())
     )
     one_sided = mine if size == 1 else mpi_comm.allreduce(int(mine), op=_min()) > 0
+    # every rank on the same GPU: one rank's kernels can do a collective's work
+    same = bool(
+        mine
+        and wiring is not None
+        and all(getattr(c, "same_device", False) for c in wiring.conns.values())
+    )
+    shared = same if size == 1 else mpi_comm.allreduce(int(same), op=_min()) > 0
     if not local:
         if wiring is not None:
             wiring.close()
@@ -87,13 +94,17 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         wiring.close if wiring else None,
     )
     ctx.one_sided = one_sided and size > 1
+    ctx.shared_device = shared and ctx.one_sided
     log.info(
-        "rank %d: device collectives %s",
+        "rank %d: device collectives %s%s",
         rank,
         "read and write peer buffers directly (one-sided windows to every peer)"
         if ctx.one_sided
         else "move chunks through the device connections or pinned host staging "
         "(not every pair has one-sided windows)",
+        "; all ranks share one GPU, so rank 0 runs each allreduce's kernel"
+        if ctx.shared_device
+        else "",
     )
     return ctx
 

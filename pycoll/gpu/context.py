@@ -48,12 +48,6 @@ log = logging.getLogger(__name__)
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
 
 
-def _device(dev: int) -> Any:
-    import cupy
-
-    return cupy.cuda.Device(dev)
-
-
 class GpuContext:
     """A communicator's device side: its GPU, device connections, stream and pinned pool.
 
@@ -90,7 +84,10 @@ class GpuContext:
         self._pool: Pinned | None = None
         #: every pair has one-sided windows (agreed by all ranks at setup)
         self.one_sided = False
+        #: every rank uses this same GPU (agreed by all ranks at setup)
+        self.shared_device = False
         self._scratch: Scratch | None = None
+        self._mirrors: dict[int, tuple[Any, np.ndarray]] = {}  # pinned copies, small messages
 
     def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
         """How device bytes reach ``peer``: "cuda_ipc", "rdma:gdr", ... or "staged:shm"."""
@@ -159,38 +156,47 @@ class GpuContext:
 
         The copies are ordered on the caller's stream (``stream=`` or the current
         one); the host waits for the copy in, runs the host collective, and waits
-        for the copy out, so the call blocks like a host collective.
+        for the copy out, so the call blocks like a host collective.  The pinned
+        buffers are kept per size (one collective runs at a time).
         """
-        rt = self._rt()
+        import cupy
+
+        rt = cupy.cuda.runtime
+        if int(rt.getDevice()) != self.device:
+            with cupy.cuda.Device(self.device):
+                self.through_host(body, x, out, stream, copy_in, copy_out, rank)
+            return
         user = resolve_stream(stream, x.obj, self.device, rank, "collective")
-        pool = self.pool()
-        bufs = []
-
-        def pinned(count: int, dtype: np.dtype[Any]) -> Any:
-            buf = pool.get(max(1, count * dtype.itemsize))
-            bufs.append(buf)
-            return buf[1][: count * dtype.itemsize].view(dtype)
-
-        flat_dt = x.flat.dtype  # bfloat16 travels as uint16 on the device
-        hx = pinned(x.count, flat_dt)
+        hptr, hx = self._mirror(0, x.nbytes)
         if out is None:
-            ho = None
+            optr, ho = 0, None
         elif out.same_memory(x):
-            ho = hx
+            optr, ho = hptr, hx
         else:
-            ho = pinned(out.count, flat_dt)
-        try:
-            with _device(self.device):
-                if copy_in and x.nbytes:
-                    rt.memcpyAsync(hx.ctypes.data, data_ptr(x.flat), x.nbytes, _D2H, user)
-                    rt.streamSynchronize(user)
-                body(hx.view(x.dtype), None if ho is None else ho.view(x.dtype))
-                if out is not None and ho is not None and copy_out and out.nbytes:
-                    rt.memcpyAsync(data_ptr(out.flat), ho.ctypes.data, out.nbytes, _H2D, user)
-                    rt.streamSynchronize(user)  # the pinned buffers are reused after this
-        finally:
-            for buf in bufs:
-                pool.put(len(buf[1]), buf)
+            optr, ho = self._mirror(1, out.nbytes)
+        if copy_in and x.nbytes:
+            rt.memcpyAsync(hptr, data_ptr(x.flat), x.nbytes, _D2H, user)
+            rt.streamSynchronize(user)
+        dt = x.dtype  # the logical dtype: bfloat16 on the host too
+        hv = hx[: x.nbytes].view(dt)
+        if ho is None or out is None:
+            body(hv, None)
+        else:
+            body(hv, hv if ho is hx else ho[: out.nbytes].view(dt))
+        if out is not None and copy_out and out.nbytes:
+            rt.memcpyAsync(data_ptr(out.flat), optr, out.nbytes, _H2D, user)
+            rt.streamSynchronize(user)  # the pinned buffer is reused after this
+
+    def _mirror(self, slot: int, nbytes: int) -> tuple[int, np.ndarray]:
+        """Pinned host memory of at least ``nbytes`` (kept; grown by powers of two)."""
+        have = self._mirrors.get(slot)
+        if have is None or len(have[1]) < nbytes:
+            import cupy
+
+            size = 1 << max(12, (nbytes - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(size)
+            self._mirrors[slot] = have = (mem, np.frombuffer(mem, np.uint8, size))
+        return int(have[0].ptr), have[1]
 
     @staticmethod
     def _rt() -> Any:
@@ -205,6 +211,7 @@ class GpuContext:
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
+        self._mirrors.clear()
         self.dconns = {}
         if self._pool is not None:
             self._pool.close()
@@ -226,6 +233,8 @@ def resolve_stream(stream: Any, obj: Any, device: int, rank: int, what: str) -> 
             return int(torch.cuda.current_stream(device).cuda_stream)
         import cupy
 
+        if int(cupy.cuda.runtime.getDevice()) == device:
+            return int(cupy.cuda.get_current_stream().ptr)
         with cupy.cuda.Device(device):
             return int(cupy.cuda.get_current_stream().ptr)
     if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
@@ -294,6 +303,7 @@ class DeviceCall:
             ctx.stream(),
             Deadline.after(ctx.timeout),
             ctx.scratch(),
+            ctx.shared_device,
         )
 
     def _run(self, body: Callable[[], Any], host_waits: bool = True) -> Any:
@@ -347,12 +357,13 @@ class DeviceCall:
 
         def body() -> None:
             xa, oa = x.flat, out.flat
+            if n > 1 and k and algo == "direct":
+                direct.allgather(self.windows(), xa, oa)  # places our own block too
+                return
             mine = oa[r * k : (r + 1) * k]
             if k and data_ptr(mine) != data_ptr(xa):
                 mine[...] = xa
-            if n > 1 and k and algo == "direct":
-                direct.allgather(self.windows(), xa, oa)
-            elif n > 1 and k:
+            if n > 1 and k:
                 algorithms.get("allgather", algo)(self.links(None), xa, oa)
 
         self._run(body, algo != "direct")

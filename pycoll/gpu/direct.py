@@ -23,7 +23,10 @@ Per collective on n ranks, with N the per-rank input:
 
 * allreduce: rank r reduces block r (N/n elements) of every input into its
   output, then copies that block into each peer's output.  Device traffic per
-  rank: about (n + 1) N/n read and (n) N/n written with the fused kernel.
+  rank: about (n + 1) N/n read and (n) N/n written with the fused kernel.  When
+  every rank uses the same GPU, rank 0 alone runs one kernel that reads every
+  input and writes every output (the ranks' contexts time-slice the GPU, so
+  splitting the work gains nothing and costs context switches).
 * allgather: rank r copies every peer's input into its output.
 * reduce_scatter: rank r reduces block r of every input into its output.
 * broadcast: every non-root copies the root's buffer.
@@ -61,6 +64,7 @@ class Windows:
         stream: Any,
         deadline: Deadline,
         scratch: Scratch,
+        shared_device: bool = False,
     ) -> None:
         import cupy
 
@@ -73,6 +77,7 @@ class Windows:
         self._sptr = int(stream.ptr)
         self.deadline = deadline
         self._scratch = scratch
+        self.shared_device = shared_device
         self._copy_back: list[tuple[int, int, int]] = []  # (dst, src, nbytes) after the end
 
     @property
@@ -193,7 +198,7 @@ def _reduce_into(
         return
     fused = dreduce.nary(op, dtype, len(inputs))
     if fused is not None:
-        fused(inputs, out)
+        fused(inputs, [out])
         return
     f = dreduce.reducer(op, dtype)
     if aliased >= 2:  # the chain writes out before it reads that input
@@ -205,6 +210,9 @@ def _reduce_into(
 
 
 def allreduce(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
+    if W.shared_device:
+        _allreduce_one_gpu(W, op, dtype, x, out)
+        return
     n, r, peers = W.size, W.rank, W.peers
     lo, hi = _block(x.size, n, r)
     in_place = int(x.data.ptr) == int(out.data.ptr)
@@ -222,8 +230,59 @@ def allreduce(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
     W.wait_released(peers)
 
 
+def _follow(W: Windows, leader: int, arrays: list[Any], written: tuple[bool, ...]) -> None:
+    """A non-leader's whole part on a shared GPU: expose, wait until the leader is done."""
+    W.expose([leader], arrays, written=written)
+    W.wait_released([leader])
+
+
+def _allreduce_one_gpu(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
+    """Every rank on one GPU: rank 0 reduces all inputs into all outputs.
+
+    Ranks that share a GPU time-slice it, so splitting the work between their
+    contexts buys no parallelism and adds a context switch per hand-off; one
+    kernel in one context reads each input once and writes each output once.
+    """
+    in_place = int(x.data.ptr) == int(out.data.ptr)
+    if W.rank != 0:
+        if in_place:
+            _follow(W, 0, [x], (True,))
+        else:
+            _follow(W, 0, [x, out], (False, True))
+        return
+    peers = W.peers
+    views = {p: W.open(p, x.dtype) for p in peers}
+    inputs = [x] + [views[p][0] for p in peers]
+    outputs = [out] + [views[p][-1] for p in peers]
+    fused = dreduce.nary(op, dtype, W.size, len(outputs))
+    if fused is not None:
+        fused(inputs, outputs)
+    else:
+        _reduce_into(W, op, dtype, inputs, out, 0 if in_place else -1)
+        for o in outputs[1:]:
+            W.copy(o, out)
+    W.release(peers)
+
+
 def allgather(W: Windows, x: Any, out: Any) -> None:
-    k, peers = x.size, W.peers
+    k, r, peers = x.size, W.rank, W.peers
+    if W.shared_device:  # rank 0 makes every copy (see _allreduce_one_gpu)
+        if r != 0:
+            # nothing of ours runs on the device: a kernel here would cost rank 0
+            # a time slice of the shared GPU before it could start
+            _follow(W, 0, [x, out], (False, True))
+            return
+        views = {p: W.open(p, x.dtype) for p in peers}
+        srcs = [x] + [views[p][0] for p in peers]
+        outs = [out] + [views[p][1] for p in peers]
+        for o in outs:
+            for p, src in enumerate(srcs):
+                if int(o[p * k :].data.ptr) != int(src.data.ptr):  # in place: already there
+                    W.copy(o[p * k : (p + 1) * k], src)
+        W.release(peers)
+        return
+    if int(out[r * k :].data.ptr) != int(x.data.ptr):
+        W.copy(out[r * k : (r + 1) * k], x)
     (x,) = W.expose(peers, [x])
     for p in peers:
         (xp,) = W.open(p, x.dtype)
@@ -235,6 +294,17 @@ def allgather(W: Windows, x: Any, out: Any) -> None:
 def reduce_scatter(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
     n, r, peers = W.size, W.rank, W.peers
     k = out.size
+    if W.shared_device:  # rank 0 runs every block's kernel (see _allreduce_one_gpu)
+        if r != 0:
+            _follow(W, 0, [x, out], (False, True))
+            return
+        views = {p: W.open(p, x.dtype) for p in peers}
+        xs = [x] + [views[p][0] for p in peers]
+        outs = [out] + [views[p][1] for p in peers]
+        for q in range(n):
+            _reduce_into(W, op, dtype, [xp[q * k : (q + 1) * k] for xp in xs], outs[q], -1)
+        W.release(peers)
+        return
     (x,) = W.expose(peers, [x])
     views = {p: W.open(p, x.dtype)[0] for p in peers}
     inputs = [(x if p == r else views[p])[r * k : (r + 1) * k] for p in range(n)]
@@ -244,6 +314,15 @@ def reduce_scatter(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> No
 
 
 def broadcast(W: Windows, buf: Any, root: int) -> None:
+    if W.shared_device:  # the root makes every copy (see _allreduce_one_gpu)
+        if W.rank != root:
+            _follow(W, root, [buf], (True,))
+            return
+        for p in W.peers:
+            (dst,) = W.open(p, buf.dtype)
+            W.copy(dst, buf)
+        W.release(W.peers)
+        return
     if W.rank == root:
         W.expose(W.peers, [buf])  # a scratch copy, if any, is not copied back: unchanged
         W.wait_released(W.peers)

@@ -120,35 +120,41 @@ _NARY_BODY = {ReduceOp.SUM: "acc = acc + {x};", ReduceOp.AVG: "acc = acc + {x};"
 _NARY_BODY[ReduceOp.PROD] = "acc = acc * {x};"
 
 
-def nary(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., Any] | None:
-    """``f(inputs, out)``: ``out = ((in0 OP in1) OP in2) ...`` in one kernel, or None
-    where only the pairwise :func:`reducer` is exact (min, max, bfloat16).
+def nary(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int = 1) -> Callable[..., Any] | None:
+    """``f(inputs, outputs)``: every output ``= ((in0 OP in1) OP in2) ...`` in one
+    kernel, or None where only the pairwise :func:`reducer` is exact (min, max,
+    bfloat16).
 
-    One pass reads every input once and writes once (the chain of pairwise
-    kernels rereads and rewrites the partial sum n - 2 times), and since each
-    element is read before it is written, ``out`` may alias any input.  The
-    operands combine in the same order, with the same per-step rounding, as the
-    chain, so the bits match it.
+    One pass reads every input once and writes each output once (the chain of
+    pairwise kernels rereads and rewrites the partial sum n - 2 times, and copies
+    would reread the result), and since each element is read before it is
+    written, an output may alias any input.  The operands combine in the same
+    order, with the same per-step rounding, as the chain, so the bits match it.
     """
     if dtype == BF16 or op not in _NARY_BODY or n < 2:
         return None
-    k = _nary_kernel(op, n)
+    k = _nary_kernel(op, n, outs)
 
-    def f(inputs: list[Any], out: Any) -> Any:
-        return k(*inputs, out)
+    def f(inputs: list[Any], outputs: list[Any]) -> Any:
+        return k(*inputs, *outputs)
 
     return f
 
 
 @functools.cache
-def _nary_kernel(op: ReduceOp, n: int) -> Any:
+def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
     cp = _cupy()
     step = _NARY_BODY[op]
-    body = "T acc = x0; " + " ".join(step.format(x=f"x{i}") for i in range(1, n)) + " y = acc;"
+    body = (
+        "T acc = x0; "
+        + " ".join(step.format(x=f"x{i}") for i in range(1, n))
+        + " "
+        + " ".join(f"y{j} = acc;" for j in range(outs))
+    )
     return cp.ElementwiseKernel(
         ", ".join(f"T x{i}" for i in range(n)),
-        "T y",
+        ", ".join(f"T y{j}" for j in range(outs)),
         body,
-        f"pycoll_nary_{op.value}_{n}",
+        f"pycoll_nary_{op.value}_{n}_{outs}",
         options=_EXACT,
     )
