@@ -8,15 +8,17 @@ import os
 import threading
 import time
 import zlib
+from _thread import get_ident
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from time import monotonic
+from typing import Any, NoReturn
 
 import numpy as np
 
 from pycoll import algorithms
-from pycoll.algorithms import cost
+from pycoll.algorithms import cost, direct
 from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
 from pycoll.buffers import Buffer, as_buffer
@@ -96,7 +98,7 @@ class Request:
         return f"<pycoll.Request {self._what} {state}>"
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One entry of the flight recorder: the recent collectives of this rank."""
 
@@ -117,6 +119,92 @@ class Record:
         return (
             f"#{self.seq} {self.collective}(count={self.count}, dtype={self.dtype}, "
             f"op={op}, root={self.root}, algo={self.algorithm}) {self.status}{dur}"
+        )
+
+
+#: The fast path keeps plans for buffers up to this size (it holds them: see _Plan).
+PLAN_MAX_BYTES = 256 << 10
+#: ... and at most this many plans (the oldest goes first).
+PLAN_MAX = 32
+
+
+class _Plan:
+    """A validated blocking host collective, replayed while its arguments are unchanged.
+
+    The communicator's fast path: the second and later calls of a collective on
+    the same NumPy arrays with the same arguments skip validation and set-up.
+    Plans are keyed by the arrays' ``id`` and the other arguments, and hold the
+    arrays themselves, so an id cannot be reused for another object while its
+    plan lives.  A plan applies only while each array keeps its shape, strides
+    and dtype and, where it is written, its ``writeable`` flag: then every check
+    of the slow path would pass again with the same outcome (the algorithm too,
+    which depends on nothing else), and the data pointer of an array cannot
+    change under the reference we hold.  Anything else takes the slow path,
+    which raises the same errors as ever before any byte moves.
+    """
+
+    __slots__ = (
+        "algo",
+        "count",
+        "dtype",
+        "o",
+        "odtype",
+        "op",
+        "oshape",
+        "ostrides",
+        "root",
+        "run",
+        "tid",
+        "what",
+        "x",
+        "xdtype",
+        "xshape",
+        "xstrides",
+        "xw",
+    )
+
+    def __init__(
+        self,
+        what: str,
+        x: Any,
+        xw: bool,
+        o: Any,
+        run: Callable[[], Any],
+        buf: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+    ) -> None:
+        self.what = what
+        self.x, self.xshape, self.xstrides, self.xdtype, self.xw = (
+            x,
+            x.shape,
+            x.strides,
+            x.dtype,
+            xw,
+        )
+        self.o = o
+        if o is not None:
+            self.oshape, self.ostrides, self.odtype = o.shape, o.strides, o.dtype
+        self.run = run
+        self.tid = get_ident()  # the thread it is for: its waiting policy is that thread's
+        self.count, self.dtype, self.op, self.root, self.algo = buf.count, buf.dtype, op, root, algo
+
+    def fits(self, x: Any, o: Any) -> bool:
+        """Whether the arrays still look as they did when the plan was made."""
+        if (
+            x.shape != self.xshape
+            or x.strides != self.xstrides
+            or x.dtype is not self.xdtype
+            or (self.xw and not x.flags.writeable)
+        ):
+            return False
+        o2 = self.o
+        return o2 is None or (
+            o.shape == self.oshape
+            and o.strides == self.ostrides
+            and o.dtype is self.odtype
+            and o.flags.writeable
         )
 
 
@@ -156,6 +244,8 @@ class Communicator:
         self._polite = Backoff(spins=4, yields=16, max_sleep=200e-6)
         self._links_cache: dict[tuple[Any, ReduceOp | None], Links] = {}
         self._caller = threading.current_thread()
+        # the fast path: validated blocking host calls, by their arguments (_Plan)
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
@@ -209,6 +299,13 @@ class Communicator:
             InvalidArgumentError: bad buffers, op, dtype or algorithm.
             TransportError: the collective failed; the communicator is unusable.
         """
+        if not async_op and stream is None and not self._inflight:
+            try:
+                p = self._plans.get(("allreduce", id(sendbuf), id(recvbuf), op, algorithm))
+            except TypeError:  # unhashable op or algorithm: the slow path says why
+                p = None
+            if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
+                return self._replay(p)
         what = "allreduce"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -220,6 +317,9 @@ class Communicator:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allreduce(rop, algo), async_op, x, rop, 0, algo)
+        if self._plannable(async_op, stream, x, out):
+            key = (what, id(sendbuf), id(recvbuf), op, algorithm)
+            return self._replay(self._plan_allreduce(key, sendbuf, recvbuf, x, out, rop, algo))
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -257,9 +357,17 @@ class Communicator:
         Returns:
             The output array (or a Request).
         """
+        if not async_op and stream is None and not self._inflight:
+            try:
+                p = self._plans.get(("allgather", id(sendbuf), id(recvbuf), algorithm))
+            except TypeError:
+                p = None
+            if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
+                return self._replay(p)
         what = "allgather"
         self._check_open(what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
+        given = recvbuf
         if recvbuf is None:
             recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
         out = self._output(recvbuf, x, self.size * x.count, what)
@@ -269,6 +377,9 @@ class Communicator:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
+        if self._plannable(async_op, stream, x, out):
+            key = (what, id(sendbuf), id(given), algorithm)
+            return self._replay(self._plan_allgather(key, sendbuf, given, x, out, algo))
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -297,6 +408,13 @@ class Communicator:
         Returns:
             ``buf`` (or a Request).
         """
+        if not async_op and stream is None and not self._inflight and type(root) is int:
+            try:
+                p = self._plans.get(("broadcast", id(buf), root, algorithm))
+            except TypeError:
+                p = None
+            if p is not None and p.fits(buf, None) and get_ident() == p.tid:
+                return self._replay(p)
         what = "broadcast"
         self._check_open(what)
         self._check_root(root, what)
@@ -308,6 +426,9 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.broadcast(root, algo), async_op, b, None, root, algo
             )
+        if type(root) is int and self._plannable(async_op, stream, b, None):
+            key = (what, id(buf), root, algorithm)
+            return self._replay(self._plan_broadcast(key, buf, b, root, algo))
 
         def run() -> Any:
             def body(ba: Any, _: Any) -> None:
@@ -336,10 +457,18 @@ class Communicator:
         Returns:
             The k-element output (or a Request); a new 1-D array if ``recvbuf`` is None.
         """
+        if not async_op and stream is None and not self._inflight:
+            try:
+                p = self._plans.get(("reduce_scatter", id(sendbuf), id(recvbuf), op, algorithm))
+            except TypeError:
+                p = None
+            if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
+                return self._replay(p)
         what = "reduce_scatter"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
+        given = recvbuf
         if x.count % self.size:
             raise InvalidArgumentError(
                 f"rank {self.rank}: {what}: sendbuf has {x.count} elements, "
@@ -361,6 +490,9 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
             )
+        if self._plannable(async_op, stream, x, out):
+            key = (what, id(sendbuf), id(given), op, algorithm)
+            return self._replay(self._plan_reduce_scatter(key, sendbuf, given, x, out, rop, algo))
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -395,6 +527,13 @@ class Communicator:
         Returns:
             The output on the root, None elsewhere (or a Request).
         """
+        if not async_op and stream is None and not self._inflight and type(root) is int:
+            try:
+                p = self._plans.get(("reduce", id(sendbuf), id(recvbuf), root, op, algorithm))
+            except TypeError:
+                p = None
+            if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
+                return self._replay(p)
         what = "reduce"
         self._check_open(what)
         self._check_root(root, what)
@@ -412,6 +551,9 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.reduce(rop, root, algo), async_op, x, rop, root, algo
             )
+        if type(root) is int and self._plannable(async_op, stream, x, out):
+            key = (what, id(sendbuf), id(recvbuf), root, op, algorithm)
+            return self._replay(self._plan_reduce(key, sendbuf, recvbuf, x, out, rop, root, algo))
 
         def run() -> Any:
             def body(xa: Any, oa: Any) -> None:
@@ -459,6 +601,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._plans.clear()  # they hold views of the group segment
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -474,6 +617,7 @@ class Communicator:
     def abort(self) -> None:
         """Tear down at once without waiting for peers or queued collectives."""
         self._closed = True
+        self._plans.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -691,37 +835,293 @@ class Communicator:
     ) -> Any:
         self._check_open(what)
         self._seq += 1
-        rec = Record(self._seq, what, x.count, x.dtype, op, root, algo, time.monotonic())
+        rec = Record(self._seq, what, x.count, x.dtype, op, root, algo, monotonic())
         self._recent.append(rec)
-        if log.isEnabledFor(TRACE):
+        trace = log.isEnabledFor(TRACE)
+        if trace:
             log.log(TRACE, "start %s", rec)
         try:
-            try:
-                if self.config.check:
-                    self._check_match(rec, x, op)
-                result = run()
-            except WireError as texc:
-                raise from_transport(texc, self.rank, f"{what} #{rec.seq}", self._kinds) from texc
-        except PycollError as exc:
-            rec.status = f"failed: {type(exc).__name__}"
-            if isinstance(exc, InvalidArgumentError):
-                raise
-            self._failed = exc
+            if self.config.check:
+                self._check_match(rec, x, op)
+            result = run()
+        except BaseException as exc:
+            self._fail(rec, exc)
+        rec.ended = monotonic()
+        rec.status = "ok"
+        if trace:
+            log.log(TRACE, "done %s", rec)
+        return result
+
+    def _replay(self, p: _Plan) -> Any:
+        """Run a plan (the fast path): what :meth:`_execute` does, minus the checks
+        that its making already did."""
+        self._seq = seq = self._seq + 1
+        rec = Record(seq, p.what, p.count, p.dtype, p.op, p.root, p.algo, monotonic())
+        self._recent.append(rec)
+        trace = log.isEnabledFor(TRACE)
+        if trace:
+            log.log(TRACE, "start %s", rec)
+        try:
+            result = p.run()
+        except BaseException as exc:
+            self._fail(rec, exc)
+        rec.ended = monotonic()
+        rec.status = "ok"
+        if trace:
+            log.log(TRACE, "done %s", rec)
+        return result
+
+    def _fail(self, rec: Record, exc: BaseException) -> NoReturn:
+        """Record the failure of collective ``rec`` and raise it as a pycoll error.
+
+        Transport errors become pycoll's; every error but a user error leaves the
+        communicator unusable.
+        """
+        if isinstance(exc, WireError):
+            err = from_transport(exc, self.rank, f"{rec.collective} #{rec.seq}", self._kinds)
+            err.__cause__ = exc
+            exc = err
+        rec.status = f"failed: {type(exc).__name__}"
+        if isinstance(exc, InvalidArgumentError):
+            raise exc
+        self._failed = exc
+        self._plans.clear()
+        if isinstance(exc, PycollError):
             exc.recorder = tuple(self.recent())
             if isinstance(exc, CollectiveTimeout):
                 self._explain_timeout(exc)
             log.error("%s", exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
-            raise
-        except BaseException as exc:
-            rec.status = f"failed: {type(exc).__name__}"
-            self._failed = exc
-            raise
-        rec.ended = time.monotonic()
-        rec.status = "ok"
-        if log.isEnabledFor(TRACE):
-            log.log(TRACE, "done %s", rec)
-        return result
+        raise exc
+
+    # ------------------------------------------------------------------ fast path
+    def _plannable(self, async_op: bool, stream: Any, x: Buffer, out: Buffer | None) -> bool:
+        """Whether this call may become a plan (see :class:`_Plan`): a blocking call
+        on small host arrays with nothing queued."""
+        return (
+            not async_op
+            and stream is None
+            and not x.is_device
+            and x.nbytes <= PLAN_MAX_BYTES
+            and (out is None or out.nbytes <= PLAN_MAX_BYTES)
+            and not self.config.check
+            and not self._inflight
+        )
+
+    def _keep(self, key: tuple[Any, ...], p: _Plan) -> _Plan:
+        plans = self._plans
+        if len(plans) >= PLAN_MAX:
+            del plans[next(iter(plans))]
+        plans[key] = p
+        return p
+
+    def _step(
+        self, what: str, algo: str, dtype: np.dtype[Any], op: ReduceOp | None, count: int, root: int
+    ) -> Callable[[Any, Any], None]:
+        """``step(x, out)``: algorithm ``algo`` of ``what`` on flat host arrays,
+        with a fresh deadline each call (the body of a plan, size > 1)."""
+        L = self._links(dtype, op)
+        bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
+        if algo == "direct":
+            fast = direct.prepare(what, L, bo, timeout, count, root)
+            if fast is not None:
+                return fast
+        g = algorithms.get(what, algo)
+        dl = L.deadline
+
+        if what == "broadcast":
+
+            def step(a: Any, b: Any) -> None:  # b: None (broadcast is in place)
+                dl.at = monotonic() + timeout
+                L._backoff = bo  # an asynchronous call may have left another one
+                g(L, a, root)
+
+        elif what == "reduce":
+
+            def step(a: Any, b: Any) -> None:
+                dl.at = monotonic() + timeout
+                L._backoff = bo
+                g(L, a, b, root)
+
+        else:
+
+            def step(a: Any, b: Any) -> None:
+                dl.at = monotonic() + timeout
+                L._backoff = bo
+                g(L, a, b)
+
+        return step
+
+    def _plan_allreduce(
+        self,
+        key: tuple[Any, ...],
+        sendbuf: Any,
+        recvbuf: Any,
+        x: Buffer,
+        out: Buffer,
+        rop: ReduceOp,
+        algo: str,
+    ) -> _Plan:
+        n, xa, oa, res = self.size, x.flat, out.flat, out.obj
+        avg = rop is ReduceOp.AVG
+        if n == 1:
+            copy = oa is not xa
+
+            def run() -> Any:
+                if copy:
+                    oa[...] = xa
+                if avg:
+                    finish_avg(oa, n)
+                return res
+
+        else:
+            step = self._step("allreduce", algo, x.dtype, rop, x.count, 0)
+
+            def run() -> Any:
+                step(xa, oa)
+                if avg:
+                    finish_avg(oa, n)
+                return res
+
+        return self._keep(
+            key, _Plan("allreduce", sendbuf, recvbuf is None, recvbuf, run, x, rop, 0, algo)
+        )
+
+    def _plan_allgather(
+        self, key: tuple[Any, ...], sendbuf: Any, recvbuf: Any, x: Buffer, out: Buffer, algo: str
+    ) -> _Plan:
+        n, r, k, xa = self.size, self.rank, x.count, x.flat
+        step = self._step("allgather", algo, x.dtype, None, k, 0) if n > 1 and k else None
+        if recvbuf is None:
+            shape, dtype = (n, *sendbuf.shape), x.dtype
+
+            def run() -> Any:
+                o = np.empty(shape, dtype)
+                oa = o.reshape(-1)
+                oa[r * k : (r + 1) * k] = xa
+                if step is not None:
+                    step(xa, oa)
+                return o
+
+        else:
+            oa, res = out.flat, out.obj
+            mine = oa[r * k : (r + 1) * k]
+            copy = not _same(mine, xa)
+
+            def run() -> Any:
+                if copy:
+                    mine[...] = xa
+                if step is not None:
+                    step(xa, oa)
+                return res
+
+        return self._keep(key, _Plan("allgather", sendbuf, False, recvbuf, run, x, None, 0, algo))
+
+    def _plan_broadcast(
+        self, key: tuple[Any, ...], buf: Any, b: Buffer, root: int, algo: str
+    ) -> _Plan:
+        ba, res = b.flat, b.obj
+        if self.size > 1 and b.count:
+            step = self._step("broadcast", algo, b.dtype, None, b.count, root)
+
+            def run() -> Any:
+                step(ba, None)
+                return res
+
+        else:
+
+            def run() -> Any:
+                return res
+
+        w = self.rank != root
+        return self._keep(key, _Plan("broadcast", buf, w, None, run, b, None, root, algo))
+
+    def _plan_reduce_scatter(
+        self,
+        key: tuple[Any, ...],
+        sendbuf: Any,
+        recvbuf: Any,
+        x: Buffer,
+        out: Buffer,
+        rop: ReduceOp,
+        algo: str,
+    ) -> _Plan:
+        n, xa, k = self.size, x.flat, out.count
+        avg = rop is ReduceOp.AVG
+        step = self._step("reduce_scatter", algo, x.dtype, rop, x.count, 0) if n > 1 else None
+
+        def body(oa: Any) -> None:
+            if step is None:
+                oa[...] = xa
+            elif k:
+                step(xa, oa)
+            if avg:
+                finish_avg(oa, n)
+
+        if recvbuf is None:
+            dtype = x.dtype
+
+            def run() -> Any:
+                o = np.empty((k,), dtype)
+                body(o)
+                return o
+
+        else:
+            oa, res = out.flat, out.obj
+
+            def run() -> Any:
+                body(oa)
+                return res
+
+        return self._keep(
+            key, _Plan("reduce_scatter", sendbuf, False, recvbuf, run, x, rop, 0, algo)
+        )
+
+    def _plan_reduce(
+        self,
+        key: tuple[Any, ...],
+        sendbuf: Any,
+        recvbuf: Any,
+        x: Buffer,
+        out: Buffer | None,
+        rop: ReduceOp,
+        root: int,
+        algo: str,
+    ) -> _Plan:
+        n, xa = self.size, x.flat
+        is_root = self.rank == root
+        oa = out.flat if out is not None else np.empty_like(xa)  # scratch off the root
+        res = out.obj if out is not None else None
+        avg = rop is ReduceOp.AVG and is_root
+        if n == 1:
+            copy = oa is not xa
+
+            def run() -> Any:
+                if copy:
+                    oa[...] = xa
+                if avg:
+                    finish_avg(oa, n)
+                return res
+
+        elif x.count:
+            step = self._step("reduce", algo, x.dtype, rop, x.count, root)
+
+            def run() -> Any:
+                step(xa, oa)
+                if avg:
+                    finish_avg(oa, n)
+                return res
+
+        else:
+
+            def run() -> Any:
+                if avg:
+                    finish_avg(oa, n)
+                return res
+
+        o = recvbuf if is_root else None
+        w = is_root and recvbuf is None
+        return self._keep(key, _Plan("reduce", sendbuf, w, o, run, x, rop, root, algo))
 
     def _explain_timeout(self, exc: CollectiveTimeout) -> None:
         """Ask the live ranks where they are (pycoll.diagnose) and say it in ``exc``."""
@@ -811,7 +1211,7 @@ def _waiting_policy(local_ranks: int) -> Backoff:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     if local_ranks > cores:
-        return Backoff(spins=4, yields=20000)
+        return Backoff(spins=0, yields=20000)
     return Backoff()
 
 

@@ -53,6 +53,7 @@ def _pool() -> Pinned:
     p._rt = _FakeRuntime()
     p._cp = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray))
     p._bufs, p._events, p._lanes = {}, [], {}
+    p.legs = None
     return p
 
 

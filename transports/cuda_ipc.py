@@ -455,16 +455,9 @@ class CudaIpcConnection(Connection):
             # both ends in one process (tests): IPC handles cannot be opened here
             self._peer_ring = ptr
         else:
-            try:
-                with _on_device(self.device):
-                    self._peer_ring = int(self._rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
-                self._peer_ipc = True
-            except Exception as exc:
-                raise ConnectError(
-                    f"cuda_ipc: cannot open peer {self.peer}'s memory handle: {exc}",
-                    peer=self.peer,
-                    transport=NAME,
-                ) from exc
+            with _on_device(self.device):
+                self._peer_ring = _ipc_open(handle, self.peer, "memory handle", ConnectError)
+            self._peer_ipc = True
         self._peer_opened = True
 
     def _stream(self) -> int:
@@ -723,14 +716,7 @@ class _Window:
                 rt.deviceSynchronize()  # no queued kernel may still use what we unmap
                 _, old = self._maps.popitem(last=False)
                 rt.ipcCloseMemHandle(old)
-            try:
-                base = int(rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
-            except Exception as exc:
-                raise TransportError(
-                    f"cuda_ipc: cannot map peer {conn.peer}'s exposed buffer: {exc}",
-                    peer=conn.peer,
-                    transport=NAME,
-                ) from exc
+            base = _ipc_open(handle, conn.peer, "exposed buffer", TransportError)
         self._maps[handle] = base
         return base
 
@@ -801,6 +787,16 @@ class _Window:
 
 
 _F_EXPOSED, _F_RELEASED = 0, 128
+
+
+def _ipc_open(handle: bytes, peer: int, what: str, error: type[TransportError]) -> int:
+    """Map a peer's allocation (``cudaIpcOpenMemHandle``) on the current device."""
+    try:
+        return int(_cuda().ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
+    except Exception as exc:
+        raise error(
+            f"cuda_ipc: cannot open peer {peer}'s {what}: {exc}", peer=peer, transport=NAME
+        ) from exc
 
 
 def _stream_write(stream: int, addr: int, value: int) -> None:

@@ -31,6 +31,8 @@ barrier: every rank publishes a step and waits for everyone's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,7 @@ import numpy as np
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
+from transports.base import Backoff
 
 #: Peers' bytes are reduced in pieces of this size (they stay in cache).
 PIECE_BYTES = 256 << 10
@@ -312,3 +315,114 @@ def barrier(L: Links) -> None:
     s = _step(G)
     G.post(s)
     G.wait(_others(L.size, L.rank), s, L.deadline, L.backoff)
+
+
+# ------------------------------------------------------------------ prepared
+def prepare(
+    collective: str, L: Links, backoff: Backoff, timeout: float, count: int, root: int = 0
+) -> Callable[[Any, Any], None] | None:
+    """The one-step slot path of ``collective`` with everything but the buffers
+    worked out in advance, or None where it does not apply.
+
+    For the communicator's fast path, which calls the same collective on the same
+    buffers again and again: the returned ``run(x, out)`` (``run(buf, None)`` for
+    broadcast) does exactly what the registered algorithm does for ``count``
+    input elements of ``L.dtype`` that fit one slot, in a handful of Python-level
+    calls.  Each call sets ``L.deadline`` ``timeout`` seconds ahead.
+    """
+    G = L.group
+    n, r = L.size, L.rank
+    if G is None or n < 2 or count <= 0 or count * L.dtype.itemsize > G.slot_bytes:
+        return None
+    if collective == "reduce_scatter" and count % n:
+        return None
+    views = G.views(L.dtype, count)
+    mine = (views[0][r], views[1][r])
+    others = tuple(_others(n, r))
+    dl, bo, f = L.deadline, backoff, L.reduce
+    claim, post, wait, done = G.claim, G.post, G.wait, G.done
+
+    if collective in ("allreduce", "reduce"):
+        assert f is not None
+        rest = tuple(range(2, n))
+        reader = collective == "allreduce" or r == root
+
+        def run_reduce(x: Any, out: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            claim(s, dl, bo)
+            mine[s & 1][...] = x
+            post(s)
+            if reader:
+                v = views[s & 1]
+                wait(others, s, dl, bo)
+                f(v[0], v[1], out=out)
+                for j in rest:
+                    f(out, v[j], out=out)
+            done(s)
+
+        return run_reduce
+
+    if collective == "allgather":
+        k = count
+        blocks = tuple((j, j * k, (j + 1) * k) for j in others)
+
+        def run_allgather(x: Any, out: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            claim(s, dl, bo)
+            mine[s & 1][...] = x
+            post(s)
+            v = views[s & 1]
+            wait(others, s, dl, bo)
+            for j, lo, hi in blocks:
+                out[lo:hi] = v[j]
+            done(s)
+
+        return run_allgather
+
+    if collective == "broadcast":
+        src = (root,)
+        theirs = (views[0][root], views[1][root])
+
+        if r == root:
+
+            def run_root(buf: Any, _: Any) -> None:
+                dl.at = monotonic() + timeout
+                s = G.seq = G.seq + 1
+                claim(s, dl, bo)
+                mine[s & 1][...] = buf
+                post(s)
+
+            return run_root
+
+        def run_leaf(buf: Any, _: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            wait(src, s, dl, bo)
+            buf[...] = theirs[s & 1]
+            done(s)
+
+        return run_leaf
+
+    if collective == "reduce_scatter":
+        assert f is not None
+        k = count // n
+        blk = slice(r * k, (r + 1) * k)
+        parts = tuple(tuple(views[p][j][blk] for j in range(n)) for p in (0, 1))
+
+        def run_reduce_scatter(x: Any, out: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            claim(s, dl, bo)
+            mine[s & 1][...] = x
+            post(s)
+            v = parts[s & 1]
+            wait(others, s, dl, bo)
+            f(v[0], v[1], out=out)
+            for j in range(2, n):
+                f(out, v[j], out=out)
+            done(s)
+
+        return run_reduce_scatter
+    return None

@@ -1,0 +1,214 @@
+"""The communicator's fast path (replayed plans) is exactly as strict as the slow one.
+
+A blocking host collective called again on the same arrays with the same
+arguments skips validation; these tests change the arrays in place between
+calls (flags, dtype, shape) and check that the change is noticed, with the
+same error as on a first call, before any byte moves; and that results, the
+flight recorder and closing behave as without the fast path.  Ranks are
+threads (:mod:`tests.inproc`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll.communicator import PLAN_MAX, PLAN_MAX_BYTES
+from tests.inproc import communicators, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _on_all(comms: Any, fn: Any) -> list[Any]:
+    return run_ranks(len(comms), lambda r: fn(comms[r]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_repeated_calls_give_the_slow_paths_results(n: int) -> None:
+    with communicators(n) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            for it in range(4):  # the first call makes the plan, the others replay it
+                x = np.arange(6, dtype=np.float32) + r + it  # fresh contents, same arrays below
+                a = np.empty(6, np.float32)
+                a[...] = x
+                out = np.full(6, -1, np.float32)
+                exp = sum(np.arange(6, dtype=np.float32) + q + it for q in range(n))
+                for _ in range(3):
+                    a[...] = x
+                    assert c.allreduce(a, out) is out
+                    np.testing.assert_array_equal(out, exp)
+                    assert c.allreduce(a) is a  # in place
+                    np.testing.assert_array_equal(a, exp)
+                    avg = c.allreduce(x.copy(), op="avg")
+                    np.testing.assert_allclose(avg, exp / n, rtol=1e-6)
+                blk = np.full(3, r + it, np.int64)
+                g = np.full(3 * n, -1, np.int64)
+                for _ in range(3):
+                    assert c.allgather(blk, g) is g
+                    np.testing.assert_array_equal(g, np.repeat(np.arange(n) + it, 3))
+                    fresh = c.allgather(blk)
+                    assert fresh.shape == (n, 3)
+                    np.testing.assert_array_equal(fresh.reshape(-1), g)
+                b = np.full(5, r * 10 + it, np.int32)
+                for root in range(n):
+                    for _ in range(2):
+                        b[...] = r * 10 + it
+                        assert c.broadcast(b, root=root) is b
+                        np.testing.assert_array_equal(b, np.full(5, root * 10 + it))
+                src = np.arange(2 * n, dtype=np.float64) * (r + 1) + it
+                rs = np.empty(2, np.float64)
+                tot = sum(np.arange(2 * n, dtype=np.float64) * (q + 1) + it for q in range(n))
+                for _ in range(3):
+                    assert c.reduce_scatter(src, rs, op="max") is rs
+                    np.testing.assert_array_equal(
+                        rs, src[2 * r : 2 * r + 2] * 0 + _max_blk(n, r, it)
+                    )
+                    np.testing.assert_array_equal(c.reduce_scatter(src), tot[2 * r : 2 * r + 2])
+                red = np.empty(6, np.float32)
+                for root in range(n):
+                    for _ in range(2):
+                        got = c.reduce(x, red if r == root else None, root=root)
+                        if r == root:
+                            assert got is red
+                            np.testing.assert_array_equal(red, exp)
+                        else:
+                            assert got is None
+            assert c._plans  # the calls above went through plans
+            c.barrier()
+
+        _on_all(comms, body)
+
+
+def _max_blk(n: int, r: int, it: int) -> np.ndarray:
+    return np.arange(2 * r, 2 * r + 2, dtype=np.float64) * n + it
+
+
+def test_changed_arrays_are_validated_again() -> None:
+    with communicators(2) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            x = np.ones(4, np.float32)
+            out = np.empty(4, np.float32)
+            for _ in range(3):
+                c.allreduce(x, out)
+                c.allreduce(x)
+            seq = c._seq
+            # a buffer made read-only: the same error as on a first call
+            x.flags.writeable = False
+            with pytest.raises(pycoll.InvalidArgumentError, match="sendbuf is read-only"):
+                c.allreduce(x)
+            c.allreduce(x, out)  # reading it is still fine
+            out.flags.writeable = False
+            with pytest.raises(pycoll.InvalidArgumentError, match="recvbuf is read-only"):
+                c.allreduce(x, out)
+            assert c._seq == seq + 1  # the rejected calls never started
+            out.flags.writeable = True
+            x.flags.writeable = True
+            # another dtype under the same array object
+            y = np.ones(4, np.float64)
+            for _ in range(2):
+                c.allreduce(y, op="avg")
+            y.dtype = np.complex128
+            with pytest.raises(pycoll.InvalidArgumentError, match="complex128"):
+                c.allreduce(y, op="avg")
+            z = np.ones(4, np.int64)
+            for _ in range(2):
+                c.allreduce(z, op="sum")
+            z.dtype = np.uint64
+            z[...] = 1
+            np.testing.assert_array_equal(c.allreduce(z, op="sum"), 2 * np.ones(4))
+            z.dtype = np.float64  # 2 as int64 bits: a tiny float; avg is fine on floats
+            c.allreduce(z, op="avg")
+            z.dtype = np.int64
+            with pytest.raises(pycoll.InvalidArgumentError, match="op='avg'"):
+                c.allreduce(z, op="avg")
+            # a new shape: the count of recvbuf no longer matches
+            w = np.ones(4, np.float32)
+            o = np.empty(4, np.float32)
+            for _ in range(2):
+                c.allreduce(w, o)
+            o.shape = (2, 2)
+            c.allreduce(w, o)  # same count: fine
+            g = np.empty(8, np.float32)
+            for _ in range(2):
+                c.allgather(w, g)
+            w.shape = (2, 2)
+            np.testing.assert_array_equal(c.allgather(w, g), np.ones(8))
+            w.shape = (4,)
+            # bool is not a root, even where the int of the same value has a plan
+            b = np.zeros(3, np.int32)
+            for _ in range(2):
+                c.broadcast(b, root=1)
+            with pytest.raises(pycoll.InvalidArgumentError, match="root=True"):
+                c.broadcast(b, root=True)
+            with pytest.raises(pycoll.InvalidArgumentError, match="root=True"):
+                c.reduce(b, root=True)
+            c.broadcast(b, root=np.int64(1))
+            # an unhashable op or algorithm takes the slow path and its error
+            with pytest.raises(pycoll.InvalidArgumentError, match="op="):
+                c.allreduce(x, out, op=["sum"])  # type: ignore[arg-type]
+            with pytest.raises(pycoll.InvalidArgumentError, match="algorithm="):
+                c.allgather(x, g, algorithm=["ring"])  # type: ignore[arg-type]
+            c.barrier()
+
+        _on_all(comms, body)
+
+
+def test_recorder_closing_and_plan_bounds() -> None:
+    with communicators(2) as comms:
+
+        def body(c: pycoll.Communicator) -> list[str]:
+            x = np.ones(2, np.float32)
+            for _ in range(5):
+                c.allreduce(x, op="max")
+            recent = c.recent()
+            assert len(recent) == 5
+            assert all(
+                "allreduce(count=2, dtype=float32, op=max" in s and " ok " in s for s in recent
+            )
+            assert [int(s.split()[0][1:]) for s in recent] == list(range(1, 6))
+            # many distinct arrays: the plans stay bounded
+            arrays = [np.ones(2, np.float32) for _ in range(PLAN_MAX + 8)]
+            for a in arrays:
+                c.allreduce(a)
+            assert len(c._plans) <= PLAN_MAX
+            # large arrays are not kept
+            big = np.ones(PLAN_MAX_BYTES // 4 + 1, np.float32)
+            before = len(c._plans)
+            c.allreduce(big, op="max")
+            c.allreduce(big, op="max")
+            assert len(c._plans) == before and all(p.x is not big for p in c._plans.values())
+            c.barrier()
+            return recent
+
+        _on_all(comms, body)
+        for c in comms:
+            c.close()
+            x = np.ones(2, np.float32)
+            with pytest.raises(pycoll.CommunicatorClosedError):
+                c.allreduce(x, op="max")
+            assert not c._plans
+
+
+def test_async_calls_and_queued_blocking_ones_bypass_plans() -> None:
+    with communicators(2) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            x = np.ones(3, np.float32)
+            out = np.empty(3, np.float32)
+            for _ in range(2):
+                c.allreduce(x, out)
+            reqs = [c.allreduce(x, out, async_op=True) for _ in range(3)]
+            c.allreduce(x, out)  # queued behind them, on the worker thread
+            for q in reqs:
+                q.wait(30)
+            np.testing.assert_array_equal(out, 2 * x)
+            c.allreduce(x, out)  # the plan again
+            np.testing.assert_array_equal(out, 2 * x)
+
+        _on_all(comms, body)
