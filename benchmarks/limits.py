@@ -58,6 +58,11 @@ last-level cache: the bound is meaningful for sizes well above the LLC
 * broadcast tree: an interior rank receives N and sends N to each child.
 * reduce ring: reduce-scatter, then the root receives n-1 segments.
 * reduce tree: the up phase of the tree rooted at the root, N per link.
+* direct (one host, the reader copies out of the owner's memory, so nothing is
+  "sent"): allreduce copied 2(n-1)/n N (the peers' segments to reduce, then the
+  peers' finished segments) and reduced (n-1)/n N; allgather copied (n-1)/n N +
+  N/n; reduce_scatter copied and reduced (n-1)/n N; broadcast: a non-root copies
+  N; reduce: the reduce-scatter, then the root copies (n-1)/n N more.
 """
 
 from __future__ import annotations
@@ -244,10 +249,28 @@ def traffic(
                 c["copied"] += f * N
         elif collective == "reduce" and algorithm == "tree":
             tree_up(rooted_btree(n, r, root), N, c)
+        elif algorithm == "direct":
+            c.update(_direct(collective, n, r, root, N))
         else:
             raise KeyError(f"no traffic model for {collective}/{algorithm}")
         per_rank.append(c)
     return per_rank
+
+
+def _direct(collective: str, n: int, r: int, root: int, N: float) -> dict[str, float]:
+    """Bytes of the ``direct`` algorithms by address (large messages)."""
+    f = (n - 1) / n
+    if collective == "allreduce":
+        return {"copied": 2 * f * N, "reduced": f * N}
+    if collective == "allgather":
+        return {"copied": f * N + N / n}
+    if collective == "reduce_scatter":
+        return {"copied": f * N, "reduced": f * N}
+    if collective == "broadcast":
+        return {"copied": 0.0 if r == root else N}
+    if collective == "reduce":
+        return {"copied": f * N * (2 if r == root else 1), "reduced": f * N}
+    raise KeyError(f"no traffic model for {collective}/direct")
 
 
 def bound_time(

@@ -105,3 +105,7 @@ def test_traffic_model_matches_ring_counts() -> None:
     lim = limits.Limits(copy=1e9, add=1e9, copy_conc=4e9, add_conc=4e9, nprocs=4, nbytes=N)
     assert limits.bound_time("allreduce", "ring", n, N, lim) == pytest.approx(3.0 * N / 1e9)
     assert limits.bound_time("allreduce", "nosuch", n, N, lim) is None
+    # direct: the reader copies, nobody sends; 2 x 3/4 N copied and 3/4 N reduced
+    assert limits.bound_time("allreduce", "direct", n, N, lim) == pytest.approx(2.25 * N / 1e9)
+    bc = limits.traffic("broadcast", "direct", n, N, root=2)
+    assert [c["copied"] for c in bc] == [N, N, 0.0, N]

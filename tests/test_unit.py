@@ -284,3 +284,46 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
     finally:
         b.close()
         a.close()
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
+    """Step s uses slot and posted range s % K: a rank claims K steps without its
+    peer, the next claim waits for the peer's done, and ranges of K steps coexist."""
+    import secrets
+
+    import numpy as np
+
+    from transports.base import Backoff, Deadline, TransportError, TransportTimeout
+    from transports.shm_group import ShmGroup
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+    token = secrets.token_bytes(8)
+    a = ShmGroup.create(token, 0, 2, 4096, slots=k)
+    b = ShmGroup.attach(token, 1, 2, 5.0)
+    try:
+        a.unlink()
+        assert b.slots == k and len(b.views(np.uint8, 16)) == k
+        srcs = [np.full(8 * s, s, np.uint8) for s in range(1, k + 1)]
+        for s in range(1, k + 1):
+            a.claim(s, Deadline.after(5), quick)  # no wait: slots 1..K are fresh
+            a.slot(0, s)[:4] = s
+            a.post(s, int(srcs[s - 1].__array_interface__["data"][0]), srcs[s - 1].nbytes)
+        with pytest.raises(TransportTimeout):
+            a.claim(k + 1, Deadline.after(0.05), quick)  # slot of step 1: b still reads it
+        for s in range(1, k + 1):
+            b.wait([0], s, Deadline.after(5), quick)
+            assert list(b.slot(0, s)[:4]) == [s] * 4
+            got = np.zeros(8 * s, np.uint8)
+            if b.probe()[0]:
+                b.read(0, s, 0, got)
+                assert (got == s).all()
+            with pytest.raises(TransportError, match="posted"):
+                b.read(0, s, 0, np.zeros(8 * s + 1, np.uint8))
+        b.done(1)
+        a.claim(k + 1, Deadline.after(5), quick)
+        with pytest.raises(TransportTimeout):
+            a.claim(k + 2, Deadline.after(0.05), quick)
+    finally:
+        b.close()
+        a.close()

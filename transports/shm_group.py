@@ -9,23 +9,26 @@ outlives the job.
 
 Layout (offsets in bytes)::
 
-    0        header: magic, version, ranks, slot_bytes
-    4096     control, 256 bytes a rank: "posted" and "done" counters on their own
-             cache lines, then pid, pid namespace, a "closed" flag, the address
-             of the rank's mapping (for the direct-read probe) and a posted
-             (address, length) range per parity
-    DATA0    slots: rank j's slot for parity p at DATA0 + (2 j + p) * slot_bytes
+    0        header: magic, version, ranks, slot_bytes, slots (K)
+    4096     control, LINE bytes a rank (160 + 16 K, rounded up to 64): "posted"
+             and "done" counters on their own cache lines, then pid, pid
+             namespace, a "closed" flag, the address of the rank's mapping (for
+             the direct-read probe) and a posted (address, length) range per
+             slot index
+    DATA0    slots: rank j's slot i at DATA0 + (K j + i) * slot_bytes
 
 Protocol.  Every rank counts the same sequence numbers (one per step of a
-collective).  For step ``s`` a rank writes its slot of parity ``s % 2`` (or its
-posted ranges) and then stores ``posted = s`` with release semantics; a reader
+collective).  For step ``s`` a rank writes its slot ``s % K`` (or its posted
+range ``s % K``) and then stores ``posted = s`` with release semantics; a reader
 loads ``posted`` with acquire semantics (:mod:`transports._atomic`), then reads
 the slot or the range.  A reader that has finished with everything of step
 ``s`` stores ``done = s``; :meth:`ShmGroup.post` of step ``s`` stores
 ``done = s - 1`` first, since a rank never posts a step before it has consumed
-the one before.  So a slot is rewritten (step ``s + 2``) only after every peer's
-``done`` reached ``s`` (:meth:`ShmGroup.claim`), and a posted user buffer is
-returned to its owner only after every reader said ``done`` (:meth:`ShmGroup.wait_done`).
+the one before.  So a slot or range is rewritten (step ``s + K``) only after
+every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`): a rank runs up to K
+steps ahead of the slowest peer, so back-to-back small collectives rarely wait
+on a descheduled one.  A posted user buffer is returned to its owner only after
+every reader said ``done`` (:meth:`ShmGroup.wait_done`).
 
 Large ranges are read with cross-memory attach (:mod:`transports._cma`): one
 copy, by the reader, out of the owner's memory.  :meth:`ShmGroup.probe` checks
@@ -61,25 +64,33 @@ from transports.base import (
 log = logging.getLogger(__name__)
 
 TRANSPORT = "shm"
-#: Default bytes of one slot (two per rank); PYCOLL_GROUP_SLOT_BYTES sets it.
+#: Default bytes of one slot; PYCOLL_GROUP_SLOT_BYTES sets it.
 SLOT_BYTES = 64 << 10
+#: Slots per rank (K): a rank may run this many steps ahead of the slowest peer.
+SLOTS = 8
+_MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 1
+_VERSION = 2
 _PAGE = 4096
-_HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, ranks, slot_bytes
+# at offset 8, after the magic: version, ranks, slot_bytes, slots
+_HDR = struct.Struct("<IIQI")
 _CTRL0 = 4096
-_LINE = 256
 _POSTED, _DONE, _PID, _PIDNS, _CLOSED, _MAPADDR, _RANGES = 0, 64, 128, 136, 144, 152, 160
 _RANGE = struct.Struct("<QQ")
 
 
-def _data0(size: int) -> int:
-    return _CTRL0 + -(-size * _LINE // _PAGE) * _PAGE
+def _line(slots: int) -> int:
+    """Bytes of a rank's control line: the fields, then a range per slot."""
+    return -(-(_RANGES + slots * _RANGE.size) // 64) * 64
 
 
-def segment_bytes(size: int, slot_bytes: int) -> int:
-    """Bytes of the segment for ``size`` ranks with ``slot_bytes`` slots."""
-    return _data0(size) + 2 * size * slot_bytes
+def _data0(size: int, slots: int) -> int:
+    return _CTRL0 + -(-size * _line(slots) // _PAGE) * _PAGE
+
+
+def segment_bytes(size: int, slot_bytes: int, slots: int = SLOTS) -> int:
+    """Bytes of the segment for ``size`` ranks with ``slots`` slots of ``slot_bytes``."""
+    return _data0(size, slots) + slots * size * slot_bytes
 
 
 def segment_name(token: bytes) -> str:
@@ -95,6 +106,7 @@ class ShmGroup:
         rank: this rank's index in the group.
         size: number of ranks.
         slot_bytes: bytes of one slot.
+        slots: slots per rank (K); step ``s`` uses slot (and range) ``s % K``.
         cma: whether peers' posted ranges may be read directly (set by the layer
             above once every rank's :meth:`probe` succeeded).
     """
@@ -104,23 +116,24 @@ class ShmGroup:
         self.name = name
         self.rank = rank
         self._creator = creator
-        _, self.size, self.slot_bytes = _HDR.unpack_from(mm, 8)
-        n = self.size
+        _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
+        n, self._line = self.size, _line(self.slots)
+        ln = self._line
         self._buf = np.frombuffer(mm, np.uint8)
-        self._posted = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _POSTED) for j in range(n)]
-        self._done = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _DONE) for j in range(n)]
-        self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * _LINE + _CLOSED) for j in range(n)]
+        self._posted = [_atomic.Counter(mm, _CTRL0 + j * ln + _POSTED) for j in range(n)]
+        self._done = [_atomic.Counter(mm, _CTRL0 + j * ln + _DONE) for j in range(n)]
+        self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + _CLOSED) for j in range(n)]
         self._my_posted = self._posted[rank].store
         self._my_done = self._done[rank].store
         # what we know for sure of each rank's "done", to skip loads
         self._known_done = [0] * n
         self._pids = [0] * n
-        self._data0 = _data0(n)
+        self._data0 = _data0(n, self.slots)
         self._views: dict[tuple[Any, int], list[list[Any]]] = {}
         self.cma = False
         self.seq = 0
         self._closed = False
-        line = _CTRL0 + rank * _LINE
+        line = _CTRL0 + rank * ln
         struct.pack_into("<Q", mm, line + _PIDNS, _segment.ns_inode("pid"))
         struct.pack_into("<Q", mm, line + _MAPADDR, self._buf.__array_interface__["data"][0])
         # the pid last: a peer that sees it sees the rest of our line
@@ -128,22 +141,27 @@ class ShmGroup:
 
     # ------------------------------------------------------------------ set-up
     @classmethod
-    def create(cls, token: bytes, rank: int, size: int, slot_bytes: int = SLOT_BYTES) -> ShmGroup:
-        """Create the segment (the lowest rank) and map it.
+    def create(
+        cls, token: bytes, rank: int, size: int, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS
+    ) -> ShmGroup:
+        """Create the segment (the lowest rank) and map it, with ``slots`` slots a rank
+        (at least 2; the attachers take the number from the header).
 
         Raises:
             ConnectError: /dev/shm lacks the room, or the file cannot be created.
         """
         slot = max(_PAGE, -(-slot_bytes // _PAGE) * _PAGE)
+        if not 2 <= slots <= _MAX_SLOTS:
+            raise ValueError(f"slots must be 2 to {_MAX_SLOTS}, not {slots}")
         name = segment_name(token)
         mm = _segment.create(
             name,
-            segment_bytes(size, slot),
+            segment_bytes(size, slot, slots),
             peer=-1,
             transport=TRANSPORT,
             hint="enlarge it (docker --shm-size) or lower PYCOLL_GROUP_SLOT_BYTES",
         )
-        _HDR.pack_into(mm, 8, _VERSION, size, slot)
+        _HDR.pack_into(mm, 8, _VERSION, size, slot, slots)
         struct.pack_into("<Q", mm, 0, _MAGIC)  # last: attachers wait for it
         try:
             return cls(mm, name, rank, creator=True)
@@ -169,11 +187,17 @@ class ShmGroup:
             deadline=Deadline.after(timeout),
             timeout=timeout,
         )
-        ver, n, slot = _HDR.unpack_from(mm, 8)
-        if ver != _VERSION or n != size or slot % _PAGE or len(mm) != segment_bytes(n, slot):
+        ver, n, slot, k = _HDR.unpack_from(mm, 8)
+        if (
+            ver != _VERSION
+            or n != size
+            or slot % _PAGE
+            or not 2 <= k <= _MAX_SLOTS
+            or len(mm) != segment_bytes(n, slot, k)
+        ):
             mm.close()
             raise ConnectError(
-                f"group segment {name} has version {ver}, {n} ranks and {slot}-byte slots, "
+                f"group segment {name} has version {ver}, {n} ranks and {k} {slot}-byte slots, "
                 f"which does not match {size} ranks and its size: ranks run different "
                 "pycoll versions?",
                 transport=TRANSPORT,
@@ -199,7 +223,7 @@ class ShmGroup:
             pid = self.pid(j)
             if not pid:
                 return False, f"rank {j} runs in another pid namespace"
-            addr = struct.unpack_from("<Q", self._mm, _CTRL0 + j * _LINE + _MAPADDR)[0]
+            addr = struct.unpack_from("<Q", self._mm, _CTRL0 + j * self._line + _MAPADDR)[0]
             try:
                 _cma.read(pid, addr, got.__array_interface__["data"][0], 8)
             except OSError as exc:
@@ -212,7 +236,7 @@ class ShmGroup:
         """Rank ``j``'s pid in our pid namespace, or 0 when unknown."""
         pid = self._pids[j]
         if not pid:
-            line = _CTRL0 + j * _LINE
+            line = _CTRL0 + j * self._line
             pid, ns = struct.unpack_from("<QQ", self._mm, line + _PID)
             if ns != _segment.ns_inode("pid"):
                 return 0
@@ -222,11 +246,11 @@ class ShmGroup:
     # ------------------------------------------------------------------ data
     def slot(self, j: int, seq: int) -> Any:
         """Rank ``j``'s slot for step ``seq``, as bytes (a uint8 array)."""
-        start = self._data0 + (2 * j + (seq & 1)) * self.slot_bytes
+        start = self._data0 + (self.slots * j + seq % self.slots) * self.slot_bytes
         return self._buf[start : start + self.slot_bytes]
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
-        """``views[parity][j]``: the first ``count`` elements of rank j's slots as ``dtype``.
+        """``views[seq % slots][j]``: the first ``count`` elements of rank j's slots as ``dtype``.
 
         Cached: small collectives call this once per call.
         """
@@ -241,11 +265,11 @@ class ShmGroup:
                         self._mm,
                         dtype,
                         count,
-                        self._data0 + (2 * j + p) * self.slot_bytes,
+                        self._data0 + (self.slots * j + i) * self.slot_bytes,
                     )
                     for j in range(self.size)
                 ]
-                for p in (0, 1)
+                for i in range(self.slots)
             ]
             self._views[key] = v
         return v
@@ -253,9 +277,9 @@ class ShmGroup:
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
         """Wait until this rank may overwrite its slot for step ``seq``.
 
-        That is, until every peer is done with step ``seq - 2`` (same parity).
+        That is, until every peer is done with step ``seq - slots`` (the same slot).
         """
-        need = seq - 2
+        need = seq - self.slots
         if need <= 0:
             return
         known = self._known_done
@@ -267,10 +291,11 @@ class ShmGroup:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
         read ``[addr, addr + nbytes)`` of this process's memory until they are done.
 
-        The range is kept per parity, like the slots: :meth:`claim` the step first.
+        The range is kept per slot index (``seq % slots``), like the slots: :meth:`claim`
+        the step first.
         """
         if nbytes:
-            off = _CTRL0 + self.rank * _LINE + _RANGES + (seq & 1) * _RANGE.size
+            off = _CTRL0 + self.rank * self._line + _RANGES + (seq % self.slots) * _RANGE.size
             _RANGE.pack_into(self._mm, off, addr, nbytes)
         self._my_done(seq - 1)
         self._my_posted(seq)
@@ -306,7 +331,7 @@ class ShmGroup:
             TransportError: the read failed or falls outside the posted range.
         """
         addr, nbytes = _RANGE.unpack_from(
-            self._mm, _CTRL0 + j * _LINE + _RANGES + (seq & 1) * _RANGE.size
+            self._mm, _CTRL0 + j * self._line + _RANGES + (seq % self.slots) * _RANGE.size
         )
         n = out.nbytes
         if offset < 0 or offset + n > nbytes:

@@ -7,7 +7,9 @@ contribution and the readers wait only for the ranks they read from.
 
 Small messages (the contribution fits a slot) go through the slots: a rank
 copies its contribution into its slot and publishes the step; readers reduce or
-copy straight out of the peers' slots.  One step, one copy in, whatever n.
+copy straight out of the peers' slots.  One step, one copy in, whatever n.  Each
+rank has K slots (``G.slots``), step ``s`` uses slot ``s % K``, so a rank may run
+K steps ahead of the slowest peer before it waits.
 Larger ones, when the group allows direct reads, go by address: a rank posts
 where its buffer is and the readers copy out of it with one kernel copy each
 (``read``); the collective ends when every reader said it is done, so no buffer
@@ -83,7 +85,7 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
     for lo in range(0, count, m):
         hi = min(lo + m, count)
         s = _step(G)
-        v = G.views(x.dtype, hi - lo)[s & 1]
+        v = G.views(x.dtype, hi - lo)[s % G.slots]
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
@@ -105,7 +107,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     for lo in range(0, k, m):
         hi = min(lo + m, k)
         s = _step(G)
-        v = G.views(x.dtype, hi - lo)[s & 1]
+        v = G.views(x.dtype, hi - lo)[s % G.slots]
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
@@ -123,7 +125,7 @@ def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
     for lo in range(0, count, m):
         hi = min(lo + m, count)
         s = _step(G)
-        v = G.views(buf.dtype, hi - lo)[s & 1]
+        v = G.views(buf.dtype, hi - lo)[s % G.slots]
         if r == root:
             G.claim(s, dl, bo)
             v[r][...] = buf[lo:hi]
@@ -147,7 +149,7 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
         hi = min(lo + m, k)
         c = hi - lo
         s = _step(G)
-        v = G.views(x.dtype, n * c)[s & 1]
+        v = G.views(x.dtype, n * c)[s % G.slots]
         G.claim(s, dl, bo)
         mine = v[r]
         if c == k:
@@ -336,8 +338,9 @@ def prepare(
         return None
     if collective == "reduce_scatter" and count % n:
         return None
-    views = G.views(L.dtype, count)
-    mine = (views[0][r], views[1][r])
+    views = G.views(L.dtype, count)  # views[s % K][j]: rank j's slot for step s
+    K = G.slots
+    mine = tuple(v[r] for v in views)
     others = tuple(_others(n, r))
     dl, bo, f = L.deadline, backoff, L.reduce
     claim, post, wait, done = G.claim, G.post, G.wait, G.done
@@ -351,10 +354,10 @@ def prepare(
             dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             claim(s, dl, bo)
-            mine[s & 1][...] = x
+            mine[s % K][...] = x
             post(s)
             if reader:
-                v = views[s & 1]
+                v = views[s % K]
                 wait(others, s, dl, bo)
                 f(v[0], v[1], out=out)
                 for j in rest:
@@ -371,9 +374,9 @@ def prepare(
             dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             claim(s, dl, bo)
-            mine[s & 1][...] = x
+            mine[s % K][...] = x
             post(s)
-            v = views[s & 1]
+            v = views[s % K]
             wait(others, s, dl, bo)
             for j, lo, hi in blocks:
                 out[lo:hi] = v[j]
@@ -383,7 +386,7 @@ def prepare(
 
     if collective == "broadcast":
         src = (root,)
-        theirs = (views[0][root], views[1][root])
+        theirs = tuple(v[root] for v in views)
 
         if r == root:
 
@@ -391,7 +394,7 @@ def prepare(
                 dl.at = monotonic() + timeout
                 s = G.seq = G.seq + 1
                 claim(s, dl, bo)
-                mine[s & 1][...] = buf
+                mine[s % K][...] = buf
                 post(s)
 
             return run_root
@@ -400,7 +403,7 @@ def prepare(
             dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             wait(src, s, dl, bo)
-            buf[...] = theirs[s & 1]
+            buf[...] = theirs[s % K]
             done(s)
 
         return run_leaf
@@ -409,15 +412,15 @@ def prepare(
         assert f is not None
         k = count // n
         blk = slice(r * k, (r + 1) * k)
-        parts = tuple(tuple(views[p][j][blk] for j in range(n)) for p in (0, 1))
+        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
 
         def run_reduce_scatter(x: Any, out: Any) -> None:
             dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             claim(s, dl, bo)
-            mine[s & 1][...] = x
+            mine[s % K][...] = x
             post(s)
-            v = parts[s & 1]
+            v = parts[s % K]
             wait(others, s, dl, bo)
             f(v[0], v[1], out=out)
             for j in range(2, n):

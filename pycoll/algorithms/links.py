@@ -29,18 +29,20 @@ class Group(Protocol):
 
     Every rank counts the same steps (``seq``); for each it writes its slot or
     posts ranges of its own memory, publishes the step, and says when it is done
-    reading the others'.  A step's slot is rewritten two steps later, once every
-    peer is done with it.
+    reading the others'.  Each rank has ``slots`` (K) slots and step ``s`` uses
+    slot ``s % K`` (and posted range ``s % K``): it is rewritten K steps later, once
+    every peer is done with it.
     """
 
     rank: int
     size: int
     slot_bytes: int
+    slots: int  # slots per rank (K); step s uses slot s % K
     cma: bool  # whether posted ranges may be read (else everything goes by slots)
     seq: int  # the last step this rank used
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
-        """``views[seq % 2][j]``: rank j's slot as ``count`` elements of ``dtype``."""
+        """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
         ...
 
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
