@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import zlib
 from _thread import get_ident
 from collections.abc import Callable
@@ -886,6 +887,13 @@ class Communicator:
             raise exc
         self._failed = exc
         self._plans.clear()
+        # The finished frames below us may hold views of shared segments (a slot
+        # the collective was reading); the error outlives them in the Request, in
+        # _failed and in the caller's hands, so drop their locals (the traceback's
+        # lines stay), or abort()/close() could not unmap those segments.
+        for e in (exc, exc.__cause__):
+            if e is not None:
+                traceback.clear_frames(e.__traceback__)
         if isinstance(exc, PycollError):
             exc.recorder = tuple(self.recent())
             if isinstance(exc, CollectiveTimeout):

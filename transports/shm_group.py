@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 TRANSPORT = "shm"
 #: Default bytes of one slot; PYCOLL_GROUP_SLOT_BYTES sets it.
-SLOT_BYTES = 64 << 10
+SLOT_BYTES = 256 << 10
 #: Slots per rank (K): a rank may run this many steps ahead of the slowest peer.
 SLOTS = 8
 _MAX_SLOTS = 64
