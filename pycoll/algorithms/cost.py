@@ -34,9 +34,10 @@ DIRECT_STEP = 0.25
 #: Up to this many bytes a direct algorithm goes through the group's slots (one step);
 #: above it, by address (two or three steps).  The group's default slot size.
 DIRECT_SLOT_BYTES = 256 << 10
-#: By address, allgather's readers all copy out of every peer at once; measured
-#: (2-core machine, n = 2..4, 8-32 MiB outputs) its bytes cost about this many
-#: times the ring's pipelined copies, so the ring wins for large outputs.
+#: By address, allgather's readers all copy out of every peer at once; from blocks
+#: of this size up (2-core machine, n = 2..4) the ring's pipelined copies won by
+#: 1.2-1.6x, below it direct did: its bytes then count DIRECT_ALLGATHER_BYTES times.
+DIRECT_ALLGATHER_BIG = 8 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
 
 
@@ -115,7 +116,8 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
     if collective == "allgather":  # nbytes: one rank's block
         if small:
             return a + n * nbytes * k.beta
-        return 2 * a + DIRECT_ALLGATHER_BYTES * (n - 1) * nbytes * k.beta
+        w = DIRECT_ALLGATHER_BYTES if nbytes >= DIRECT_ALLGATHER_BIG else 1.0
+        return 2 * a + w * (n - 1) * nbytes * k.beta
     if collective == "broadcast":
         return (1 if small else 2) * a + (2 if small else 1) * nbytes * k.beta
     if collective == "reduce_scatter":  # nbytes: one rank's whole input
