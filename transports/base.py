@@ -171,6 +171,23 @@ class Request(abc.ABC):
         wait_all((self,), Deadline.after(timeout))
 
 
+class QueuedRequest(Request):
+    """A send or receive that its connection completes from a queue: testing it
+    runs ``advance`` (that queue's progress) and then reads ``_done``."""
+
+    def __init__(self, conn: Connection, advance: Callable[[], None]) -> None:
+        self.conn = conn
+        self.peer = conn.peer
+        self._advance = advance
+
+    def _progress(self) -> bool:
+        self._advance()
+        return self._done
+
+    def check_peer(self) -> None:
+        self.conn.check_peer()
+
+
 class DoneRequest(Request):
     """A request that completed when it was posted (zero bytes, or a self-send)."""
 

@@ -61,6 +61,7 @@ from transports.base import (
     DeviceSpan,
     DoneRequest,
     PeerClosedError,
+    QueuedRequest,
     Request,
     Sink,
     Transport,
@@ -881,37 +882,21 @@ class _on_device:
             self._rt.setDevice(self._old)
 
 
-class _IpcSend(Request):
+class _IpcSend(QueuedRequest):
     def __init__(self, conn: CudaIpcConnection, span: DeviceSpan) -> None:
-        self.conn = conn
-        self.peer = conn.peer
+        super().__init__(conn, conn._progress_sends)
         self.span = span
         self.issued = 0
         self.published = 0
 
-    def _progress(self) -> bool:
-        self.conn._progress_sends()
-        return self._done
 
-    def check_peer(self) -> None:
-        self.conn.check_peer()
-
-
-class _IpcRecv(Request):
+class _IpcRecv(QueuedRequest):
     def __init__(self, conn: CudaIpcConnection, nbytes: int, sink: DeviceSink) -> None:
-        self.conn = conn
-        self.peer = conn.peer
+        super().__init__(conn, conn._progress_recvs)
         self.nbytes = nbytes
         self.sink: Callable[[int, DeviceSpan], None] = sink
         self.handed = 0
         self.done_bytes = 0
-
-    def _progress(self) -> bool:
-        self.conn._progress_recvs()
-        return self._done
-
-    def check_peer(self) -> None:
-        self.conn.check_peer()
 
 
 assert PIECE_ALIGN <= 4096

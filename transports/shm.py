@@ -48,6 +48,7 @@ from transports.base import (
     Deadline,
     DoneRequest,
     PeerClosedError,
+    QueuedRequest,
     Request,
     Sink,
     Transport,
@@ -544,10 +545,9 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
-class _ShmSend(Request):
+class _ShmSend(QueuedRequest):
     def __init__(self, conn: ShmConnection, src: Any) -> None:
-        self.conn = conn
-        self.peer = conn.peer
+        super().__init__(conn, conn._progress_sends)
         self.src = src
         # where the bytes sit (page offset of slot copies, direct-read descriptors);
         # small messages skip the lookup, which costs as much as their copy
@@ -555,29 +555,14 @@ class _ShmSend(Request):
         self.off = 0
         self.need_tail = 0
 
-    def _progress(self) -> bool:
-        self.conn._progress_sends()
-        return self._done
 
-    def check_peer(self) -> None:
-        self.conn.check_peer()
-
-
-class _ShmRecv(Request):
+class _ShmRecv(QueuedRequest):
     def __init__(self, conn: ShmConnection, nbytes: int, sink: Sink, dest: Any = None) -> None:
-        self.conn = conn
-        self.peer = conn.peer
+        super().__init__(conn, conn._progress_recvs)
         self.nbytes = nbytes
         self.sink = sink
         self.dest = dest
         self.off = 0
-
-    def _progress(self) -> bool:
-        self.conn._progress_recvs()
-        return self._done
-
-    def check_peer(self) -> None:
-        self.conn.check_peer()
 
 
 assert PIECE_ALIGN <= _PAGE
