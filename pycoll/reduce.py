@@ -94,6 +94,15 @@ def ufunc(op: ReduceOp) -> Callable[..., Any]:
     return _UFUNC[op]
 
 
+def reduce_rows(f: Callable[..., Any], rows: Any, out: Any) -> None:
+    """``out = ((rows[0] OP rows[1]) OP rows[2]) ...``: the contributions in rank
+    order, the same operands in the same order on every rank (so the same bits);
+    ``f(a, b, out=c)`` is the op's ufunc.  ``out`` may be ``rows[0]`` or ``rows[1]``."""
+    f(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        f(out, row, out=out)
+
+
 def finish_avg(out: Any, n: int) -> None:
     """Turn a sum into an average in place (every rank does the same operation)."""
     np.divide(out, out.dtype.type(n), out=out)

@@ -42,6 +42,7 @@ import numpy as np
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
+from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
 #: Peers' bytes are reduced in pieces of this size (they stay in cache).
@@ -73,6 +74,16 @@ def _step(G: Group) -> int:
 
 
 # ------------------------------------------------------------------ by slots
+def _rounds(G: Group, dtype: Any, total: int, per_round: int, width: int = 1) -> Any:
+    """The slot rounds of a message of ``total`` elements, ``per_round`` a round:
+    ``(lo, hi, s, views)`` with the step ``s`` taken and ``views[j]`` rank j's slot
+    for it, ``width * (hi - lo)`` elements long."""
+    for lo in range(0, total, per_round):
+        hi = min(lo + per_round, total)
+        s = _step(G)
+        yield lo, hi, s, G.views(dtype, width * (hi - lo))[s % G.slots]
+
+
 def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None:
     """``out = x0 OP x1 OP ...`` through the slots, on every rank (root None) or the root."""
     n, r = L.size, L.rank
@@ -80,21 +91,13 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
     assert f is not None
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
-    count = x.size
-    m = max(1, G.slot_bytes // x.itemsize)
-    for lo in range(0, count, m):
-        hi = min(lo + m, count)
-        s = _step(G)
-        v = G.views(x.dtype, hi - lo)[s % G.slots]
+    for lo, hi, s, v in _rounds(G, x.dtype, x.size, max(1, G.slot_bytes // x.itemsize)):
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
         if root is None or r == root:
             G.wait(others, s, dl, bo)
-            o = out[lo:hi]
-            f(v[0], v[1], out=o)
-            for j in range(2, n):
-                f(o, v[j], out=o)
+            reduce_rows(f, v, out[lo:hi])
         G.done(s)
 
 
@@ -103,11 +106,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = x.size
-    m = max(1, G.slot_bytes // x.itemsize)
-    for lo in range(0, k, m):
-        hi = min(lo + m, k)
-        s = _step(G)
-        v = G.views(x.dtype, hi - lo)[s % G.slots]
+    for lo, hi, s, v in _rounds(G, x.dtype, k, max(1, G.slot_bytes // x.itemsize)):
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
@@ -120,12 +119,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
 def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
     r = L.rank
     dl, bo = L.deadline, L.backoff
-    count = buf.size
-    m = max(1, G.slot_bytes // buf.itemsize)
-    for lo in range(0, count, m):
-        hi = min(lo + m, count)
-        s = _step(G)
-        v = G.views(buf.dtype, hi - lo)[s % G.slots]
+    for lo, hi, s, v in _rounds(G, buf.dtype, buf.size, max(1, G.slot_bytes // buf.itemsize)):
         if r == root:
             G.claim(s, dl, bo)
             v[r][...] = buf[lo:hi]
@@ -144,12 +138,8 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = out.size
-    m = max(1, G.slot_bytes // x.itemsize // n)
-    for lo in range(0, k, m):
-        hi = min(lo + m, k)
+    for lo, hi, s, v in _rounds(G, x.dtype, k, max(1, G.slot_bytes // x.itemsize // n), n):
         c = hi - lo
-        s = _step(G)
-        v = G.views(x.dtype, n * c)[s % G.slots]
         G.claim(s, dl, bo)
         mine = v[r]
         if c == k:
@@ -159,11 +149,8 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
                 mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
         G.post(s)
         G.wait(others, s, dl, bo)
-        o = out[lo:hi]
         blk = slice(r * c, (r + 1) * c)
-        f(v[0][blk], v[1][blk], out=o)
-        for j in range(2, n):
-            f(o, v[j][blk], out=o)
+        reduce_rows(f, [row[blk] for row in v], out[lo:hi])
         G.done(s)
 
 
@@ -347,7 +334,6 @@ def prepare(
 
     if collective in ("allreduce", "reduce"):
         assert f is not None
-        rest = tuple(range(2, n))
         reader = collective == "allreduce" or r == root
 
         def run_reduce(x: Any, out: Any) -> None:
@@ -357,11 +343,8 @@ def prepare(
             mine[s % K][...] = x
             post(s)
             if reader:
-                v = views[s % K]
                 wait(others, s, dl, bo)
-                f(v[0], v[1], out=out)
-                for j in rest:
-                    f(out, v[j], out=out)
+                reduce_rows(f, views[s % K], out)
             done(s)
 
         return run_reduce
@@ -420,11 +403,8 @@ def prepare(
             claim(s, dl, bo)
             mine[s % K][...] = x
             post(s)
-            v = parts[s % K]
             wait(others, s, dl, bo)
-            f(v[0], v[1], out=out)
-            for j in range(2, n):
-                f(out, v[j], out=out)
+            reduce_rows(f, parts[s % K], out)
             done(s)
 
         return run_reduce_scatter

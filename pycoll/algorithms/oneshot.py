@@ -16,6 +16,7 @@ import numpy as np
 
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
+from pycoll.reduce import reduce_rows
 
 #: Above this many bytes per rank the model never picks one-shot.
 MAX_BYTES = 64 << 10
@@ -38,9 +39,6 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
             L.send(p, src)
     L.wait(*[L.recv(p, rows[p]) for p in range(n) if p != r])
     rows[r] = src
-    f = L.reduce
-    assert f is not None
-    f(rows[0], rows[1], out=out)
-    for p in range(2, n):
-        f(out, rows[p], out=out)
+    assert L.reduce is not None
+    reduce_rows(L.reduce, rows, out)
     L.finish()

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from pycoll.gpu import reduce as dreduce
-from pycoll.reduce import ReduceOp
+from pycoll.reduce import ReduceOp, reduce_rows
 from transports.base import Connection, Deadline, DeviceSpan, UnshareableMemoryError
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -204,9 +204,7 @@ def _reduce_into(
     if aliased >= 2:  # the chain writes out before it reads that input
         inputs = list(inputs)
         inputs[aliased] = inputs[aliased].copy()
-    f(inputs[0], inputs[1], out=out)
-    for a in inputs[2:]:
-        f(out, a, out=out)
+    reduce_rows(f, inputs, out)
 
 
 def allreduce(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
