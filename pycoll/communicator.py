@@ -936,27 +936,16 @@ class Communicator:
                 return fast
         g = algorithms.get(what, algo)
         dl = L.deadline
+        # the algorithms' signatures: broadcast is in place (b is None), reduce has a root
+        args: Callable[[Any, Any], tuple[Any, ...]] = {
+            "broadcast": lambda a, b: (a, root),
+            "reduce": lambda a, b: (a, b, root),
+        }.get(what, lambda a, b: (a, b))
 
-        if what == "broadcast":
-
-            def step(a: Any, b: Any) -> None:  # b: None (broadcast is in place)
-                dl.at = monotonic() + timeout
-                L._backoff = bo  # an asynchronous call may have left another one
-                g(L, a, root)
-
-        elif what == "reduce":
-
-            def step(a: Any, b: Any) -> None:
-                dl.at = monotonic() + timeout
-                L._backoff = bo
-                g(L, a, b, root)
-
-        else:
-
-            def step(a: Any, b: Any) -> None:
-                dl.at = monotonic() + timeout
-                L._backoff = bo
-                g(L, a, b)
+        def step(a: Any, b: Any) -> None:
+            dl.at = monotonic() + timeout
+            L._backoff = bo  # an asynchronous call may have left another one
+            g(L, *args(a, b))
 
         return step
 

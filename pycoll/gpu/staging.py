@@ -99,6 +99,14 @@ class Pinned:
         self._lanes: dict[tuple[int, str], deque[Request]] = {}
         self.legs: LegStats | None = None
 
+    def copy(self, leg: str, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        """``cudaMemcpyAsync`` on ``stream``; timed into :attr:`legs` when that is set."""
+        legs = self.legs
+        t0 = legs.start(stream) if legs else 0
+        self._rt.memcpyAsync(dst, src, nbytes, kind, stream)
+        if legs:
+            legs.stop(leg, t0, nbytes, stream)
+
     def lane(self, conn: Connection, direction: str) -> deque[Request]:
         """The FIFO of staged requests posting on ``conn`` in ``direction`` ("s"/"r")."""
         return self._lanes.setdefault((id(conn), direction), deque())
@@ -174,11 +182,7 @@ class StagedSend(Request):
         while self._todo and len(self._flight) < _DEPTH:
             off, n = self._todo.popleft()
             buf = self._spare.pop() if self._spare else self._pool.get(self._piece)
-            legs = self._pool.legs
-            t0 = legs.start(self._stream) if legs else 0
-            rt.memcpyAsync(buf[1].ctypes.data, self._ptr + off, n, _D2H, self._stream)
-            if legs:
-                legs.stop("d2h", t0, n, self._stream)
+            self._pool.copy("d2h", buf[1].ctypes.data, self._ptr + off, n, _D2H, self._stream)
             ev = self._pool.event()
             rt.eventRecord(ev, self._stream)
             self._flight.append([off, n, buf, ev, None])
@@ -288,11 +292,7 @@ class StagedRecv(Request):
             if not req.test():
                 break
             if self._local is None:
-                legs = self._pool.legs
-                t0 = legs.start(sptr) if legs else 0
-                rt.memcpyAsync(self._optr + off, buf[1].ctypes.data, n, _H2D, sptr)
-                if legs:
-                    legs.stop("h2d", t0, n, sptr)
+                self._pool.copy("h2d", self._optr + off, buf[1].ctypes.data, n, _H2D, sptr)
             else:
                 self._reduce_piece(off, n, buf[1])
             ev = self._pool.event()
@@ -321,11 +321,7 @@ class StagedRecv(Request):
             self._turn = 0
         sc = self._scratch[self._turn][: n // isz]
         self._turn = (self._turn + 1) % _DEPTH
-        legs = self._pool.legs
-        t0 = legs.start(self._stream.ptr) if legs else 0
-        self._rt.memcpyAsync(int(sc.data.ptr), host.ctypes.data, n, _H2D, self._stream.ptr)
-        if legs:
-            legs.stop("h2d", t0, n, self._stream.ptr)
+        self._pool.copy("h2d", int(sc.data.ptr), host.ctypes.data, n, _H2D, self._stream.ptr)
         i, j = off // isz, (off + n) // isz
         assert self._reduce is not None
         with self._stream:
