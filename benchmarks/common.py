@@ -66,13 +66,9 @@ def parse_size(text: str | int) -> int:
     """``8``, ``64K``, ``256M``, ``1G`` (binary multiples) -> bytes."""
     if isinstance(text, int):
         return text
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    return int(float(t) * mult)
+    from pycoll.config import parse_bytes
+
+    return parse_bytes(text.strip().upper().removesuffix("B").removesuffix("I"))
 
 
 def fmt_size(n: int) -> str:

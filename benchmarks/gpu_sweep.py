@@ -35,17 +35,12 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import pycoll
+from pycoll.config import parse_bytes as parse_size
 
 W = MPI.COMM_WORLD
 RANK, N = W.Get_rank(), W.Get_size()
 BUS = {"allreduce": 2 * (N - 1) / N, "allgather": (N - 1) / N, "reduce_scatter": (N - 1) / N}
 BUS["broadcast"] = 1.0
-
-
-def parse_size(t: str) -> int:
-    t = t.upper().removesuffix("B")
-    m = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if m > 1 else t) * m)
 
 
 def ceilings(nbytes: int) -> dict[str, float]:

@@ -19,7 +19,8 @@ TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
+    """``8``, ``64K``, ``256M``, ``1G`` (binary multiples, optional ``B``) -> bytes."""
     t = text.strip().upper().removesuffix("B")
     mult = 1
     for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
@@ -140,7 +141,7 @@ class Config:
             kw["algo"] = parse_algo(v)
         if v := e.get("PYCOLL_CHUNK_BYTES", "").strip():
             try:
-                n = _parse_bytes(v)
+                n = parse_bytes(v)
             except ValueError:
                 raise bad("PYCOLL_CHUNK_BYTES", "not a size (e.g. 1M, 65536)") from None
             if n < 64:
@@ -175,7 +176,7 @@ class Config:
                 kw["device_transports"] = dnames
         if v := e.get("PYCOLL_DEVICE_CHUNK_BYTES", "").strip():
             try:
-                n = _parse_bytes(v)
+                n = parse_bytes(v)
             except ValueError:
                 raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "not a size (e.g. 4M)") from None
             if n < 64:
@@ -183,12 +184,12 @@ class Config:
             kw["device_chunk_bytes"] = n
         if v := e.get("PYCOLL_DEVICE_HOST_BYTES", "").strip():
             try:
-                kw["device_host_bytes"] = _parse_bytes(v)
+                kw["device_host_bytes"] = parse_bytes(v)
             except ValueError:
                 raise bad("PYCOLL_DEVICE_HOST_BYTES", "not a size (e.g. 1M, or 0)") from None
         if v := e.get("PYCOLL_GROUP_SLOT_BYTES", "").strip():
             try:
-                n = _parse_bytes(v)
+                n = parse_bytes(v)
             except ValueError:
                 raise bad(
                     "PYCOLL_GROUP_SLOT_BYTES", "not a size (e.g. 64K), or 0 for off"
