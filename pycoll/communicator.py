@@ -238,7 +238,9 @@ class Communicator:
         self._failed: BaseException | None = None
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
-        self._backoff = _waiting_policy(1 + sum(k == "shm" for k in self._wiring.kind.values()))
+        local = 1 + sum(k == "shm" for k in self._wiring.kind.values())
+        self._crowded = local > _cores()
+        self._backoff = _waiting_policy(self._crowded)
         # Asynchronous collectives run on a worker thread beside the caller's
         # computation: there a spinning waiter would take the core (and the GIL)
         # that the computation needs, so it naps almost at once instead.
@@ -756,6 +758,7 @@ class Communicator:
                 None if op is None else ufunc(op),
                 self._backoff,
                 self._group,
+                self._crowded,
             )
             self._links_cache[key] = L
         L.deadline.at = time.monotonic() + self.config.timeout  # a fresh deadline, no allocation
@@ -1195,19 +1198,24 @@ class Communicator:
             )
 
 
-def _waiting_policy(local_ranks: int) -> Backoff:
-    """How a blocking collective waits, given how many ranks share this host.
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _waiting_policy(crowded: bool) -> Backoff:
+    """How a blocking collective waits, given whether this host runs more ranks
+    than it has cores.
 
     With a core per rank, a short spin answers fastest.  With more ranks than
     cores, a spinning waiter holds the very core its peer needs: it yields at
     once, and keeps yielding (never sleeping: a nap lasts 50 us or more) for a
     few milliseconds before it naps.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    if local_ranks > cores:
+    if crowded:
         return Backoff(spins=0, yields=20000)
     return Backoff()
 

@@ -212,3 +212,47 @@ def test_async_calls_and_queued_blocking_ones_bypass_plans() -> None:
             np.testing.assert_array_equal(out, 2 * x)
 
         _on_all(comms, body)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_split_slot_allreduce_on_both_paths(n: int) -> None:
+    """From DIRECT_SPLIT_BYTES up, a slot allreduce at n >= 3 ranks on as many
+    cores splits the reduction; the plan (one call after another) and the slow path (async) give
+    the rank-order reduction, bit for bit, on every rank, whatever the size."""
+    from pycoll.algorithms.cost import DIRECT_SPLIT_BYTES
+
+    split = DIRECT_SPLIT_BYTES // 4
+    counts = [1, split - 1, split, split + 7, 50021]  # 50021 (prime) floats fill most of a slot
+    with communicators(n) as comms:
+
+        def body(c: pycoll.Communicator) -> list[np.ndarray]:
+            assert c._group is not None
+            c._crowded = False  # as with a core per rank (it never splits otherwise)
+            c._links_cache.clear()
+            got = []
+            for count in counts:
+                xs = [
+                    np.random.default_rng(100 * q + count).standard_normal(count) for q in range(n)
+                ]
+                xs = [a.astype(np.float32) for a in xs]
+                ref = xs[0] + xs[1]
+                for a in xs[2:]:
+                    ref = ref + a
+                x = xs[c.rank].copy()
+                for _ in range(2):  # the plan, then its replay
+                    out = np.full(count, np.nan, np.float32)
+                    c.allreduce(x, out, algorithm="direct")
+                    np.testing.assert_array_equal(out, ref)
+                slow = np.full(count, np.nan, np.float32)
+                c.allreduce(x, slow, algorithm="direct", async_op=True).wait(30)
+                np.testing.assert_array_equal(slow, ref)
+                y = x.copy()
+                c.allreduce(y, algorithm="direct")  # in place
+                np.testing.assert_array_equal(y, ref)
+                got.append(out)
+            return got
+
+        results = _on_all(comms, body)
+        for r in range(1, n):
+            for a, b in zip(results[0], results[r]):
+                assert a.tobytes() == b.tobytes()

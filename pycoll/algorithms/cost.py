@@ -39,6 +39,19 @@ DIRECT_SLOT_BYTES = 256 << 10
 #: 1.2-1.6x, below it direct did: its bytes then count DIRECT_ALLGATHER_BYTES times.
 DIRECT_ALLGATHER_BIG = 8 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
+#: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
+#: ranks outnumber cores: each rank reduces its segment of everyone's
+#: contribution and copies the others' finished segments (two steps, about 3 N
+#: bytes read a rank) instead of reducing everything (one step, n N read and
+#: (n - 1) N reduced).  With fewer cores than ranks the second step's wait costs
+#: more than the bytes saved (2-core machine, n = 3 and 4, 8-256 KiB: one step
+#: was 1.0-4x faster).
+DIRECT_SPLIT_BYTES = 32 << 10
+
+
+def split_allreduce(n: int, nbytes: int, crowded: bool) -> bool:
+    """Whether a slot allreduce of ``nbytes`` a round at ``n`` ranks splits the work."""
+    return n >= 3 and nbytes >= DIRECT_SPLIT_BYTES and not crowded
 
 
 def estimate(
@@ -106,7 +119,7 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
     a = DIRECT_STEP * k.alpha
     small = nbytes <= DIRECT_SLOT_BYTES
     if collective == "allreduce":
-        if small:
+        if small:  # one step (split, it is two steps and fewer bytes: no worse)
             return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
         return 3 * a + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
     if collective == "reduce":

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from pycoll.algorithms.cost import split_allreduce
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
@@ -91,7 +92,11 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
     assert f is not None
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
-    for lo, hi, s, v in _rounds(G, x.dtype, x.size, max(1, G.slot_bytes // x.itemsize)):
+    per_round = max(1, G.slot_bytes // x.itemsize)
+    if root is None and split_allreduce(n, min(x.size, per_round) * x.itemsize, L.crowded):
+        _slot_allreduce_split(L, G, x, out, per_round)
+        return
+    for lo, hi, s, v in _rounds(G, x.dtype, x.size, per_round):
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
@@ -99,6 +104,36 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
             G.wait(others, s, dl, bo)
             reduce_rows(f, v, out[lo:hi])
         G.done(s)
+
+
+def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) -> None:
+    """Allreduce through the slots in two steps a round: every rank posts its
+    contribution, reduces its own segment of everyone's, posts that, and copies
+    the others' finished segments (see :func:`split_allreduce`)."""
+    n, r = L.size, L.rank
+    f = L.reduce
+    assert f is not None
+    dl, bo = L.deadline, L.backoff
+    others = _others(n, r)
+    for lo, hi, s, v in _rounds(G, x.dtype, x.size, per_round):
+        b = segments(0, hi - lo, n)
+        G.claim(s, dl, bo)
+        v[r][...] = x[lo:hi]
+        G.post(s)
+        G.wait(others, s, dl, bo)
+        seg = slice(b[r], b[r + 1])
+        acc = out[lo + b[r] : lo + b[r + 1]]
+        reduce_rows(f, [row[seg] for row in v], acc)
+        G.done(s)
+        t = _step(G)
+        G.claim(t, dl, bo)
+        w = G.views(x.dtype, hi - lo)[t % G.slots]
+        w[r][seg] = acc
+        G.post(t)
+        G.wait(others, t, dl, bo)
+        for j in others:
+            out[lo + b[j] : lo + b[j + 1]] = w[j][b[j] : b[j + 1]]
+        G.done(t)
 
 
 def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
@@ -331,6 +366,38 @@ def prepare(
     others = tuple(_others(n, r))
     dl, bo, f = L.deadline, backoff, L.reduce
     claim, post, wait, done = G.claim, G.post, G.wait, G.done
+
+    if collective == "allreduce" and split_allreduce(n, count * L.dtype.itemsize, L.crowded):
+        assert f is not None
+        b = segments(0, count, n)
+        seg = slice(b[r], b[r + 1])
+        parts = tuple(tuple(row[seg] for row in v) for v in views)
+        outs = tuple(
+            (j, b[j], b[j + 1], tuple(v[j][b[j] : b[j + 1]] for v in views)) for j in others
+        )
+        lo_r, hi_r = b[r], b[r + 1]
+
+        def run_split(x: Any, out: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            claim(s, dl, bo)
+            mine[s % K][...] = x
+            post(s)
+            wait(others, s, dl, bo)
+            acc = out[lo_r:hi_r]
+            reduce_rows(f, parts[s % K], acc)
+            done(s)
+            t = G.seq = s + 1
+            claim(t, dl, bo)
+            mine[t % K][seg] = acc
+            post(t)
+            wait(others, t, dl, bo)
+            i = t % K
+            for _j, lo, hi, theirs in outs:
+                out[lo:hi] = theirs[i]
+            done(t)
+
+        return run_split
 
     if collective in ("allreduce", "reduce"):
         assert f is not None

@@ -90,6 +90,8 @@ class Links:
         backoff: how waits spin, yield and sleep.
         group: memory shared by all ranks (one host), or None; algorithms that
             need it (``direct``) are candidates only when it is there.
+        crowded: this host runs more ranks than it has cores (each waits its
+            turn for one), so an extra step costs more than it saves in bytes.
     """
 
     __slots__ = (
@@ -97,6 +99,7 @@ class Links:
         "_pending",
         "chunk_elems",
         "conns",
+        "crowded",
         "deadline",
         "dtype",
         "group",
@@ -116,6 +119,7 @@ class Links:
         reduce: Callable[..., Any] | None,
         backoff: Backoff,
         group: Group | None = None,
+        crowded: bool = False,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -127,6 +131,7 @@ class Links:
         self._pending: list[Request] = []
         self._backoff = backoff
         self.group = group
+        self.crowded = crowded
 
     @property
     def backoff(self) -> Backoff:
