@@ -87,6 +87,18 @@ def _is_torch(obj: object) -> bool:
     return type(obj).__module__.split(".", 1)[0] == "torch"
 
 
+def device_signature(obj: Any) -> tuple[Any, ...] | None:
+    """What must stay the same for a plan made on device array ``obj`` to apply
+    again (shape, strides, dtype and address), or None for arrays other than
+    CuPy's and torch's, which the fast path leaves alone."""
+    mod = type(obj).__module__.split(".", 1)[0]
+    if mod == "cupy":
+        return (obj.shape, obj.strides, obj.dtype, obj.data.ptr)
+    if mod == "torch":  # set_() and .data = can move a tensor's storage
+        return (obj.shape, obj.stride(), obj.dtype, obj.data_ptr())
+    return None
+
+
 def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> tuple[Any, np.dtype[Any] | None]:
     try:
         import cupy

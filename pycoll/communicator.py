@@ -22,7 +22,7 @@ from pycoll import algorithms
 from pycoll.algorithms import cost, direct
 from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
-from pycoll.buffers import Buffer, as_buffer
+from pycoll.buffers import Buffer, as_buffer, device_signature
 from pycoll.config import TRACE, Config, setup_logging
 from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
@@ -142,6 +142,10 @@ class _Plan:
     which depends on nothing else), and the data pointer of an array cannot
     change under the reference we hold.  Anything else takes the slow path,
     which raises the same errors as ever before any byte moves.
+
+    Device arrays (CuPy's and torch's) that ``auto`` sends through the host get
+    plans too: there the data pointer is part of what must not change, since a
+    torch tensor's storage can be swapped under the same object.
     """
 
     __slots__ = (
@@ -155,6 +159,7 @@ class _Plan:
         "ostrides",
         "root",
         "run",
+        "sig",
         "tid",
         "what",
         "x",
@@ -177,22 +182,25 @@ class _Plan:
         algo: str,
     ) -> None:
         self.what = what
-        self.x, self.xshape, self.xstrides, self.xdtype, self.xw = (
-            x,
-            x.shape,
-            x.strides,
-            x.dtype,
-            xw,
-        )
-        self.o = o
-        if o is not None:
-            self.oshape, self.ostrides, self.odtype = o.shape, o.strides, o.dtype
+        self.x, self.o = x, o
+        self.sig: tuple[Any, Any] | None = None
+        if not isinstance(x, np.ndarray):  # device arrays: signatures, not NumPy's attributes
+            self.sig = (device_signature(x), None if o is None else device_signature(o))
+        else:
+            self.xshape, self.xstrides, self.xdtype, self.xw = x.shape, x.strides, x.dtype, xw
+            if o is not None:
+                self.oshape, self.ostrides, self.odtype = o.shape, o.strides, o.dtype
         self.run = run
         self.tid = get_ident()  # the thread it is for: its waiting policy is that thread's
         self.count, self.dtype, self.op, self.root, self.algo = buf.count, buf.dtype, op, root, algo
 
     def fits(self, x: Any, o: Any) -> bool:
         """Whether the arrays still look as they did when the plan was made."""
+        sig = self.sig
+        if sig is not None:
+            return device_signature(x) == sig[0] and (
+                sig[1] is None or device_signature(o) == sig[1]
+            )
         if (
             x.shape != self.xshape
             or x.strides != self.xstrides
@@ -207,6 +215,10 @@ class _Plan:
             and o.dtype is self.odtype
             and o.flags.writeable
         )
+
+
+def _unwrapped(run: Callable[[], Any]) -> Callable[[], Any]:
+    return run
 
 
 class Communicator:
@@ -380,7 +392,7 @@ class Communicator:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
-        if self._plannable(async_op, stream, x, out):
+        if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), algorithm)
             return self._replay(self._plan_allgather(key, sendbuf, given, x, out, algo))
 
@@ -493,7 +505,7 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
             )
-        if self._plannable(async_op, stream, x, out):
+        if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), op, algorithm)
             return self._replay(self._plan_reduce_scatter(key, sendbuf, given, x, out, rop, algo))
 
@@ -906,18 +918,34 @@ class Communicator:
         raise exc
 
     # ------------------------------------------------------------------ fast path
-    def _plannable(self, async_op: bool, stream: Any, x: Buffer, out: Buffer | None) -> bool:
+    def _plannable(
+        self, async_op: bool, stream: Any, x: Buffer, out: Buffer | None, fresh: bool = False
+    ) -> bool:
         """Whether this call may become a plan (see :class:`_Plan`): a blocking call
-        on small host arrays with nothing queued."""
-        return (
-            not async_op
-            and stream is None
-            and not x.is_device
-            and x.nbytes <= PLAN_MAX_BYTES
-            and (out is None or out.nbytes <= PLAN_MAX_BYTES)
-            and not self.config.check
-            and not self._inflight
-        )
+        on small host arrays with nothing queued, or on CuPy or torch device arrays
+        that go through the host (their size is bounded by that choice) into an
+        output the caller gave (``fresh``: pycoll would allocate it)."""
+        if async_op or stream is not None or self.config.check or self._inflight:
+            return False
+        if x.is_device:
+            return (
+                not fresh
+                and self._gpu is not None
+                and device_signature(x.obj) is not None
+                and (out is None or device_signature(out.obj) is not None)
+            )
+        return x.nbytes <= PLAN_MAX_BYTES and (out is None or out.nbytes <= PLAN_MAX_BYTES)
+
+    def _host_side(
+        self, x: Buffer, out: Buffer | None, copy_in: bool = True, copy_out: bool = True
+    ) -> tuple[Buffer, Buffer | None, Callable[[Callable[[], Any]], Callable[[], Any]]]:
+        """The host buffers a plan runs on, and the wrapper of its ``run``: the
+        arrays themselves and no wrapper for host arrays; for device arrays the
+        pinned mirrors and the copies around ``run`` (:meth:`GpuContext.planned`)."""
+        if not x.is_device:
+            return x, out, _unwrapped
+        assert self._gpu is not None
+        return self._gpu.planned(x, out, copy_in, copy_out)
 
     def _keep(self, key: tuple[Any, ...], p: _Plan) -> _Plan:
         plans = self._plans
@@ -962,7 +990,9 @@ class Communicator:
         rop: ReduceOp,
         algo: str,
     ) -> _Plan:
-        n, xa, oa, res = self.size, x.flat, out.flat, out.obj
+        x, ho, wrap = self._host_side(x, out)
+        assert ho is not None
+        n, xa, oa, res = self.size, x.flat, ho.flat, ho.obj
         avg = rop is ReduceOp.AVG
         if n == 1:
             copy = oa is not xa
@@ -984,12 +1014,14 @@ class Communicator:
                 return res
 
         return self._keep(
-            key, _Plan("allreduce", sendbuf, recvbuf is None, recvbuf, run, x, rop, 0, algo)
+            key, _Plan("allreduce", sendbuf, recvbuf is None, recvbuf, wrap(run), x, rop, 0, algo)
         )
 
     def _plan_allgather(
         self, key: tuple[Any, ...], sendbuf: Any, recvbuf: Any, x: Buffer, out: Buffer, algo: str
     ) -> _Plan:
+        x, ho, wrap = self._host_side(x, out)
+        assert ho is not None
         n, r, k, xa = self.size, self.rank, x.count, x.flat
         step = self._step("allgather", algo, x.dtype, None, k, 0) if n > 1 and k else None
         if recvbuf is None:
@@ -1004,7 +1036,7 @@ class Communicator:
                 return o
 
         else:
-            oa, res = out.flat, out.obj
+            oa, res = ho.flat, ho.obj
             mine = oa[r * k : (r + 1) * k]
             copy = not _same(mine, xa)
 
@@ -1015,11 +1047,13 @@ class Communicator:
                     step(xa, oa)
                 return res
 
-        return self._keep(key, _Plan("allgather", sendbuf, False, recvbuf, run, x, None, 0, algo))
+        p = _Plan("allgather", sendbuf, False, recvbuf, wrap(run), x, None, 0, algo)
+        return self._keep(key, p)
 
     def _plan_broadcast(
         self, key: tuple[Any, ...], buf: Any, b: Buffer, root: int, algo: str
     ) -> _Plan:
+        b, _, wrap = self._host_side(b, b, self.rank == root, self.rank != root)
         ba, res = b.flat, b.obj
         if self.size > 1 and b.count:
             step = self._step("broadcast", algo, b.dtype, None, b.count, root)
@@ -1034,7 +1068,7 @@ class Communicator:
                 return res
 
         w = self.rank != root
-        return self._keep(key, _Plan("broadcast", buf, w, None, run, b, None, root, algo))
+        return self._keep(key, _Plan("broadcast", buf, w, None, wrap(run), b, None, root, algo))
 
     def _plan_reduce_scatter(
         self,
@@ -1046,7 +1080,9 @@ class Communicator:
         rop: ReduceOp,
         algo: str,
     ) -> _Plan:
-        n, xa, k = self.size, x.flat, out.count
+        x, ho, wrap = self._host_side(x, out)
+        assert ho is not None
+        n, xa, k = self.size, x.flat, ho.count
         avg = rop is ReduceOp.AVG
         step = self._step("reduce_scatter", algo, x.dtype, rop, x.count, 0) if n > 1 else None
 
@@ -1067,14 +1103,14 @@ class Communicator:
                 return o
 
         else:
-            oa, res = out.flat, out.obj
+            oa, res = ho.flat, ho.obj
 
             def run() -> Any:
                 body(oa)
                 return res
 
         return self._keep(
-            key, _Plan("reduce_scatter", sendbuf, False, recvbuf, run, x, rop, 0, algo)
+            key, _Plan("reduce_scatter", sendbuf, False, recvbuf, wrap(run), x, rop, 0, algo)
         )
 
     def _plan_reduce(
@@ -1088,6 +1124,7 @@ class Communicator:
         root: int,
         algo: str,
     ) -> _Plan:
+        x, out, wrap = self._host_side(x, out)
         n, xa = self.size, x.flat
         is_root = self.rank == root
         oa = out.flat if out is not None else np.empty_like(xa)  # scratch off the root
@@ -1121,7 +1158,7 @@ class Communicator:
 
         o = recvbuf if is_root else None
         w = is_root and recvbuf is None
-        return self._keep(key, _Plan("reduce", sendbuf, w, o, run, x, rop, root, algo))
+        return self._keep(key, _Plan("reduce", sendbuf, w, o, wrap(run), x, rop, root, algo))
 
     def _explain_timeout(self, exc: CollectiveTimeout) -> None:
         """Ask the live ranks where they are (pycoll.diagnose) and say it in ``exc``."""

@@ -18,7 +18,9 @@ Stream semantics (as NCCL's, with one honest difference):
   all bytes have moved; only the last local step (the division of ``avg``, a
   final local reduction) may still be queued, and the stream waits for it.
 * Small messages that ``auto`` sends through the host (:meth:`GpuContext.through_host`)
-  block until the result is copied back.
+  block until the input is copied out and the host collective is done; the copy
+  back is queued on the stream (work queued after it sees the result), and the
+  next such call waits for it only if it could not be ordered after it anyway.
 * With ``async_op=True`` the collective runs on pycoll's thread; its output is
   ready for the host and for work queued on the stream once ``Request.wait()``
   has returned (work queued before that is not ordered after it).
@@ -88,6 +90,9 @@ class GpuContext:
         self.shared_device = False
         self._scratch: Scratch | None = None
         self._mirrors: dict[int, tuple[Any, np.ndarray]] = {}  # pinned copies, small messages
+        # the last copy back out of the mirrors: (stream, event recorded after it)
+        self._back: tuple[int, Any] | None = None
+        self._back_event: Any = None
 
     def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
         """How device bytes reach ``peer``: "cuda_ipc", "rdma:gdr", ... or "staged:shm"."""
@@ -167,25 +172,110 @@ class GpuContext:
                 self.through_host(body, x, out, stream, copy_in, copy_out, rank)
             return
         user = resolve_stream(stream, x.obj, self.device, rank, "collective")
-        hptr, hx = self._mirror(0, x.nbytes)
-        if out is None:
-            optr, ho = 0, None
-        elif out.same_memory(x):
-            optr, ho = hptr, hx
-        else:
-            optr, ho = self._mirror(1, out.nbytes)
-        if copy_in and x.nbytes:
+        hptr, hv, optr, ov = self._host_views(x, out)
+        copy_in = copy_in and x.nbytes > 0
+        self._settle(user, copy_in)
+        if copy_in:
             rt.memcpyAsync(hptr, data_ptr(x.flat), x.nbytes, _D2H, user)
             rt.streamSynchronize(user)
-        dt = x.dtype  # the logical dtype: bfloat16 on the host too
-        hv = hx[: x.nbytes].view(dt)
-        if ho is None or out is None:
-            body(hv, None)
-        else:
-            body(hv, hv if ho is hx else ho[: out.nbytes].view(dt))
+        body(hv, ov)
         if out is not None and copy_out and out.nbytes:
             rt.memcpyAsync(data_ptr(out.flat), optr, out.nbytes, _H2D, user)
-            rt.streamSynchronize(user)  # the pinned buffer is reused after this
+            self._queued_back(user)
+
+    def _settle(self, stream: int, waits_on_it: bool) -> None:
+        """Before the host touches the mirrors again: the last copy back out of
+        them must be over.  A copy in on the same stream that the host waits for
+        (``waits_on_it``) comes after it, so then there is nothing to wait for."""
+        back = self._back
+        if back is not None:
+            if not (waits_on_it and back[0] == stream):
+                self._rt().eventSynchronize(back[1])
+            self._back = None
+
+    def _queued_back(self, stream: int) -> None:
+        """A copy back out of the mirrors was queued on ``stream``: remember it."""
+        rt = self._rt()
+        if self._back_event is None:
+            self._back_event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
+        rt.eventRecord(self._back_event, stream)
+        self._back = (stream, self._back_event)
+
+    def planned(
+        self, x: Buffer, out: Buffer | None, copy_in: bool, copy_out: bool
+    ) -> tuple[Buffer, Buffer | None, Callable[[Callable[[], Any]], Callable[[], Any]]]:
+        """:meth:`through_host` for the communicator's fast path (its plans).
+
+        Returns host Buffers over the pinned mirrors of ``x`` and ``out`` (their
+        ``obj`` stays the caller's device array), and ``wrap(run)``: a function
+        that, called on the caller's current stream (CuPy's or torch's, looked up
+        each call), copies ``x`` in, calls ``run()`` (the host collective on those
+        mirrors), queues the copy of ``out`` back on that stream, and returns
+        what ``run`` returned.
+        """
+        import cupy
+
+        rt = cupy.cuda.runtime
+        hptr, hv, optr, ov = self._host_views(x, out)
+        hx = Buffer(x.obj, hv, -1)
+        ho = None if out is None else hx if ov is hv else Buffer(out.obj, ov, -1)
+        dev, xn, xp = self.device, x.nbytes if copy_in else 0, data_ptr(x.flat)
+        on = out.nbytes if out is not None and copy_out else 0
+        op_ = data_ptr(out.flat) if out is not None else 0
+        if type(x.obj).__module__.split(".", 1)[0] == "torch":
+            import torch
+
+            def current() -> int:
+                return int(torch.cuda.current_stream(dev).cuda_stream)
+
+        else:
+            get = cupy.cuda.get_current_stream
+
+            def current() -> int:
+                return int(get().ptr)
+
+        get_device, copy, sync = rt.getDevice, rt.memcpyAsync, rt.streamSynchronize
+        settle, queued_back = self._settle, self._queued_back
+
+        def wrap(run: Callable[[], Any]) -> Callable[[], Any]:
+            def device_run() -> Any:
+                if get_device() != dev:
+                    with cupy.cuda.Device(dev):
+                        return device_run()
+                s = current()
+                if self._back is not None:
+                    settle(s, xn > 0)
+                if xn:
+                    copy(hptr, xp, xn, _D2H, s)
+                    sync(s)
+                res = run()
+                if on:
+                    copy(op_, optr, on, _H2D, s)
+                    queued_back(s)
+                return res
+
+            return device_run
+
+        return hx, ho, wrap
+
+    def _host_views(
+        self, x: Buffer, out: Buffer | None
+    ) -> tuple[int, np.ndarray, int, np.ndarray | None]:
+        """Pinned mirrors of ``x`` and ``out`` as typed host arrays, with their
+        addresses: ``(x_ptr, x_view, out_ptr, out_view)``.  When ``out`` starts
+        where ``x`` does (in place, or block 0 of an in-place allgather) both are
+        views of one mirror, large enough for the larger."""
+        dt = x.dtype  # the logical dtype: bfloat16 on the host too
+        if out is not None and out.same_memory(x):
+            hptr, h = self._mirror(0, max(x.nbytes, out.nbytes))
+            hv = h[: x.nbytes].view(dt)
+            return hptr, hv, hptr, hv if out is x else h[: out.nbytes].view(out.dtype)
+        hptr, h = self._mirror(0, x.nbytes)
+        hv = h[: x.nbytes].view(dt)
+        if out is None:
+            return hptr, hv, 0, None
+        optr, o = self._mirror(1, out.nbytes)
+        return hptr, hv, optr, o[: out.nbytes].view(out.dtype)
 
     def _mirror(self, slot: int, nbytes: int) -> tuple[int, np.ndarray]:
         """Pinned host memory of at least ``nbytes`` (kept; grown by powers of two)."""
@@ -211,6 +301,11 @@ class GpuContext:
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
+        if self._back is not None:  # the mirrors are freed below
+            self._settle(0, False)
+        if self._back_event is not None:
+            self._rt().eventDestroy(self._back_event)
+            self._back_event = None
         self._mirrors.clear()
         self.dconns = {}
         if self._pool is not None:

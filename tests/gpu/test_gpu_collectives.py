@@ -306,6 +306,74 @@ def test_auto_small_messages_through_the_host(comm, dtype):
     assert np.array_equal(to_host(b, dtype).view(np.uint8), xs[0].view(np.uint8))
 
 
+def test_fast_path_through_the_host(comm):
+    """Repeated calls on the same device arrays replay a plan: fresh data each
+    time, a new current stream each time (the copies must follow it), every
+    collective; a torch tensor whose storage is swapped takes the slow path."""
+    count = 4099
+    f32 = np.dtype(np.float32)
+    k = count // SIZE
+    x, out, red = cp.empty(count, cp.float32), empty_dev(count, f32), empty_dev(count, f32)
+    xr, rs = cp.empty(k * SIZE, cp.float32), empty_dev(k, f32)
+    ag, b = empty_dev(SIZE * count, f32), cp.empty(count, cp.float32)
+    plans = None
+    for rep in range(4):
+        xs = [data(r + 10 * rep, count, f32, "sum") for r in range(SIZE)]
+        s = cp.cuda.Stream(non_blocking=True)
+        _spin_fill(x, 0.0, s, ms=5.0)  # late writes on the new stream, then the data
+        with s:
+            x[...] = cp.asarray(xs[RANK])
+            xr[...] = x[: k * SIZE]
+            b[...] = x if RANK == 0 else cp.float32(-1)
+            comm.allreduce(x, out)
+            comm.reduce_scatter(xr, rs)
+            comm.allgather(x, ag)
+            comm.broadcast(b, root=0)
+            comm.reduce(x, red, root=SIZE - 1)
+            comm.allreduce(x)  # in place, last: the others read x
+            got = [a * 1 for a in (out, rs, ag, b, red, x)]  # queued after, on s
+        s.synchronize()
+        what = f"fast path rep {rep}"
+        ref = reference(xs, "sum")
+        assert_close(cp.asnumpy(got[0]), ref, f32, SIZE, what)
+        assert_close(cp.asnumpy(got[5]), ref, f32, SIZE, what + " in place")
+        rref = reference([a[: k * SIZE] for a in xs], "sum")[RANK * k : (RANK + 1) * k]
+        assert_close(cp.asnumpy(got[1]), rref, f32, SIZE, what + " reduce_scatter")
+        assert np.array_equal(cp.asnumpy(got[2]), np.concatenate(xs)), what + " allgather"
+        assert np.array_equal(cp.asnumpy(got[3]), xs[0]), what + " broadcast"
+        if RANK == SIZE - 1:
+            assert_close(cp.asnumpy(got[4]), ref, f32, SIZE, what + " reduce")
+        if rep == 1:
+            plans = dict(comm._plans)
+    if SIZE > 1:  # replayed: no plan was made after the second round
+        assert plans and dict(comm._plans) == plans
+    torch = _torch()
+    if torch is None:
+        return
+    t = to_dev(data(RANK, count, f32, "sum"), torch_too=True)
+    for rep in range(3):
+        xs = [data(r + 10 * rep, count, f32, "sum") for r in range(SIZE)]
+        if rep == 2:  # the same tensor object on new storage
+            t.set_(torch.from_numpy(xs[RANK].copy()).to(t.device))
+        else:
+            t.copy_(torch.from_numpy(xs[RANK]))
+        got = comm.allreduce(t)
+        assert got is t
+        assert_close(t.cpu().numpy(), reference(xs, "sum"), f32, SIZE, f"torch rep {rep}")
+
+
+def test_in_place_allgather_through_the_host(comm):
+    """sendbuf is this rank's block of recvbuf (rank 0: the same address)."""
+    k = 1021
+    f32 = np.dtype(np.float32)
+    xs = [data(r, k, f32, "sum") for r in range(SIZE)]
+    ag = empty_dev(SIZE * k, f32)
+    mine = ag[RANK * k : (RANK + 1) * k]
+    mine[...] = cp.asarray(xs[RANK])
+    comm.allgather(mine, ag)
+    assert np.array_equal(cp.asnumpy(ag), np.concatenate(xs))
+
+
 # ----------------------------------------------------------------------------- staging
 @pytest.mark.parametrize("which", ["comm_staged", "comm_tcp"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int64)], ids=str)
