@@ -32,15 +32,16 @@ def parse_bytes(text: str) -> int:
 
 #: Per collective, the input bytes per rank up to which device buffers go through
 #: the host by default: where the one-sided device path (a fixed cost of about
-#: 55-600 us on an H200 shared by 2-4 ranks) overtakes pinned copies plus the host
-#: collective, measured with ``benchmarks/gpu_sweep.py -b 32K -e 1M -f 2`` and
-#: ``PYCOLL_DEVICE_HOST_BYTES`` set to 0 and to 1M (benchmarks/RESULTS.md).
+#: 55-130 us at n = 2 and 4 ranks on an H200 they share, 160-430 us for allgather)
+#: overtakes pinned copies plus the host collective, measured with
+#: ``benchmarks/gpu_sweep.py -b 32K -e 1M -f 2`` and ``PYCOLL_DEVICE_HOST_BYTES``
+#: set to 0 and to 1M (benchmarks/RESULTS.md).
 DEVICE_HOST_BYTES = {
-    "allreduce": 64 << 10,
-    "broadcast": 128 << 10,
+    "allreduce": 128 << 10,
+    "broadcast": 256 << 10,
     "reduce": 128 << 10,
-    "reduce_scatter": 256 << 10,
-    "allgather": 512 << 10,
+    "reduce_scatter": 512 << 10,
+    "allgather": 256 << 10,
 }
 
 
