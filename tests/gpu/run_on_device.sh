@@ -2,12 +2,13 @@
 # GPU tests and the GPU sweep, in one call on a GPU machine (one GPU is enough:
 # ranks share it through CUDA IPC).  Results go to $OUT (default benchmarks/out/gpu).
 #
-#   tests/gpu/run_on_device.sh [all|smoke|test|sweep]
+#   tests/gpu/run_on_device.sh [all|smoke|test|sweep|copies]
 #
 # smoke: environment report and a 2-rank allreduce; test: every test in tests/gpu at
 # n = 1 (no launcher) and at n = 2, 3, 4 (the tests marked mpi, under mpiexec);
-# sweep: benchmarks/gpu_sweep.py at n = 2 and 4 plus a markdown table.
-# Knobs: PYTHON, MPIEXEC, SWEEP_ARGS, SWEEP_NS, TEST_NS.
+# sweep: benchmarks/gpu_sweep.py at n = 2 and 4 plus a markdown table, then copies:
+# benchmarks/gpu_copies.py (pinned copy latency with 1, 2, 4 processes on the GPU).
+# Knobs: PYTHON, MPIEXEC, SWEEP_ARGS, SWEEP_NS, TEST_NS, COPY_NS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -86,12 +87,19 @@ sweep() {
     "$PY" benchmarks/gpu_table.py "$OUT"/sweep_n*.json > "$OUT/gpu_sweep.md" 2>&1 || status=1
 }
 
+copies() {
+    for n in ${COPY_NS:-1 2 4}; do
+        run_n "$n" "$PY" benchmarks/gpu_copies.py -b 8 -e 256K -f 4 2>&1 | tee "$OUT/copies_n$n.txt" || status=1
+    done
+}
+
 case "$MODE" in
     smoke) env_report; smoke ;;
     test) env_report; smoke; tests ;;
-    sweep) env_report; sweep ;;
-    all) env_report; smoke; tests; sweep ;;
-    *) echo "usage: $0 [all|smoke|test|sweep]"; exit 2 ;;
+    sweep) env_report; sweep; copies ;;
+    copies) copies ;;
+    all) env_report; smoke; tests; sweep; copies ;;
+    *) echo "usage: $0 [all|smoke|test|sweep|copies]"; exit 2 ;;
 esac
 ls /dev/shm | grep '^pycoll-' && { echo "leftover /dev/shm segments"; status=1; }
 exit $status
