@@ -711,7 +711,9 @@ class Communicator:
         if name == "auto":
             name = self.config.algorithm_for(what) or "auto"
         if name == "auto":
-            return cost.choose(what, avail, self.size, nbytes, self.config.chunk_bytes)
+            return cost.choose(
+                what, avail, self.size, nbytes, self.config.chunk_bytes, self._crowded
+            )
         if name not in avail:
             if name in algorithms.names(what):
                 raise InvalidArgumentError(

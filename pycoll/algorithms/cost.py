@@ -34,11 +34,20 @@ DIRECT_STEP = 0.25
 #: Up to this many bytes a direct algorithm goes through the group's slots (one step);
 #: above it, by address (two or three steps).  The group's default slot size.
 DIRECT_SLOT_BYTES = 256 << 10
+#: Broadcast goes through the slots up to this many bytes (all of a rank's slots:
+#: 8 of DIRECT_SLOT_BYTES), so that the root copies in while the readers copy
+#: out, round after round; by address only the readers copy.  On the 2-core
+#: machine (n = 2..4, 1-2 MiB) the slots took 0.3-0.6 of the direct reads' time.
+DIRECT_BCAST_SLOTS_BYTES = 8 * DIRECT_SLOT_BYTES
 #: By address, allgather's readers all copy out of every peer at once; from blocks
 #: of this size up (2-core machine, n = 2..4) the ring's pipelined copies won by
 #: 1.2-1.6x, below it direct did: its bytes then count DIRECT_ALLGATHER_BYTES times.
 DIRECT_ALLGATHER_BIG = 8 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
+#: ... and from blocks of this size where ranks outnumber cores (2-core machine,
+#: n = 3 and 4: 2-2.8 MB blocks, the ring in 0.55-0.8 of direct's time; 1-1.4 MB
+#: blocks, direct in 0.6-0.75 of the ring's).
+DIRECT_ALLGATHER_BIG_CROWDED = 2 << 20
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N
@@ -55,9 +64,16 @@ def split_allreduce(n: int, nbytes: int, crowded: bool) -> bool:
 
 
 def estimate(
-    collective: str, algorithm: str, n: int, nbytes: int, chunk: int, k: Constants = DEFAULT
+    collective: str,
+    algorithm: str,
+    n: int,
+    nbytes: int,
+    chunk: int,
+    k: Constants = DEFAULT,
+    crowded: bool = False,
 ) -> float:
-    """Modelled seconds for one call; ``nbytes`` is the per-rank input size."""
+    """Modelled seconds for one call; ``nbytes`` is the per-rank input size;
+    ``crowded``: the host runs more ranks than it has cores."""
     if n <= 1:
         return 0.0
     lg = math.ceil(math.log2(n))
@@ -65,7 +81,7 @@ def estimate(
     chunks = max(1, math.ceil(nbytes / chunk))
     f = (n - 1) / n
     if algorithm == "direct":
-        return _direct(collective, n, nbytes, k)
+        return _direct(collective, n, nbytes, k, crowded)
     if collective == "allreduce":
         if algorithm == "oneshot":
             if nbytes > ONESHOT_MAX_BYTES:
@@ -108,7 +124,7 @@ def estimate(
     return math.inf
 
 
-def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
+def _direct(collective: str, n: int, nbytes: int, k: Constants, crowded: bool = False) -> float:
     """Direct algorithms (ranks on one host): every rank reads from every other.
 
     Through the slots: one step, the input copied in once, and each reader
@@ -129,10 +145,14 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
     if collective == "allgather":  # nbytes: one rank's block
         if small:
             return a + n * nbytes * k.beta
-        w = DIRECT_ALLGATHER_BYTES if nbytes >= DIRECT_ALLGATHER_BIG else 1.0
+        big = DIRECT_ALLGATHER_BIG_CROWDED if crowded else DIRECT_ALLGATHER_BIG
+        w = DIRECT_ALLGATHER_BYTES if nbytes >= big else 1.0
         return 2 * a + w * (n - 1) * nbytes * k.beta
     if collective == "broadcast":
-        return (1 if small else 2) * a + (2 if small else 1) * nbytes * k.beta
+        if nbytes <= DIRECT_BCAST_SLOTS_BYTES:  # rounds of a slot: copies in and out overlap
+            rounds = max(1, math.ceil(nbytes / DIRECT_SLOT_BYTES))
+            return a + (1 + 1 / rounds) * nbytes * k.beta
+        return 2 * a + nbytes * k.beta
     if collective == "reduce_scatter":  # nbytes: one rank's whole input
         if small:
             return a + nbytes * k.beta + f * nbytes * k.gamma
@@ -141,6 +161,13 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose(collective: str, candidates: tuple[str, ...], n: int, nbytes: int, chunk: int) -> str:
+def choose(
+    collective: str,
+    candidates: tuple[str, ...],
+    n: int,
+    nbytes: int,
+    chunk: int,
+    crowded: bool = False,
+) -> str:
     """The cheapest of ``candidates`` by the model (ties go to the first); cached."""
-    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk))
+    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk, crowded=crowded))
