@@ -44,10 +44,11 @@ DIRECT_BCAST_SLOTS_BYTES = 8 * DIRECT_SLOT_BYTES
 #: 1.2-1.6x, below it direct did: its bytes then count DIRECT_ALLGATHER_BYTES times.
 DIRECT_ALLGATHER_BIG = 8 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
-#: ... and from blocks of this size where ranks outnumber cores (2-core machine,
-#: n = 3 and 4: 2-2.8 MB blocks, the ring in 0.55-0.8 of direct's time; 1-1.4 MB
-#: blocks, direct in 0.6-0.75 of the ring's).
-DIRECT_ALLGATHER_BIG_CROWDED = 2 << 20
+#: ... and from blocks of this size where ranks outnumber cores.  On the 2-core
+#: machine the ring won at n = 3 with 2.8 MB blocks in three runs of four (0.55-0.9
+#: of direct's time; direct won the fourth by 1.3x), and direct at n = 4 with
+#: 2 MiB blocks in every sweep and at 1-1.4 MB blocks.
+DIRECT_ALLGATHER_BIG_CROWDED = 5 << 19
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N
