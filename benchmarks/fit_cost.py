@@ -70,12 +70,14 @@ def points(
             continue
         if transport and r["transport"] != transport:
             continue
+        # the model takes one rank's input: an allgather's block, not its whole output
+        size = r["size"] // r["nranks"] if r["collective"] == "allgather" else r["size"]
         key = (
             r["transport"],
             r["collective"],
             r["algorithm"],
             r["nranks"],
-            r["size"],
+            size,
             r["chunk_bytes"],
         )
         by[key].append(r.get(stat, r["time_us"]) * 1e-6)

@@ -216,6 +216,12 @@ class Buffers:
             dst.reshape(-1).set(host)
 
 
+def input_bytes(case: Case) -> int:
+    """Bytes of one rank's input (the size pycoll's ``auto`` decides by)."""
+    count = case.count if case.collective == "broadcast" else case.send_count
+    return count * case.dtype.itemsize
+
+
 def make_buffers(case: Case, xp: Any) -> Buffers:
     if case.collective == "broadcast":
         b = xp.empty(case.count, case.dtype)
@@ -788,7 +794,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for case in cases:
             bufs = make_buffers(case, xp)
             ref = expected(case, rank, n) if args.check else None
-            auto_choice = comm._algorithm(coll, "auto", case.size)
+            # what auto picks: by the bytes each rank passes in (an allgather's
+            # block, not nccl-tests' size, which is the whole output)
+            auto_choice = comm._algorithm(coll, "auto", input_bytes(case))
             per_sys: dict[str, list[dict[str, Any]]] = {}
             prepared: dict[str, Prepared | None] = {}
             for sysm in systems:
