@@ -250,9 +250,15 @@ class Communicator:
         self._failed: BaseException | None = None
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
-        local = 1 + sum(k == "shm" for k in self._wiring.kind.values())
-        self._crowded = local > _cores()
-        self._backoff = _waiting_policy(self._crowded)
+        # More ranks on this host than cores they may run on?  The waiting policy
+        # follows this host; the algorithms follow every rank's verdict (any), so
+        # that all ranks pick the same algorithm and the same steps.
+        mine = _cpus()
+        cpus = mpi_comm.allgather(sorted(mine))
+        shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
+        crowded_here = 1 + len(shm) > len(mine.union(*(cpus[p] for p in shm)))
+        self._crowded = any(mpi_comm.allgather(crowded_here))
+        self._backoff = _waiting_policy(crowded_here)
         # Asynchronous collectives run on a worker thread beside the caller's
         # computation: there a spinning waiter would take the core (and the GIL)
         # that the computation needs, so it naps almost at once instead.
@@ -1237,12 +1243,12 @@ class Communicator:
             )
 
 
-def _cores() -> int:
-    """The cores this process may run on."""
+def _cpus() -> set[int]:
+    """The CPUs this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
 def _waiting_policy(crowded: bool) -> Backoff:

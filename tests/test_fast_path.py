@@ -256,3 +256,31 @@ def test_split_slot_allreduce_on_both_paths(n: int) -> None:
         for r in range(1, n):
             for a, b in zip(results[0], results[r]):
                 assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("cpus", "crowded"),
+    [
+        ([{0}, {1}, {2}], False),  # a core each (mpirun --bind-to core)
+        ([{0, 1}, {0, 1}, {0, 1}], True),  # three ranks on two cores
+        ([{0, 1, 2}, {0}, {0}], False),  # together they may use three
+        ([{0}, {0}, {1}], True),
+    ],
+)
+def test_crowded_is_one_verdict_for_all_ranks(
+    monkeypatch: pytest.MonkeyPatch, cpus: list[set[int]], crowded: bool
+) -> None:
+    """Whether ranks outnumber the cores they may run on changes the algorithms'
+    steps, so every rank must reach the same verdict: the union of the host's
+    ranks' CPU sets against their number."""
+    import threading
+
+    import pycoll.communicator as cm
+
+    monkeypatch.setattr(cm, "_cpus", lambda: set(cpus[int(threading.current_thread().name[4:])]))
+    with communicators(3) as comms:
+        assert [c._crowded for c in comms] == [crowded] * 3
+        got = _on_all(comms, lambda c: c.allreduce(np.arange(4, dtype=np.float32)))
+        for c, out in zip(comms, got):
+            np.testing.assert_array_equal(out, 3 * np.arange(4, dtype=np.float32))
+            assert c._links_cache and all(L.crowded is crowded for L in c._links_cache.values())
