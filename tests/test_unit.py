@@ -243,14 +243,13 @@ def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
 
 def test_cost_model_on_a_crowded_host() -> None:
     """Ranks outnumbering cores: allgather leaves direct reads for the ring from
-    2.5 MiB blocks (8 MiB otherwise); broadcast stays direct (through the slots
-    up to all of them, then by address)."""
+    2.5 MiB blocks (8 MiB otherwise); broadcast stays direct."""
     ag, bc = names("allgather"), names("broadcast")
     for n in (3, 4):
         assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, True) == "direct"
         assert cost.choose("allgather", ag, n, 3 << 20, 1 << 20, True) == "ring"
         assert cost.choose("allgather", ag, n, 3 << 20, 1 << 20, False) == "direct"
-        for size in (8, 1 << 20, cost.DIRECT_BCAST_SLOTS_BYTES, 1 << 28):
+        for size in (8, cost.DIRECT_SLOT_BYTES, 2 << 20, 1 << 28):
             assert cost.choose("broadcast", bc, n, size, 1 << 20, True) == "direct"
 
 

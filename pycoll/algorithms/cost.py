@@ -34,11 +34,6 @@ DIRECT_STEP = 0.25
 #: Up to this many bytes a direct algorithm goes through the group's slots (one step);
 #: above it, by address (two or three steps).  The group's default slot size.
 DIRECT_SLOT_BYTES = 256 << 10
-#: Broadcast goes through the slots up to this many bytes (all of a rank's slots:
-#: 8 of DIRECT_SLOT_BYTES), so that the root copies in while the readers copy
-#: out, round after round; by address only the readers copy.  On the 2-core
-#: machine (n = 2..4, 1-2 MiB) the slots took 0.3-0.6 of the direct reads' time.
-DIRECT_BCAST_SLOTS_BYTES = 8 * DIRECT_SLOT_BYTES
 #: By address, allgather's readers all copy out of every peer at once; from blocks
 #: of this size up (2-core machine, n = 2..4) the ring's pipelined copies won by
 #: 1.2-1.6x, below it direct did: its bytes then count DIRECT_ALLGATHER_BYTES times.
@@ -150,10 +145,7 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, crowded: bool = 
         w = DIRECT_ALLGATHER_BYTES if nbytes >= big else 1.0
         return 2 * a + w * (n - 1) * nbytes * k.beta
     if collective == "broadcast":
-        if nbytes <= DIRECT_BCAST_SLOTS_BYTES:  # rounds of a slot: copies in and out overlap
-            rounds = max(1, math.ceil(nbytes / DIRECT_SLOT_BYTES))
-            return a + (1 + 1 / rounds) * nbytes * k.beta
-        return 2 * a + nbytes * k.beta
+        return (1 if small else 2) * a + (2 if small else 1) * nbytes * k.beta
     if collective == "reduce_scatter":  # nbytes: one rank's whole input
         if small:
             return a + nbytes * k.beta + f * nbytes * k.gamma
