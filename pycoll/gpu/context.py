@@ -90,8 +90,9 @@ class GpuContext:
         self.shared_device = False
         self._scratch: Scratch | None = None
         self._mirrors: dict[int, tuple[Any, np.ndarray]] = {}  # pinned copies, small messages
-        # the last copy back out of the mirrors: (stream, event recorded after it)
-        self._back: tuple[int, Any] | None = None
+        # the stream of the last copy back out of the mirrors, until it is known
+        # done; _back_event is recorded after it
+        self._back: int | None = None
         self._back_event: Any = None
 
     def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
@@ -160,8 +161,8 @@ class GpuContext:
         """Run the host ``body(hx, ho)`` on pinned copies of device buffers.
 
         The copies are ordered on the caller's stream (``stream=`` or the current
-        one); the host waits for the copy in, runs the host collective, and waits
-        for the copy out, so the call blocks like a host collective.  The pinned
+        one); the host waits for the copy in and runs the host collective; the
+        copy out is queued on that stream (see :meth:`_round_trip`).  The pinned
         buffers are kept per size (one collective runs at a time).
         """
         import cupy
@@ -173,33 +174,54 @@ class GpuContext:
             return
         user = resolve_stream(stream, x.obj, self.device, rank, "collective")
         hptr, hv, optr, ov = self._host_views(x, out)
-        copy_in = copy_in and x.nbytes > 0
-        self._settle(user, copy_in)
-        if copy_in:
-            rt.memcpyAsync(hptr, data_ptr(x.flat), x.nbytes, _D2H, user)
-            rt.streamSynchronize(user)
-        body(hv, ov)
-        if out is not None and copy_out and out.nbytes:
-            rt.memcpyAsync(data_ptr(out.flat), optr, out.nbytes, _H2D, user)
-            self._queued_back(user)
+        self._round_trip(
+            user,
+            hptr,
+            data_ptr(x.flat),
+            x.nbytes if copy_in else 0,
+            data_ptr(out.flat) if out is not None else 0,
+            optr,
+            out.nbytes if out is not None and copy_out else 0,
+            lambda: body(hv, ov),
+        )
 
-    def _settle(self, stream: int, waits_on_it: bool) -> None:
-        """Before the host touches the mirrors again: the last copy back out of
-        them must be over.  A copy in on the same stream that the host waits for
-        (``waits_on_it``) comes after it, so then there is nothing to wait for."""
+    def _round_trip(
+        self,
+        stream: int,
+        hptr: int,
+        src: int,
+        in_bytes: int,
+        dst: int,
+        optr: int,
+        out_bytes: int,
+        run: Callable[[], Any],
+    ) -> Any:
+        """Copy ``in_bytes`` from device ``src`` to the mirror at ``hptr`` and wait
+        for it, ``run()`` on the host, then queue the copy of ``out_bytes`` from
+        the mirror at ``optr`` back to ``dst``, all on ``stream``; returns what
+        ``run`` returned.
+
+        The mirrors are reused, so first the last copy back out of them must be
+        over: a copy in on the same stream, which the host waits for, comes after
+        it; otherwise the host waits for the event recorded after it.
+        """
+        rt = self._rt()
         back = self._back
         if back is not None:
-            if not (waits_on_it and back[0] == stream):
-                self._rt().eventSynchronize(back[1])
+            if not (in_bytes and back == stream):
+                rt.eventSynchronize(self._back_event)
             self._back = None
-
-    def _queued_back(self, stream: int) -> None:
-        """A copy back out of the mirrors was queued on ``stream``: remember it."""
-        rt = self._rt()
-        if self._back_event is None:
-            self._back_event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
-        rt.eventRecord(self._back_event, stream)
-        self._back = (stream, self._back_event)
+        if in_bytes:
+            rt.memcpyAsync(hptr, src, in_bytes, _D2H, stream)
+            rt.streamSynchronize(stream)
+        res = run()
+        if out_bytes:
+            rt.memcpyAsync(dst, optr, out_bytes, _H2D, stream)
+            if self._back_event is None:
+                self._back_event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
+            rt.eventRecord(self._back_event, stream)
+            self._back = stream
+        return res
 
     def planned(
         self, x: Buffer, out: Buffer | None, copy_in: bool, copy_out: bool
@@ -208,14 +230,12 @@ class GpuContext:
 
         Returns host Buffers over the pinned mirrors of ``x`` and ``out`` (their
         ``obj`` stays the caller's device array), and ``wrap(run)``: a function
-        that, called on the caller's current stream (CuPy's or torch's, looked up
-        each call), copies ``x`` in, calls ``run()`` (the host collective on those
-        mirrors), queues the copy of ``out`` back on that stream, and returns
-        what ``run`` returned.
+        that runs ``run()`` (the host collective on those mirrors) through
+        :meth:`_round_trip` on the caller's current stream (CuPy's or torch's,
+        looked up each call).
         """
         import cupy
 
-        rt = cupy.cuda.runtime
         hptr, hv, optr, ov = self._host_views(x, out)
         hx = Buffer(x.obj, hv, -1)
         ho = None if out is None else hx if ov is hv else Buffer(out.obj, ov, -1)
@@ -234,25 +254,14 @@ class GpuContext:
             def current() -> int:
                 return int(get().ptr)
 
-        get_device, copy, sync = rt.getDevice, rt.memcpyAsync, rt.streamSynchronize
-        settle, queued_back = self._settle, self._queued_back
+        get_device, round_trip = cupy.cuda.runtime.getDevice, self._round_trip
 
         def wrap(run: Callable[[], Any]) -> Callable[[], Any]:
             def device_run() -> Any:
                 if get_device() != dev:
                     with cupy.cuda.Device(dev):
                         return device_run()
-                s = current()
-                if self._back is not None:
-                    settle(s, xn > 0)
-                if xn:
-                    copy(hptr, xp, xn, _D2H, s)
-                    sync(s)
-                res = run()
-                if on:
-                    copy(op_, optr, on, _H2D, s)
-                    queued_back(s)
-                return res
+                return round_trip(current(), hptr, xp, xn, op_, optr, on, run)
 
             return device_run
 
@@ -302,7 +311,8 @@ class GpuContext:
             self._scratch.close()
             self._scratch = None
         if self._back is not None:  # the mirrors are freed below
-            self._settle(0, False)
+            self._rt().eventSynchronize(self._back_event)
+            self._back = None
         if self._back_event is not None:
             self._rt().eventDestroy(self._back_event)
             self._back_event = None
