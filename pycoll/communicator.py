@@ -250,15 +250,18 @@ class Communicator:
         self._failed: BaseException | None = None
         self._seq = 0
         self._recent: collections.deque[Record] = collections.deque(maxlen=32)
-        # More ranks on this host than cores they may run on?  The waiting policy
-        # follows this host; the algorithms follow every rank's verdict (any), so
-        # that all ranks pick the same algorithm and the same steps.
-        mine = _cpus()
-        cpus = mpi_comm.allgather(sorted(mine))
+        # More ranks on a host than cores they may run on?  The waiting policy
+        # follows this rank's host; the algorithms follow every rank's verdict
+        # (any), so that all ranks pick the same algorithm and the same steps.
         shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
-        crowded_here = 1 + len(shm) > len(mine.union(*(cpus[p] for p in shm)))
-        self._crowded = any(mpi_comm.allgather(crowded_here))
-        self._backoff = _waiting_policy(crowded_here)
+        seen = mpi_comm.allgather((sorted(_cpus()), shm))  # per rank: CPUs, shm peers
+
+        def crowded(r: int) -> bool:
+            cpus, peers = seen[r]
+            return 1 + len(peers) > len(set(cpus).union(*(seen[p][0] for p in peers)))
+
+        self._crowded = any(crowded(r) for r in range(self.size))
+        self._backoff = _waiting_policy(crowded(self.rank))
         # Asynchronous collectives run on a worker thread beside the caller's
         # computation: there a spinning waiter would take the core (and the GIL)
         # that the computation needs, so it naps almost at once instead.
