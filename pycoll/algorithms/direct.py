@@ -74,6 +74,14 @@ def _step(G: Group) -> int:
     return G.seq
 
 
+def _post_buffer(L: Links, G: Group, a: Any) -> int:
+    """Take the next step, claim it and post where ``a`` lies for the peers to read."""
+    s = _step(G)
+    G.claim(s, L.deadline, L.backoff)
+    G.post(s, _addr(a), a.nbytes)
+    return s
+
+
 # ------------------------------------------------------------------ by slots
 def _rounds(G: Group, dtype: Any, total: int, per_round: int, width: int = 1) -> Any:
     """The slot rounds of a message of ``total`` elements, ``per_round`` a round:
@@ -242,14 +250,10 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
     others = _others(n, r)
     isz = x.itemsize
     b = segments(0, x.size, n)
-    s = _step(G)
-    G.claim(s, dl, bo)
-    G.post(s, _addr(x), x.nbytes)
+    s = _post_buffer(L, G, x)
     G.wait(others, s, dl, bo)
     _reduce_range(L, G, s, x, b[r], b[r + 1], out[b[r] : b[r + 1]])
-    t = _step(G)
-    G.claim(t, dl, bo)
-    G.post(t, _addr(out), out.nbytes)
+    t = _post_buffer(L, G, out)
     for j in others:
         G.wait((j,), t, dl, bo)
         G.read(j, t, b[j] * isz, out[b[j] : b[j + 1]])
@@ -264,9 +268,7 @@ def allgather(L: Links, x: Any, out: Any) -> None:
         return
     dl, bo = L.deadline, L.backoff
     k = x.size
-    s = _step(G)
-    G.claim(s, dl, bo)
-    G.post(s, _addr(x), x.nbytes)
+    s = _post_buffer(L, G, x)
     for j in _others(L.size, L.rank):
         G.wait((j,), s, dl, bo)
         G.read(j, s, 0, out[j * k : (j + 1) * k])
@@ -285,12 +287,11 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
         _slot_broadcast(L, G, buf, root)
         return
     dl, bo = L.deadline, L.backoff
-    s = _step(G)
     if L.rank == root:
-        G.claim(s, dl, bo)
-        G.post(s, _addr(buf), buf.nbytes)
+        s = _post_buffer(L, G, buf)
         G.wait_done(_others(L.size, root), s, dl, bo)
     else:
+        s = _step(G)
         G.wait((root,), s, dl, bo)
         G.read(root, s, 0, buf)
         G.done(s)
@@ -303,11 +304,8 @@ def reduce_scatter(L: Links, x: Any, out: Any) -> None:
         _slot_reduce_scatter(L, G, x, out)
         return
     r, k = L.rank, out.size
-    dl, bo = L.deadline, L.backoff
-    s = _step(G)
-    G.claim(s, dl, bo)
-    G.post(s, _addr(x), x.nbytes)
-    G.wait(_others(L.size, r), s, dl, bo)
+    s = _post_buffer(L, G, x)
+    G.wait(_others(L.size, r), s, L.deadline, L.backoff)
     _reduce_range(L, G, s, x, r * k, (r + 1) * k, out)
     _finish(L, G, s)
 
@@ -322,15 +320,11 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     b = segments(0, x.size, n)
-    s = _step(G)
-    G.claim(s, dl, bo)
-    G.post(s, _addr(x), x.nbytes)
+    s = _post_buffer(L, G, x)
     G.wait(others, s, dl, bo)
     mine = out[b[r] : b[r + 1]] if r == root else np.empty(b[r + 1] - b[r], x.dtype)
     _reduce_range(L, G, s, x, b[r], b[r + 1], mine)
-    t = _step(G)
-    G.claim(t, dl, bo)
-    G.post(t, _addr(mine), mine.nbytes)
+    t = _post_buffer(L, G, mine)
     if r == root:
         for j in others:
             G.wait((j,), t, dl, bo)
