@@ -234,6 +234,19 @@ def _follow(W: Windows, leader: int, arrays: list[Any], written: tuple[bool, ...
     W.wait_released([leader])
 
 
+def _lead(W: Windows, x: Any, out: Any, in_place: bool = False) -> tuple[list, list] | None:
+    """On a shared GPU, rank 0 gets every rank's input and output, in rank order;
+    the other ranks expose theirs to it, wait until it is done, and get None."""
+    if W.rank != 0:
+        if in_place:
+            _follow(W, 0, [x], (True,))
+        else:
+            _follow(W, 0, [x, out], (False, True))
+        return None
+    views = {p: W.open(p, x.dtype) for p in W.peers}
+    return [x] + [views[p][0] for p in W.peers], [out] + [views[p][-1] for p in W.peers]
+
+
 def _allreduce_one_gpu(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
     """Every rank on one GPU: rank 0 reduces all inputs into all outputs.
 
@@ -242,16 +255,10 @@ def _allreduce_one_gpu(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -
     kernel in one context reads each input once and writes each output once.
     """
     in_place = int(x.data.ptr) == int(out.data.ptr)
-    if W.rank != 0:
-        if in_place:
-            _follow(W, 0, [x], (True,))
-        else:
-            _follow(W, 0, [x, out], (False, True))
+    both = _lead(W, x, out, in_place)
+    if both is None:
         return
-    peers = W.peers
-    views = {p: W.open(p, x.dtype) for p in peers}
-    inputs = [x] + [views[p][0] for p in peers]
-    outputs = [out] + [views[p][-1] for p in peers]
+    inputs, outputs = both
     fused = dreduce.nary(op, dtype, W.size, len(outputs))
     if fused is not None:
         fused(inputs, outputs)
@@ -259,20 +266,18 @@ def _allreduce_one_gpu(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -
         _reduce_into(W, op, dtype, inputs, out, 0 if in_place else -1)
         for o in outputs[1:]:
             W.copy(o, out)
-    W.release(peers)
+    W.release(W.peers)
 
 
 def allgather(W: Windows, x: Any, out: Any) -> None:
     k, r, peers = x.size, W.rank, W.peers
     if W.shared_device:  # rank 0 makes every copy (see _allreduce_one_gpu)
-        if r != 0:
-            # nothing of ours runs on the device: a kernel here would cost rank 0
-            # a time slice of the shared GPU before it could start
-            _follow(W, 0, [x, out], (False, True))
+        # a follower runs nothing on the device: a kernel there would cost rank 0
+        # a time slice of the shared GPU before it could start
+        both = _lead(W, x, out)
+        if both is None:
             return
-        views = {p: W.open(p, x.dtype) for p in peers}
-        srcs = [x] + [views[p][0] for p in peers]
-        outs = [out] + [views[p][1] for p in peers]
+        srcs, outs = both
         for o in outs:
             for p, src in enumerate(srcs):
                 if int(o[p * k :].data.ptr) != int(src.data.ptr):  # in place: already there
@@ -293,12 +298,10 @@ def reduce_scatter(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> No
     n, r, peers = W.size, W.rank, W.peers
     k = out.size
     if W.shared_device:  # rank 0 runs every block's kernel (see _allreduce_one_gpu)
-        if r != 0:
-            _follow(W, 0, [x, out], (False, True))
+        both = _lead(W, x, out)
+        if both is None:
             return
-        views = {p: W.open(p, x.dtype) for p in peers}
-        xs = [x] + [views[p][0] for p in peers]
-        outs = [out] + [views[p][1] for p in peers]
+        xs, outs = both
         for q in range(n):
             _reduce_into(W, op, dtype, [xp[q * k : (q + 1) * k] for xp in xs], outs[q], -1)
         W.release(peers)
