@@ -69,6 +69,8 @@ class _Dev:
 
 def test_piece_bytes() -> None:
     assert piece_bytes(4 << 20) == 1 << 20
+    assert piece_bytes(16 << 20) == 4 << 20  # the default device chunk
+    assert piece_bytes(1 << 30) == 4 << 20
     assert piece_bytes(4096) == 64 << 10
     assert piece_bytes(1 << 20) % 64 == 0
 
