@@ -284,3 +284,42 @@ def test_crowded_is_one_verdict_for_all_ranks(
         for c, out in zip(comms, got):
             np.testing.assert_array_equal(out, 3 * np.arange(4, dtype=np.float32))
             assert c._links_cache and all(L.crowded is crowded for L in c._links_cache.values())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> None:
+    """Above the slot size, a direct broadcast with a core per rank has the root
+    write the last 1/n of every reader's buffer while the readers read the rest;
+    when ranks outnumber cores the readers read it all.  Either way every rank
+    ends with the root's bytes, for odd sizes and every root."""
+    with communicators(n) as comms:
+        slot = comms[0]._group.slot_bytes
+        writes = [0] * n
+        for c in comms:  # before any rank starts: they must agree
+            c._crowded = crowded
+            c._links_cache.clear()
+
+        def body(c: pycoll.Communicator) -> None:
+            assert c._group is not None and c._group.cma
+            real = c._group.write
+
+            def counted(*args: Any) -> None:
+                writes[c.rank] += 1
+                real(*args)
+
+            c._group.write = counted  # type: ignore[method-assign]
+            for count, dtype in [
+                (slot // 8 + 3, np.float64),
+                (3 * slot + 7, np.int8),
+                (slot, np.float16),
+            ]:
+                for root in range(n):
+                    want = np.random.default_rng(count + root).integers(0, 100, count).astype(dtype)
+                    buf = want.copy() if c.rank == root else np.full(count, 101, dtype)
+                    c.broadcast(buf, root=root, algorithm="direct")
+                    assert buf.tobytes() == want.tobytes(), (c.rank, root, count, dtype)
+
+        _on_all(comms, body)
+    # three sizes, each root once: (n - 1) writes a time at the root, unless crowded
+    assert sum(writes) == (0 if crowded else 3 * n * (n - 1))

@@ -46,7 +46,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -107,8 +107,8 @@ class ShmGroup:
         size: number of ranks.
         slot_bytes: bytes of one slot.
         slots: slots per rank (K); step ``s`` uses slot (and range) ``s % K``.
-        cma: whether peers' posted ranges may be read directly (set by the layer
-            above once every rank's :meth:`probe` succeeded).
+        cma: whether peers' posted ranges may be read and written directly (set
+            by the layer above once every rank's :meth:`probe` succeeded).
     """
 
     def __init__(self, mm: mmap.mmap, name: str, rank: int, creator: bool) -> None:
@@ -230,6 +230,10 @@ class ShmGroup:
                 return False, f"reading rank {j}'s memory: {exc.strerror}"
             if int(got[0]) != _MAGIC:
                 return False, f"rank {j}'s mapping did not read back"
+            try:  # the magic we just read, written back where it was: no change
+                _cma.write(pid, addr, got.__array_interface__["data"][0], 8)
+            except OSError as exc:
+                return False, f"writing rank {j}'s memory: {exc.strerror}"
         return True, "cross-memory attach works"
 
     def pid(self, j: int) -> int:
@@ -330,13 +334,28 @@ class ShmGroup:
             PeerClosedError: rank j has exited.
             TransportError: the read failed or falls outside the posted range.
         """
+        self._attach_copy(_cma.read, "read", j, seq, offset, out)
+
+    def write(self, j: int, seq: int, offset: int, src: Any) -> None:
+        """Copy the contiguous array ``src`` into bytes ``[offset, offset +
+        src.nbytes)`` of the range rank ``j`` posted for step ``seq``.
+
+        Raises:
+            PeerClosedError: rank j has exited.
+            TransportError: the write failed or falls outside the posted range.
+        """
+        self._attach_copy(_cma.write, "write", j, seq, offset, src)
+
+    def _attach_copy(
+        self, copy: Callable[..., None], what: str, j: int, seq: int, offset: int, local: Any
+    ) -> None:
         addr, nbytes = _RANGE.unpack_from(
             self._mm, _CTRL0 + j * self._line + _RANGES + (seq % self.slots) * _RANGE.size
         )
-        n = out.nbytes
+        n = local.nbytes
         if offset < 0 or offset + n > nbytes:
             raise TransportError(
-                f"group: reading bytes [{offset}, {offset + n}) of rank {j}'s posted "
+                f"group: {what} of bytes [{offset}, {offset + n}) of rank {j}'s posted "
                 f"{nbytes}-byte range (mismatched collectives: do all ranks run the same one?)",
                 peer=j,
                 transport=TRANSPORT,
@@ -344,11 +363,11 @@ class ShmGroup:
         if not n:
             return
         try:
-            _cma.read(self.pid(j), addr + offset, out.__array_interface__["data"][0], n)
+            copy(self.pid(j), addr + offset, local.__array_interface__["data"][0], n)
         except OSError as exc:
             cls = PeerClosedError if exc.errno == errno.ESRCH else TransportError
             raise cls(
-                f"group: direct read of {n} bytes from rank {j}: {exc.strerror}",
+                f"group: direct {what} of {n} bytes with rank {j}: {exc.strerror}",
                 peer=j,
                 transport=TRANSPORT,
                 errno=exc.errno,

@@ -38,7 +38,7 @@ class Group(Protocol):
     size: int
     slot_bytes: int
     slots: int  # slots per rank (K); step s uses slot s % K
-    cma: bool  # whether posted ranges may be read (else everything goes by slots)
+    cma: bool  # whether posted ranges may be read and written (else all goes by slots)
     seq: int  # the last step this rank used
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
@@ -69,6 +69,10 @@ class Group(Protocol):
 
     def read(self, j: int, seq: int, offset: int, out: Any) -> None:
         """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
+        ...
+
+    def write(self, j: int, seq: int, offset: int, src: Any) -> None:
+        """Copy ``src`` into the range rank j posted for step ``seq``, from ``offset``."""
         ...
 
 
