@@ -263,8 +263,9 @@ def test_cost_model_prefers_direct_on_one_host(coll: str) -> None:
         for size in (8, 4096, 1 << 16, (1 << 16) + 4, 1 << 18, (1 << 18) + 4, 1 << 20, 1 << 26):
             want = "ring" if coll == "allgather" and size >= 1 << 26 else "direct"
             assert cost.choose(coll, names(coll), n, size, 1 << 20) == want, (n, size)
-    if coll == "allgather":  # per-rank blocks: up to 4 MiB direct, from 8 MiB the ring
-        assert cost.choose(coll, names(coll), 2, 4 << 20, 1 << 20) == "direct"
+    if coll == "allgather":  # per-rank blocks: below 4 MiB direct, from 4 MiB the ring
+        assert cost.choose(coll, names(coll), 2, 3 << 20, 1 << 20) == "direct"
+        assert cost.choose(coll, names(coll), 2, 4 << 20, 1 << 20) == "ring"
         assert cost.choose(coll, names(coll), 4, 2 << 20, 1 << 20) == "direct"
         assert cost.choose(coll, names(coll), 4, 8 << 20, 1 << 20) == "ring"
 
