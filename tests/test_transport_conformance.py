@@ -110,3 +110,51 @@ def test_close_is_idempotent_and_leaks_no_fds(name: str) -> None:
         a.close()
     after = set(os.listdir("/proc/self/fd"))
     assert after <= before | set(), f"leaked fds: {after - before}"
+
+
+def test_shared_send_buffer(name: str) -> None:
+    """Sends from a shared send buffer reach the sink as views of the peer's
+    mapping of the same pages (no copy), and complete only once the sink returns;
+    receives into a buffer and slot-sized sends from it still work."""
+    with _pair(name, slot_bytes=4096, nslots=2) as (a, b):
+        buf = a.send_buffer(3 * 4096 + 5)
+        if not a.shares_send_buffers:
+            assert buf is None and b.recv_buffer() is None
+            return
+        assert buf is not None and buf.nbytes >= 3 * 4096 + 5
+        assert a.send_buffer(buf.nbytes + 1) is None  # the first call fixed the size
+        rng = np.random.default_rng(7)
+        for n, at in ((3 * 4096 + 5, 0), (100, 4096), (1, buf.nbytes - 1)):
+            buf[at : at + n] = rng.integers(0, 256, n, dtype=np.uint8)
+            seen: list[tuple[int, int, bytes]] = []
+            s = a.isend(memoryview(buf[at : at + n]))
+            sent_before_sink_returned = []
+
+            def sink(off: int, v: memoryview, seen=seen, s=s) -> None:
+                sent_before_sink_returned.append(s.test())
+                got = np.frombuffer(v, np.uint8)
+                peer = b.recv_buffer()
+                assert peer is not None  # mapped by now, and the view lies in it
+                lo = peer.__array_interface__["data"][0]
+                addr = got.__array_interface__["data"][0]
+                assert lo + at == addr
+                seen.append((off, len(v), bytes(v)))
+
+            r = b.irecv(n, sink)
+            wait_all([s, r], Deadline.after(30))
+            assert seen == [(0, n, bytes(buf[at : at + n]))]
+            assert sent_before_sink_returned == [False]
+        # a receive into a buffer takes a copy of the described bytes
+        buf[:4097] = 9
+        got = np.zeros(4097, np.uint8)
+        wait_all(
+            [a.isend(memoryview(buf[:4097])), b.irecv_into(memoryview(got))], Deadline.after(30)
+        )
+        assert (got == 9).all()
+        # bytes from elsewhere go the usual ways, both directions
+        x = np.arange(70_000, dtype=np.uint8)
+        gy, gx = _exchange(a, b, x, x[::-1].copy())
+        assert np.array_equal(gy, x) and np.array_equal(gx, x[::-1])
+        del buf, s, r, sink  # (their views of the buffer: close unmaps it)
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("pycoll-")]
+    assert not leftovers

@@ -34,6 +34,10 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Pieces handed to a sink start at multiples of this many bytes.
 PIECE_ALIGN = 64
@@ -353,6 +357,29 @@ class Connection(abc.ABC):
             out[off : off + len(piece)] = piece
 
         return self.irecv(len(out), copy)
+
+    #: True when :meth:`send_buffer` can give memory the peer maps too.
+    shares_send_buffers: bool = False
+
+    def send_buffer(self, nbytes: int) -> np.ndarray | None:
+        """This connection's shared send buffer: ``nbytes`` or more of host memory
+        that the peer maps too, or None where there is none (other transports, no
+        room for it).
+
+        A send of bytes that lie inside it travels as a descriptor: the receiver's
+        sink gets a view of the same pages, with no copy on either side, and the
+        send completes once that sink has returned.  So a sender that fills it by
+        DMA (a GPU copy into memory registered with the GPU) and a receiver whose
+        sink drains it by DMA move the bytes with no CPU touching them.  The first
+        call fixes the size; a later call for more returns None.  The buffer lives
+        until :meth:`close`, and its views must be dropped before then.
+        """
+        return None
+
+    def recv_buffer(self) -> np.ndarray | None:
+        """The peer's :meth:`send_buffer` as mapped here, once a send from it has
+        arrived (else None): a receiver registers it with a device once."""
+        return None
 
     #: True when :meth:`isend_device`/:meth:`irecv_device` move GPU memory without
     #: host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).

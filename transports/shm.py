@@ -24,6 +24,15 @@ holds on x86-64 and on weakly ordered CPUs such as aarch64.
 A piece is written into its slot at the same offset within a 4 KiB page as its
 source: memcpy between addresses whose page offsets differ by a few bytes runs
 several times slower on the machines we measured.
+
+Large messages skip the slots: a slot then holds a descriptor of where the bytes
+are, and the send completes once the receiver has taken them (``tail`` passes
+the slot).  The bytes are either in the sender's own memory, which the receiver
+reads with one cross-memory copy (:mod:`transports._cma`), or in the sender's
+*shared send buffer* (:meth:`ShmConnection.send_buffer`), a segment of its own
+(``<pair segment>-s<side>``, made on first use, unlinked by the receiver when it
+attaches) that both sides map: the receiver's sink reads them in place, so bytes
+that a GPU copied into it reach the receiving GPU with no CPU copy at all.
 """
 
 from __future__ import annotations
@@ -80,6 +89,12 @@ _META = struct.Struct("<QQQ")
 #: can read the sender's memory (cross-memory attach).
 CMA_MIN_BYTES = 256 << 10
 _CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
+
+#: In a descriptor's offset field: the bytes are in the sender's shared send
+#: buffer, at the descriptor's address taken as an offset into that buffer.
+_IN_SBUF = 1 << 63
+_SBUF_MAGIC = 0x7063736275660000  # "pcsbuf"; header: magic, then the buffer's size
+_SBUF_ATTACH_S = 10.0  # the sender made it before describing bytes in it
 
 _BLOB = struct.Struct("<4sHH16sQQQQQ")  # tag, version, rank... see _Identity
 _BLOB_TAG = b"PCSM"
@@ -312,6 +327,13 @@ class ShmConnection(Connection):
         self._peer_reads_us = False
         self._acks: deque[_ShmSend] = deque()
         self._temp: Any = None
+        # shared send buffers (send_buffer): ours, and the peer's as mapped here
+        self._sbuf: Any = None
+        self._sbuf_mm: mmap.mmap | None = None
+        self._sbuf_addr = 0
+        self._sbuf_failed = False
+        self._rbuf: Any = None
+        self._rbuf_mm: mmap.mmap | None = None
         if self._cma_min:
             base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
             struct.pack_into("<Q", mm, _MAPADDR_OFF[self._side], base)
@@ -336,6 +358,35 @@ class ShmConnection(Connection):
             out[off : off + len(piece)] = piece
 
         return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8))
+
+    shares_send_buffers = True
+
+    def send_buffer(self, nbytes: int) -> np.ndarray | None:
+        self._check_open()
+        if self._sbuf is None and not self._sbuf_failed:
+            size = -(-max(1, nbytes) // _PAGE) * _PAGE
+            name = f"{self._name}-s{self._side}"
+            try:
+                # at most half of what /dev/shm has free: the slots may need the rest
+                if _PAGE + size > _segment.free_bytes() // 2:
+                    raise OSError(errno.ENOSPC, f"{SHM_DIR} has too little room")
+                mm = _segment.create(name, _PAGE + size, peer=self.peer, transport="shm")
+            except (OSError, TransportError) as exc:
+                log.info("shm: no shared send buffer to peer %d (%s); sends copy", self.peer, exc)
+                self._sbuf_failed = True
+                return None
+            struct.pack_into("<Q", mm, 8, size)
+            struct.pack_into("<Q", mm, 0, _SBUF_MAGIC)  # last: the receiver checks it
+            self._sbuf_mm = mm
+            self._sbuf = np.frombuffer(mm, np.uint8, size, _PAGE)
+            self._sbuf_addr = self._sbuf.__array_interface__["data"][0]
+            log.debug("shm: shared send buffer %s (%d bytes) to peer %d", name, size, self.peer)
+        if self._sbuf is None or nbytes > self._sbuf.size:
+            return None
+        return self._sbuf  # type: ignore[no-any-return]
+
+    def recv_buffer(self) -> np.ndarray | None:
+        return self._rbuf  # type: ignore[no-any-return]
 
     def _irecv(self, nbytes: int, sink: Sink, dest: Any) -> Request:
         self._check_open()
@@ -374,13 +425,21 @@ class ShmConnection(Connection):
             src = req.src
             total = src.size
             head = self._sent
-            if req.off == 0 and total >= self._cma_min > 0 and self._peer_can_read():
+            described = None
+            if req.off == 0 and self._sbuf is not None and req.addr:
+                at = req.addr - self._sbuf_addr
+                if 0 <= at <= self._sbuf.size - total:
+                    described = (_IN_SBUF, at)  # the receiver reads it in place
+            if described is None and req.off == 0 and total >= self._cma_min > 0:
+                if self._peer_can_read():
+                    described = (0, req.addr)  # the receiver copies out of our memory
+            if described is not None:
                 if head - tail >= out.nslots:
                     return
-                # A descriptor: the receiver copies straight out of our memory, and
-                # the send completes when it says so (tail passes this slot).
+                # A descriptor: the send completes when the receiver says so (tail
+                # passes this slot).
                 slot = head % out.nslots
-                _META.pack_into(self._mm, out.meta_off + _META.size * slot, total, 0, req.addr)
+                _META.pack_into(self._mm, out.meta_off + _META.size * slot, total, *described)
                 head += 1
                 out.head.store(head)
                 self._sent = head
@@ -422,8 +481,11 @@ class ShmConnection(Connection):
             while req.off < req.nbytes and tail < head:
                 slot = tail % inn.nslots
                 n, o, addr = _META.unpack_from(self._mm, inn.meta_off + _META.size * slot)
-                if addr:
-                    self._read_direct(req, n, addr)
+                if o == _IN_SBUF or addr:
+                    if o == _IN_SBUF:
+                        self._take_shared(req, n, addr)
+                    else:
+                        self._read_direct(req, n, addr)
                     tail += 1
                     inn.tail.store(tail)
                     req.off += n
@@ -446,6 +508,45 @@ class ShmConnection(Connection):
                 return
             req._done = True
             q.popleft()
+
+    def _take_shared(self, req: _ShmRecv, n: int, at: int) -> None:
+        """Consume a descriptor of ``n`` bytes at offset ``at`` of the peer's shared
+        send buffer: the sink reads them in place."""
+        buf = self._rbuf if self._rbuf is not None else self._attach_rbuf()
+        if n != req.nbytes - req.off or at + n > buf.size:
+            raise TransportError(
+                f"shm: peer {self.peer} described {n} bytes at {at} of its {buf.size}-byte "
+                f"send buffer where {req.nbytes - req.off} were expected (mismatched messages?)",
+                peer=self.peer,
+                transport="shm",
+            )
+        req.sink(req.off, memoryview(buf[at : at + n]))  # type: ignore[arg-type]
+
+    def _attach_rbuf(self) -> Any:
+        name = f"{self._name}-s{1 - self._side}"
+        mm = _segment.attach(
+            name,
+            magic=_SBUF_MAGIC,
+            min_size=2 * _PAGE,
+            peer=self.peer,
+            transport="shm",
+            deadline=Deadline.after(_SBUF_ATTACH_S),
+            timeout=_SBUF_ATTACH_S,
+        )
+        _segment.unlink(name)  # both sides map it now
+        size = struct.unpack_from("<Q", mm, 8)[0]
+        if _PAGE + size > len(mm):
+            mm.close()
+            raise TransportError(
+                f"shm: send buffer {name} of peer {self.peer} says {size} bytes but maps "
+                f"{len(mm) - _PAGE}",
+                peer=self.peer,
+                transport="shm",
+            )
+        self._rbuf_mm = mm
+        self._rbuf = np.frombuffer(mm, np.uint8, size, _PAGE)
+        log.debug("shm: mapped peer %d's shared send buffer (%d bytes)", self.peer, size)
+        return self._rbuf
 
     def _read_direct(self, req: _ShmRecv, n: int, addr: int) -> None:
         """Consume a descriptor: copy ``n`` bytes from the peer's address ``addr``."""
@@ -524,15 +625,25 @@ class ShmConnection(Connection):
             c.release_buffer()
         self._temp = None
         self._out.data = self._in.data = None  # type: ignore[assignment]
+        self._sbuf = self._rbuf = None
         self._sends.clear()
         self._recvs.clear()
         self._acks.clear()
-        try:
-            self._mm.close()
-        except BufferError:  # a view escaped; the mapping goes with the process
-            log.warning("shm: segment %s still has views; not unmapped", self._name)
+        for mm, name in (
+            (self._mm, self._name),
+            (self._sbuf_mm, f"{self._name}-s{self._side}"),
+            (self._rbuf_mm, f"{self._name}-s{1 - self._side}"),
+        ):
+            if mm is None:
+                continue
+            try:
+                mm.close()
+            except BufferError:  # a view escaped; the mapping goes with the process
+                log.warning("shm: segment %s still has views; not unmapped", name)
         if self._creator:
             _segment.unlink(self._name)
+        if self._sbuf_mm is not None:
+            _segment.unlink(f"{self._name}-s{self._side}")  # the peer never attached
 
 
 def _is_zombie(pid: int) -> bool:
@@ -549,9 +660,11 @@ class _ShmSend(QueuedRequest):
     def __init__(self, conn: ShmConnection, src: Any) -> None:
         super().__init__(conn, conn._progress_sends)
         self.src = src
-        # where the bytes sit (page offset of slot copies, direct-read descriptors);
-        # small messages skip the lookup, which costs as much as their copy
-        self.addr = src.__array_interface__["data"][0] if src.size >= _PAGE else 0
+        # where the bytes sit (page offset of slot copies, descriptors); small
+        # messages skip the lookup, which costs as much as their copy, unless this
+        # side has a shared send buffer, which they may come from
+        big = src.size >= _PAGE or conn._sbuf is not None
+        self.addr = src.__array_interface__["data"][0] if big else 0
         self.off = 0
         self.need_tail = 0
 
