@@ -28,6 +28,7 @@ class _FakeRuntime:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._polled: set[int] = set()
+        self.registered: list[tuple[int, int]] = []
 
     def memcpyAsync(self, dst, src, n, kind, stream):
         ctypes.memmove(dst, src, n)
@@ -44,8 +45,17 @@ class _FakeRuntime:
         self._polled.add(ev)
         return 600
 
+    def eventSynchronize(self, ev):
+        self._polled.add(ev)
+
     def eventDestroy(self, ev):
         pass
+
+    def hostRegister(self, ptr, n, flags):
+        self.registered.append((ptr, n))
+
+    def hostUnregister(self, ptr):
+        self.registered.remove(next(r for r in self.registered if r[0] == ptr))
 
 
 def _pool() -> Pinned:
@@ -53,6 +63,7 @@ def _pool() -> Pinned:
     p._rt = _FakeRuntime()
     p._cp = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray))
     p._bufs, p._events, p._lanes = {}, [], {}
+    p._shared, p._peer_bufs, p._registered = {}, {}, []
     p.legs = None
     return p
 
@@ -75,16 +86,21 @@ def test_piece_bytes() -> None:
     assert piece_bytes(1 << 20) % 64 == 0
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("name", ["shm", "shm-copy", "tcp"])
 @pytest.mark.parametrize("order", ["all", "later_first"])
 def test_staged_messages_do_not_interleave(name: str, order: str) -> None:
+    """shm: pieces go through the sender's shared send buffer, read in place by
+    the receiver; shm-copy: the sender has none (no room), so the receiver's
+    in-place sink meets slots and cross-memory reads instead; tcp: pinned copies."""
     rng = np.random.default_rng(1)
     sizes = [200_003, 150_001, 64 << 10, 7]
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     outs = [_Dev(np.zeros(n, np.uint8)) for n in sizes]
     piece = 64 << 10
     stream = SimpleNamespace(ptr=0)
-    with connected_pair(name, slot_bytes=4096, nslots=2) as (a, b):
+    with connected_pair(name.removesuffix("-copy"), slot_bytes=4096, nslots=2) as (a, b):
+        if name == "shm-copy":
+            a.send_buffer = lambda nbytes: None  # type: ignore[method-assign]
         pa, pb = _pool(), _pool()
         sends = [StagedSend(a, s.ctypes.data, s.nbytes, piece, 0, pa) for s in srcs]
         recvs = [StagedRecv(b, o, None, None, piece, stream, pb) for o in outs]
@@ -93,6 +109,18 @@ def test_staged_messages_do_not_interleave(name: str, order: str) -> None:
         else:  # wait on the last receive first: it must drive the earlier ones
             wait_all([*sends, recvs[-1]], Deadline.after(30))
             wait_all(recvs, Deadline.after(30))
+        regs = [p._rt.registered[:] for p in (pa, pb)]  # type: ignore[attr-defined]
+        if name == "shm":
+            # no pinned buffer anywhere: every byte went through the shared buffer,
+            # registered once by each side
+            assert not pa._bufs and not pb._bufs
+            assert [len(r) for r in regs] == [1, 1]
+            assert regs[0][0][1] >= 2 * piece
+        else:
+            assert pa._bufs and pb._bufs and regs == [[], []]
+        for p in (pa, pb):
+            p.close()
+            assert not p._rt.registered  # type: ignore[attr-defined]
     for s, o in zip(srcs, outs, strict=True):
         assert np.array_equal(s, o.a)
     assert not any(pa._lanes.values()) and not any(pb._lanes.values())
