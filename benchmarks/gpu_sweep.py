@@ -11,7 +11,9 @@ on the same float32 CuPy buffers:
 * ``pycoll``: device collectives, ``algorithm="auto"`` (one-sided ``direct``
   reads and writes of the peers' buffers when every pair has CUDA IPC);
 * ``pycoll-ring``: the chunked ring through the cuda_ipc slots, for comparison;
-* ``pycoll-staged``: pycoll with ``device_transports=()`` (pinned staging over shm);
+* ``pycoll-staged``: pycoll with ``device_transports=()`` (pinned staging over shm,
+  through each connection's shared send buffer: no CPU copy);
+* ``pycoll-staged-tcp``: the same over tcp (a kernel copy on each side);
 * ``mpi-staged``: copy to pinned host memory, the MPI collective, copy back;
 * ``gloo``: torch.distributed's Gloo backend on CUDA tensors.
 
@@ -88,7 +90,11 @@ def staging_legs(c, nbytes: int) -> list[dict[str, float]]:
     pool.legs = None
     rates = W.gather(legs.rates())
     if RANK == 0:
-        print(f"staging legs at {nbytes} B (GB/s of copy time, per rank): {rates}", flush=True)
+        print(
+            f"staging legs over {c.transport_of((RANK + 1) % N)} at {nbytes} B "
+            f"(GB/s of copy time, per rank): {rates}",
+            flush=True,
+        )
     return rates
 
 
@@ -205,6 +211,10 @@ def main() -> None:
     comms = {"pycoll": pycoll.init(timeout=300)}
     if "pycoll-staged" in impls:
         comms["pycoll-staged"] = pycoll.init(timeout=300, device_transports=())
+    if "pycoll-staged-tcp" in impls:
+        comms["pycoll-staged-tcp"] = pycoll.init(
+            timeout=300, transports=("tcp",), device_transports=()
+        )
     dist = None
     if "gloo" in impls:
         try:
@@ -228,7 +238,7 @@ def main() -> None:
     for coll in a.colls.split(","):
         for nbytes in sizes:
             for impl in impls:
-                if impl == "pycoll-staged" and coll not in a.staged_colls.split(","):
+                if impl.startswith("pycoll-staged") and coll not in a.staged_colls.split(","):
                     continue
                 if W.bcast(time.perf_counter() - start > a.deadline, root=0):
                     stopped = True
@@ -261,8 +271,12 @@ def main() -> None:
                 break
         if stopped:
             break
-    if "pycoll-staged" in impls:
-        meta["staging_legs_GBps"] = staging_legs(comms["pycoll-staged"], min(hi, 256 << 20))
+    for impl, key in (
+        ("pycoll-staged", "staging_legs_GBps"),
+        ("pycoll-staged-tcp", "tcp_legs_GBps"),
+    ):
+        if impl in impls:
+            meta[key] = staging_legs(comms[impl], min(hi, 256 << 20))
     if RANK == 0:
         meta["stopped_early"] = stopped
         with open(a.out, "w") as fh:

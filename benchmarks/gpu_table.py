@@ -20,13 +20,17 @@ def main(paths: list[str]) -> None:
         if ce:
             print("ceilings (GB/s, one way): " + ", ".join(f"{k} {v:.1f}" for k, v in ce.items()))
             print()
-        legs = m.get("staging_legs_GBps")
-        if legs:
-            cells = "; ".join(
-                f"rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in d.items())
-                for r, d in enumerate(legs)
-            )
-            print(f"staging legs, GB/s of copy time in a staged 256 MiB allreduce: {cells}\n")
+        for key, over in (("staging_legs_GBps", "shm"), ("tcp_legs_GBps", "tcp")):
+            legs = m.get(key)
+            if legs:
+                cells = "; ".join(
+                    f"rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in d.items())
+                    for r, d in enumerate(legs)
+                )
+                print(
+                    f"staging legs over {over}, GB/s of copy time in a staged 256 MiB "
+                    f"allreduce: {cells}\n"
+                )
         impls = sorted(
             {r["impl"] for r in d["rows"]},
             key=[
@@ -34,6 +38,7 @@ def main(paths: list[str]) -> None:
                 "pycoll-ring",
                 "pycoll-16M",
                 "pycoll-staged",
+                "pycoll-staged-tcp",
                 "mpi-staged",
                 "gloo",
             ].index,
