@@ -192,7 +192,9 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", default="256M")
     ap.add_argument("-f", "--stepfactor", type=int, default=8)
     ap.add_argument("--colls", default="allreduce,allgather,broadcast,reduce_scatter")
-    ap.add_argument("--impls", default="pycoll,pycoll-ring,pycoll-staged,mpi-staged,gloo")
+    ap.add_argument(
+        "--impls", default="pycoll,pycoll-ring,pycoll-staged,pycoll-staged-tcp,mpi-staged,gloo"
+    )
     ap.add_argument("--staged-colls", default="allreduce,allgather")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds per point")
     ap.add_argument("--deadline", type=float, default=420.0, help="stop after this many s")
