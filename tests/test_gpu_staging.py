@@ -29,6 +29,7 @@ class _FakeRuntime:
         self._ids = itertools.count(1)
         self._polled: set[int] = set()
         self.registered: list[tuple[int, int]] = []
+        self.waits: list[tuple[int, int]] = []
 
     def memcpyAsync(self, dst, src, n, kind, stream):
         ctypes.memmove(dst, src, n)
@@ -44,6 +45,9 @@ class _FakeRuntime:
             return 0
         self._polled.add(ev)
         return 600
+
+    def streamWaitEvent(self, stream, ev, flags):
+        self.waits.append((stream, ev))
 
     def eventSynchronize(self, ev):
         self._polled.add(ev)
@@ -64,6 +68,7 @@ def _pool() -> Pinned:
     p._cp = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray))
     p._bufs, p._events, p._lanes = {}, [], {}
     p._shared, p._peer_bufs, p._registered = {}, {}, []
+    p._device, p._side, p._reading = 0, SimpleNamespace(ptr=7), {}
     p.legs = None
     return p
 
@@ -124,3 +129,24 @@ def test_staged_messages_do_not_interleave(name: str, order: str) -> None:
     for s, o in zip(srcs, outs, strict=True):
         assert np.array_equal(s, o.a)
     assert not any(pa._lanes.values()) and not any(pb._lanes.values())
+
+
+def test_d2h_stream_ordering() -> None:
+    """A D2H copy runs on its own stream after the collective's stream, and a write
+    on the collective's stream waits for the D2H copies still reading its bytes."""
+    p = _pool()
+    rt = p._rt  # type: ignore[attr-defined]
+    dev, host = np.arange(100, dtype=np.uint8), np.zeros(100, np.uint8)
+    lo = dev.ctypes.data
+    ev = p.d2h(host.ctypes.data, lo + 10, 50, stream=5)
+    assert np.array_equal(host[:50], dev[10:60])
+    assert [w[0] for w in rt.waits] == [7]  # the D2H stream waited for stream 5
+    rt.waits.clear()
+    p.before_write(lo + 59, 1, 5)  # the last byte it reads
+    p.before_write(lo + 60, 40, 5)  # just past it
+    p.before_write(lo, 10, 5)  # just before it
+    assert rt.waits == [(5, ev)]
+    p.read_done(ev)
+    rt.waits.clear()
+    p.before_write(lo, 100, 5)
+    assert rt.waits == []

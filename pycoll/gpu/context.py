@@ -121,7 +121,7 @@ class GpuContext:
 
     def pool(self) -> Pinned:
         if self._pool is None:
-            self._pool = Pinned()
+            self._pool = Pinned(self.device)
         return self._pool
 
     def call(
