@@ -243,12 +243,12 @@ def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
 
 def test_cost_model_on_a_crowded_host() -> None:
     """Ranks outnumbering cores: allgather leaves direct reads for the ring from
-    2.5 MiB blocks (8 MiB otherwise); broadcast stays direct."""
+    2.5 MiB blocks (2 MiB otherwise); broadcast stays direct."""
     ag, bc = names("allgather"), names("broadcast")
     for n in (3, 4):
         assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, True) == "direct"
         assert cost.choose("allgather", ag, n, 3 << 20, 1 << 20, True) == "ring"
-        assert cost.choose("allgather", ag, n, 3 << 20, 1 << 20, False) == "direct"
+        assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, False) == "ring"
         for size in (8, cost.DIRECT_SLOT_BYTES, 2 << 20, 1 << 28):
             assert cost.choose("broadcast", bc, n, size, 1 << 20, True) == "direct"
 
@@ -263,10 +263,10 @@ def test_cost_model_prefers_direct_on_one_host(coll: str) -> None:
         for size in (8, 4096, 1 << 16, (1 << 16) + 4, 1 << 18, (1 << 18) + 4, 1 << 20, 1 << 26):
             want = "ring" if coll == "allgather" and size >= 1 << 26 else "direct"
             assert cost.choose(coll, names(coll), n, size, 1 << 20) == want, (n, size)
-    if coll == "allgather":  # per-rank blocks: below 4 MiB direct, from 4 MiB the ring
-        assert cost.choose(coll, names(coll), 2, 3 << 20, 1 << 20) == "direct"
-        assert cost.choose(coll, names(coll), 2, 4 << 20, 1 << 20) == "ring"
-        assert cost.choose(coll, names(coll), 4, 2 << 20, 1 << 20) == "direct"
+    if coll == "allgather":  # per-rank blocks: below 2 MiB direct, from 2 MiB the ring
+        assert cost.choose(coll, names(coll), 2, 3 << 19, 1 << 20) == "direct"
+        assert cost.choose(coll, names(coll), 2, 2 << 20, 1 << 20) == "ring"
+        assert cost.choose(coll, names(coll), 4, 1 << 20, 1 << 20) == "direct"
         assert cost.choose(coll, names(coll), 4, 8 << 20, 1 << 20) == "ring"
 
 

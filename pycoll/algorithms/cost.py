@@ -37,11 +37,13 @@ DIRECT_SLOT_BYTES = 256 << 10
 #: By address, allgather's readers all copy out of every peer at once; from blocks
 #: of this size up the ring's pipelined copies win, below it direct does: its
 #: bytes then count DIRECT_ALLGATHER_BYTES times.  On the 2-core machine at n = 2,
-#: 4 MiB blocks went to the ring in two sweeps of three (by 1.4x and 1.6x; direct
-#: won the third by 5%), 1 MiB blocks to direct in two of three: cross-memory
-#: reads by both ranks at once ran at a third of one alone (4 MiB: 5 against
-#: 15 GB/s), where copies through the shared slots stay in cache.
-DIRECT_ALLGATHER_BIG = 4 << 20
+#: 2 MiB blocks (4 MiB allgathers) went to the ring in four sweeps of five, by
+#: 3-14% (it lost the fifth by 3%), and the ring ran at 0.83-0.87 of MPI's time in
+#: all five against 0.51-0.90 for direct; 1 MiB blocks went to direct in three of
+#: three, by 11-15%.  Cross-memory reads by both ranks at once sometimes ran at a
+#: third of one read alone (4 MiB: 5 against 15 GB/s), where copies through the
+#: shared slots stay in cache.
+DIRECT_ALLGATHER_BIG = 2 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
 #: ... and from blocks of this size where ranks outnumber cores.  On the 2-core
 #: machine the ring won at n = 3 with 2.8 MB blocks in three runs of four (0.55-0.9
