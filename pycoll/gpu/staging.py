@@ -200,7 +200,7 @@ class Pinned:
         buffer, or one cut for another piece size)."""
         key = id(conn)
         if key not in self._shared:
-            buf = conn.send_buffer(_DEPTH * piece) if conn.shares_send_buffers else None
+            buf = conn.send_buffer(_DEPTH * piece)
             if buf is not None:
                 self._register(buf)
             self._shared[key] = None if buf is None else _SharedSend(conn, piece, buf)
@@ -436,13 +436,7 @@ class StagedRecv(Request):
             tmp[1][:n] = src
             ptr = tmp[1].ctypes.data
         ev = self._pool.event()
-        if self._local is None:
-            sptr = self._stream.ptr
-            self._pool.before_write(self._optr + off, n, sptr)
-            self._pool.copy("h2d", self._optr + off, ptr, n, _H2D, sptr)
-            self._rt.eventRecord(ev, sptr)
-        else:
-            self._reduce_piece(off, n, ptr, ev)  # (records ev before its kernel)
+        self._put_piece(off, n, ptr, ev)
         self._rt.eventSynchronize(ev)
         self._pool.put_event(ev)
         if tmp is not None:
@@ -479,11 +473,7 @@ class StagedRecv(Request):
                 continue
             if not req.test():
                 break
-            if self._local is None:
-                self._pool.before_write(self._optr + off, n, sptr)
-                self._pool.copy("h2d", self._optr + off, buf[1].ctypes.data, n, _H2D, sptr)
-            else:
-                self._reduce_piece(off, n, buf[1].ctypes.data)
+            self._put_piece(off, n, buf[1].ctypes.data)
             ev = self._pool.event()
             rt.eventRecord(ev, sptr)
             item[4] = ev
@@ -498,6 +488,19 @@ class StagedRecv(Request):
             self._spare.append(item[2])
             freed = True
         return freed and bool(self._todo)
+
+    def _put_piece(self, off: int, n: int, host: int, copied: int = 0) -> None:
+        """Copy the ``n`` bytes at ``host`` to ``out[off:]``, or reduce them into
+        it; records event ``copied`` (when not 0) once the bytes at ``host`` are
+        copied to the device (before a reduction kernel)."""
+        if self._local is not None:
+            self._reduce_piece(off, n, host, copied)
+            return
+        sptr = self._stream.ptr
+        self._pool.before_write(self._optr + off, n, sptr)
+        self._pool.copy("h2d", self._optr + off, host, n, _H2D, sptr)
+        if copied:
+            self._rt.eventRecord(copied, sptr)
 
     def _reduce_piece(self, off: int, n: int, host: int, copied: int = 0) -> None:
         """H2D of the ``n`` bytes at ``host`` into a device scratch, then the
