@@ -335,6 +335,7 @@ class Communicator:
         rop = parse_op(op, self.rank, what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=recvbuf is None)
         out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
+        self._check_alias(x, out, 0, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
@@ -395,6 +396,7 @@ class Communicator:
         if recvbuf is None:
             recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
         out = self._output(recvbuf, x, self.size * x.count, what)
+        self._check_alias(x, out, self.rank * x.nbytes, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         k, r = x.count, self.rank
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
@@ -567,6 +569,7 @@ class Communicator:
         out: Buffer | None = None
         if is_root:
             out = x if recvbuf is None else self._output(recvbuf, x, x.count, what)
+            self._check_alias(x, out, 0, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
@@ -705,6 +708,19 @@ class Communicator:
                 f"{'host' if x.device < 0 else f'cuda:{x.device}'}"
             )
         return out
+
+    def _check_alias(self, x: Buffer, out: Buffer, at: int, what: str) -> None:
+        """``out`` may hold ``x`` whole at byte ``at`` (in place) or not touch it."""
+        if not _aliases(x, out, at):
+            return
+        if what == "allgather":
+            how = f"in place, sendbuf must be exactly block {self.rank} of recvbuf"
+        else:
+            how = "in place, pass the same array (or no recvbuf)"
+        raise InvalidArgumentError(
+            f"rank {self.rank}: {what}: recvbuf partly overlaps sendbuf; for {how}, "
+            "else use separate arrays"
+        )
 
     def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
         avail = self._candidates.get(what)
@@ -1288,6 +1304,15 @@ def _decoder(name: str) -> Callable[[int], object]:
         inv4 = {_algo_id(n): n for n in known}
         return lambda v: inv4.get(v, v)
     return lambda v: v
+
+
+def _aliases(x: Buffer, out: Buffer, at: int) -> bool:
+    """Whether ``out`` overlaps ``x`` other than by holding it whole at byte ``at``."""
+    if out is x or not _overlaps(x, out):
+        return False
+    from pycoll.buffers import data_ptr
+
+    return bool(data_ptr(x.flat) != data_ptr(out.flat) + at)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -330,6 +330,28 @@ def test_not_arrays(pair, coll, obj, where):
         _check(c, counter, _call(c, coll, x, recvbuf=obj, root=0), "recvbuf must be")
 
 
+def test_partly_overlapping_buffers(pair):
+    (c, _), counter = pair
+    base = np.arange(16, dtype=np.float32)
+    for coll, x, out in [
+        ("allreduce", base[:8], base[4:12]),
+        ("reduce", base[:8], base[1:9]),
+        ("allgather", base[2:6], base[:8]),  # rank 0's block is base[0:4]
+        ("allgather", base[4:8], base[:8]),  # rank 1's block, not rank 0's
+        ("reduce_scatter", base[:8], base[4:8]),
+    ]:
+        _check(c, counter, _call(c, coll, x, recvbuf=out, root=0), "overlaps sendbuf")
+    # the in-place forms stay allowed
+    comms = pair[0]
+    bufs = [np.arange(8, dtype=np.float32) + 10 * r for r in range(2)]
+    run_ranks(2, lambda r: comms[r].allgather(bufs[r][r * 4 : (r + 1) * 4], recvbuf=bufs[r]))
+    for b in bufs:
+        assert (b == np.r_[np.arange(4), np.arange(4, 8) + 10]).all()
+    run_ranks(2, lambda r: comms[r].allreduce(bufs[r], recvbuf=bufs[r]))
+    for b in bufs:
+        assert (b == 2 * np.r_[np.arange(4), np.arange(4, 8) + 10]).all()
+
+
 def test_transport_of_bad_peer(pair):
     (c, _), _ = pair
     for peer in (-1, 2, "0", None, 1.0):
