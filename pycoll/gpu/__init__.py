@@ -102,7 +102,7 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         if ctx.one_sided
         else "move chunks through the device connections or pinned host staging "
         "(not every pair has one-sided windows)",
-        "; all ranks share one GPU, so rank 0 runs each allreduce's kernel"
+        "; all ranks share one GPU, so one rank runs each collective's kernels"
         if ctx.shared_device
         else "",
     )

@@ -158,3 +158,105 @@ def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
         f"pycoll_nary_{op.value}_{n}_{outs}",
         options=_EXACT,
     )
+
+
+# ------------------------------------------------------------ one kernel per call
+# On a GPU that several ranks share, one rank makes every copy and runs every
+# reduction of a collective (see pycoll.gpu.direct).  Each launch there costs
+# microseconds of host time and a slot in the device's queue, and n blocks of n
+# ranks make n**2 copies; these kernels do a collective's work in one launch.
+# Each thread handles one element index of every block, reading everything it
+# needs before it writes, so an output may alias the input it replaces (the
+# in-place allgather and reduce_scatter).
+
+
+def block_reduce(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., Any] | None:
+    """``f(inputs, outputs)``: ``outputs[q] = inputs[0][q*k:(q+1)*k] OP inputs[1][...] ...``
+    for every block q in one kernel (k = outputs[q].size; the reduce_scatter of ranks
+    that share a GPU), combined in the order and with the rounding of :func:`nary`;
+    None where :func:`nary` is.
+    """
+    if dtype == BF16 or op not in _NARY_BODY or n < 2:
+        return None
+    kern = _block_reduce_kernel(op, n)
+
+    def f(inputs: list[Any], outputs: list[Any]) -> Any:
+        k = outputs[0].size
+        return kern(*inputs, k, *outputs, size=k)
+
+    return f
+
+
+@functools.cache
+def _block_reduce_kernel(op: ReduceOp, n: int) -> Any:
+    cp = _cupy()
+    step = _NARY_BODY[op]
+    blocks = []
+    for q in range(n):
+        at = f"[{q} * k + i]" if q else "[i]"
+        blocks.append(
+            "{ "
+            + f"T acc = x0{at}; "
+            + " ".join(step.format(x=f"x{p}{at}") for p in range(1, n))
+            + f" y{q}[i] = acc; "
+            + "}"
+        )
+    return cp.ElementwiseKernel(
+        ", ".join(f"raw T x{p}" for p in range(n)) + ", int64 k",
+        ", ".join(f"raw T y{q}" for q in range(n)),
+        " ".join(blocks),
+        f"pycoll_block_{op.value}_{n}",
+        options=_EXACT,
+    )
+
+
+def fan_out(sources: list[Any], outputs: list[Any]) -> None:
+    """``outputs[o][p*k:(p+1)*k] = sources[p]`` for every o and p, in one kernel on
+    the current stream (k = sources[p].size; one source is a broadcast, n sources
+    an allgather).  The bytes move as the widest words (up to 16 bytes) that every
+    address and the block length allow.
+    """
+    nbytes = sources[0].nbytes
+    if not nbytes:
+        return
+    ptrs = [int(a.data.ptr) for a in (*sources, *outputs)]
+    word = 16
+    while any(p % word for p in ptrs) or nbytes % word:
+        word //= 2
+    k = nbytes // word
+    kern = _fan_out_kernel(len(sources), len(outputs), word)
+    threads = 256
+    blocks = min((k + threads - 1) // threads, 4096)  # a grid-stride loop does the rest
+    kern((blocks,), (threads,), (*(np.uint64(p) for p in ptrs), np.int64(k)))
+
+
+_WORDS = {
+    16: "ulonglong2",
+    8: "unsigned long long",
+    4: "unsigned int",
+    2: "unsigned short",
+    1: "unsigned char",
+}
+
+
+@functools.cache
+def _fan_out_kernel(n: int, m: int, word: int) -> Any:
+    cp = _cupy()
+    w = _WORDS[word]
+    params = [f"const W* x{p}" for p in range(n)] + [f"W* y{o}" for o in range(m)]
+    reads = " ".join(f"W v{p} = x{p}[i];" for p in range(n))  # every read before a write
+    writes = " ".join(
+        f"y{o}[{p} * k + i] = v{p};" if p else f"y{o}[i] = v0;" for p in range(n) for o in range(m)
+    )
+    name = f"pycoll_fan_out_{n}_{m}_{word}"
+    src = (
+        f"typedef {w} W;\n"
+        f'extern "C" __global__ void {name}({", ".join(params)}, long long k) {{\n'
+        "  long long stride = (long long)blockDim.x * gridDim.x;\n"
+        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < k;"
+        " i += stride) {\n"
+        f"    {reads} {writes}\n"
+        "  }\n"
+        "}\n"
+    )
+    return cp.RawKernel(src, name)

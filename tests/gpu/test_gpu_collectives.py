@@ -231,6 +231,43 @@ def test_broadcast(comm, comm_small, algo, dtype):
         assert np.array_equal(to_host(buf, dtype).view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.uint8), np.dtype(np.float16)], ids=str)
+@pytest.mark.parametrize("shift", [1, 3])
+def test_unaligned_views(comm, comm_small, dtype, shift):
+    """Views that start off any word boundary: the one-kernel copies and reductions
+    of a shared GPU move them in narrower words, the split path as they come."""
+    count = 1001
+    for c in (comm, comm_small):
+        xs = [data(r, count, dtype, "sum") for r in range(SIZE)]
+        src = cp.zeros(count + 8, dtype)
+        src[shift : shift + count] = cp.asarray(xs[RANK])
+        out = cp.full((SIZE * count + 8) * dtype.itemsize, 0xA5, cp.uint8).view(dtype)
+        c.allgather(
+            src[shift : shift + count], out[shift : shift + SIZE * count], algorithm="direct"
+        )
+        got = cp.asnumpy(out[shift : shift + SIZE * count]).reshape(SIZE, count)
+        assert np.array_equal(got.view(np.uint8), np.stack(xs).view(np.uint8))
+        assert (cp.asnumpy(out[:shift]).view(np.uint8) == 0xA5).all()
+        assert (cp.asnumpy(out[shift + SIZE * count :]).view(np.uint8) == 0xA5).all()
+
+        buf = src[shift : shift + count]
+        if RANK != 0:
+            buf[...] = 0
+        c.broadcast(buf, root=0, algorithm="direct")
+        assert np.array_equal(cp.asnumpy(buf).view(np.uint8), xs[0].view(np.uint8))
+
+        big = [data(r, SIZE * count, dtype, "sum") for r in range(SIZE)]
+        x = cp.zeros(SIZE * count + 8, dtype)
+        x[shift : shift + SIZE * count] = cp.asarray(big[RANK])
+        o = cp.full((count + 8) * dtype.itemsize, 0xA5, cp.uint8).view(dtype)
+        c.reduce_scatter(
+            x[shift : shift + SIZE * count], o[shift : shift + count], algorithm="direct"
+        )
+        want = reference([b.reshape(SIZE, count)[RANK] for b in big], "sum")
+        assert_close(cp.asnumpy(o[shift : shift + count]), want, dtype, SIZE, "rs unaligned")
+        assert (cp.asnumpy(o[:shift]).view(np.uint8) == 0xA5).all()
+
+
 def test_auto_algorithm(comm):
     for count in (1, 1000, 1 << 20):
         xs = [data(r, count, np.dtype(np.float32), "sum") for r in range(SIZE)]
