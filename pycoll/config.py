@@ -40,9 +40,16 @@ DEVICE_HOST_BYTES = {
     "allreduce": 128 << 10,
     "broadcast": 256 << 10,
     "reduce": 128 << 10,
-    "reduce_scatter": 512 << 10,
-    "allgather": 256 << 10,
+    "reduce_scatter": 256 << 10,
+    "allgather": 128 << 10,
 }
+
+#: Below this many bytes, a pinned copy to a GPU that other processes share waits
+#: about one time slice per other process (benchmarks/RESULTS.md, "Small copies to
+#: the device"); on such a GPU the host path is not taken when a rank's copy back
+#: would be that small, and the one-sided device path, which makes no such copy,
+#: runs instead.
+SLICED_COPY_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)

@@ -346,3 +346,38 @@ def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
     finally:
         b.close()
         a.close()
+
+
+def test_device_host_route_on_a_shared_gpu() -> None:
+    """auto sends small device collectives through the host, except on a GPU every
+    rank shares where a rank's copy back to the device would be under 32 KiB (such
+    copies wait for the other processes' time slices), but for a broadcast between
+    two ranks; explicit limits are obeyed as they are."""
+    from types import SimpleNamespace
+
+    from tests.inproc import communicators
+
+    for explicit in (False, True):
+        cfg = {"device_host_bytes": 128 << 10} if explicit else {}
+        with communicators(1, **cfg) as (c,):
+            c.size = 4  # the rule reads only the size, the limits and the GPU context
+            via = c._via_host
+            c._gpu = None  # type: ignore[assignment]
+            assert via("allreduce", "auto", 8) and not via("allreduce", "ring", 8)
+            assert not via("allreduce", "auto", (128 << 10) + 1)
+            for shared in (False, True):
+                c._gpu = SimpleNamespace(shared_device=shared)  # type: ignore[assignment]
+                skip = shared and not explicit
+                assert via("allreduce", "auto", 16 << 10) != skip
+                assert via("allreduce", "auto", 32 << 10)
+                assert via("reduce", "auto", 16 << 10) != skip
+                assert via("reduce_scatter", "auto", 64 << 10) != skip  # 16 KiB back a rank
+                assert via("reduce_scatter", "auto", 128 << 10)
+                assert via("allgather", "auto", 4 << 10) != skip  # 16 KiB back
+                assert via("allgather", "auto", 8 << 10)
+                assert via("broadcast", "auto", 16 << 10) != skip
+                assert via("broadcast", "auto", 32 << 10)
+                c.size = 2  # one receiver: its copy back is queued, nothing waits for it
+                assert via("broadcast", "auto", 8)
+                c.size = 4
+            c.size, c._gpu = 1, None  # as they were, for close()

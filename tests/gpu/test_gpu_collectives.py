@@ -78,6 +78,15 @@ def comm_small(_device):
 
 
 @pytest.fixture(scope="module")
+def comm_host(_device):
+    """The host path for every small message: explicit limits are obeyed as they are,
+    also on a GPU the ranks share (where auto's default keeps small copies off it)."""
+    c = pycoll.init(timeout=120, device_host_bytes=128 << 10)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
 def comm_staged(_device):
     c = pycoll.init(timeout=120, device_transports=(), device_chunk_bytes=256 << 10)
     yield c
@@ -317,8 +326,12 @@ def test_direct_with_unshareable_memory(comm, op):
 @pytest.mark.parametrize(
     "dtype", [BF16, np.dtype(np.float16), np.dtype(np.int8), np.dtype(np.float64)], ids=str
 )
-def test_auto_small_messages_through_the_host(comm, dtype):
-    """auto below device_host_bytes: pinned copies and the host algorithms, every collective."""
+@pytest.mark.parametrize("which", ["comm", "comm_host"])
+def test_auto_small_messages_through_the_host(request, which, dtype):
+    """auto below device_host_bytes: pinned copies and the host algorithms, every
+    collective (with the default limits on a shared GPU, the device path for those
+    whose copy back would be under 32 KiB)."""
+    comm = request.getfixturevalue(which)
     count = 16381  # a prime; 8-byte elements stay within the 128 KiB default
     for op in ("sum", "max"):
         xs = [data(r, count, dtype, op) for r in range(SIZE)]
@@ -343,7 +356,8 @@ def test_auto_small_messages_through_the_host(comm, dtype):
     assert np.array_equal(to_host(b, dtype).view(np.uint8), xs[0].view(np.uint8))
 
 
-def test_fast_path_through_the_host(comm):
+def test_fast_path_through_the_host(comm_host):
+    comm = comm_host
     """Repeated calls on the same device arrays replay a plan: fresh data each
     time, a new current stream each time (the copies must follow it), every
     collective; a torch tensor whose storage is swapped takes the slow path."""
@@ -399,7 +413,8 @@ def test_fast_path_through_the_host(comm):
         assert_close(t.cpu().numpy(), reference(xs, "sum"), f32, SIZE, f"torch rep {rep}")
 
 
-def test_in_place_allgather_through_the_host(comm):
+def test_in_place_allgather_through_the_host(comm_host):
+    comm = comm_host
     """sendbuf is this rank's block of recvbuf (rank 0: the same address)."""
     k = 1021
     f32 = np.dtype(np.float32)
