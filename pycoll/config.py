@@ -46,10 +46,11 @@ DEVICE_HOST_BYTES = {
 
 #: Below this many bytes, a pinned copy to a GPU that other processes share waits
 #: about one time slice per other process (benchmarks/RESULTS.md, "Small copies to
-#: the device"); on such a GPU the host path is not taken when a rank's copy back
-#: would be that small, and the one-sided device path, which makes no such copy,
-#: runs instead.
-SLICED_COPY_BYTES = 32 << 10
+#: the device": on the H200, 271-278 us at n = 2 and 555 us at n = 4 up to 24 KiB,
+#: 9-14 us from 28 KiB); on such a GPU the host path is not taken when a rank's
+#: copy back would be that small, and the one-sided device path, which makes no
+#: such copy, runs instead.
+SLICED_COPY_BYTES = 28 << 10
 
 
 @dataclass(frozen=True)

@@ -350,7 +350,7 @@ def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
 
 def test_device_host_route_on_a_shared_gpu() -> None:
     """auto sends small device collectives through the host, except on a GPU every
-    rank shares where a rank's copy back to the device would be under 32 KiB (such
+    rank shares where a rank's copy back to the device would be under 28 KiB (such
     copies wait for the other processes' time slices), but for a broadcast between
     two ranks; explicit limits are obeyed as they are."""
     from types import SimpleNamespace
@@ -369,7 +369,8 @@ def test_device_host_route_on_a_shared_gpu() -> None:
                 c._gpu = SimpleNamespace(shared_device=shared)  # type: ignore[assignment]
                 skip = shared and not explicit
                 assert via("allreduce", "auto", 16 << 10) != skip
-                assert via("allreduce", "auto", 32 << 10)
+                assert via("allreduce", "auto", 28 << 10)
+                assert via("allreduce", "auto", (28 << 10) - 4) != skip
                 assert via("reduce", "auto", 16 << 10) != skip
                 assert via("reduce_scatter", "auto", 64 << 10) != skip  # 16 KiB back a rank
                 assert via("reduce_scatter", "auto", 128 << 10)

@@ -330,7 +330,7 @@ def test_direct_with_unshareable_memory(comm, op):
 def test_auto_small_messages_through_the_host(request, which, dtype):
     """auto below device_host_bytes: pinned copies and the host algorithms, every
     collective (with the default limits on a shared GPU, the device path for those
-    whose copy back would be under 32 KiB)."""
+    whose copy back would be under 28 KiB)."""
     comm = request.getfixturevalue(which)
     count = 16381  # a prime; 8-byte elements stay within the 128 KiB default
     for op in ("sum", "max"):
