@@ -280,11 +280,11 @@ def allgather(L: Links, x: Any, out: Any) -> None:
 def broadcast(L: Links, buf: Any, root: int) -> None:
     """Through one slot, else by address: the readers copy the root's buffer.
 
-    By address, unless ranks outnumber cores, the root does not wait idle: it
-    writes the last 1/n of each reader's buffer while the readers read the rest,
-    so every core copies (each reader reads (n-1)/n of it, the root writes
-    (n-1)/n of it in all).  When ranks outnumber cores the copies would only take
-    turns, so the readers read it all.
+    By address the root does not wait idle: it writes the last 1/n of each
+    reader's buffer while the readers read the rest (each reader reads (n-1)/n
+    of it, the root writes (n-1)/n of it in all).  That pays also where ranks
+    outnumber cores: on the 2-core machine at n = 3, 1-32 MiB took 15-35% less
+    time than with the readers reading it all, and at n = 4 as much or less.
 
     (Rounds of slots up to all K of them, the root copying in while the readers
     copy out, were up to 2x faster from 512 KiB to 2 MiB on the 2-core machine
@@ -295,7 +295,7 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
         return
     dl, bo = L.deadline, L.backoff
     others = _others(L.size, root)
-    cut = buf.size - (0 if L.crowded else buf.size // L.size)  # the root writes [cut:)
+    cut = buf.size - buf.size // L.size  # the root writes [cut:)
     tail = cut < buf.size
     if L.rank == root:
         # The root marks each step done like every rank, though it reads nothing:
