@@ -46,10 +46,14 @@ DIRECT_SLOT_BYTES = 256 << 10
 DIRECT_ALLGATHER_BIG = 2 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
 #: ... and from blocks of this size where ranks outnumber cores.  On the 2-core
-#: machine the ring won at n = 3 with 2.8 MB blocks in three runs of four (0.55-0.9
-#: of direct's time; direct won the fourth by 1.3x), and direct at n = 4 with
-#: 2 MiB blocks in every sweep and at 1-1.4 MB blocks.
-DIRECT_ALLGATHER_BIG_CROWDED = 5 << 19
+#: machine, with the code of 2026-11-29 (``sweep.py allgather -b 4M -e 32M -f 2
+#: --algorithm direct,ring -r 2``, two runs each at n = 3 and 4): direct took
+#: 0.53-0.56 of the ring's time at n = 3 with 2.8 MB blocks and 0.60-0.67 at n = 4
+#: with 2 MiB blocks, the ring 0.65-0.79 of direct's at n = 3 with 5.6 MB blocks
+#: and at n = 4 with 4 MiB blocks; the full sweeps of that day agree at 2.8 MB
+#: (direct 1.13-1.43x faster in three of three).  Earlier code had the ring ahead
+#: at 2.8 MB in three runs of four.
+DIRECT_ALLGATHER_BIG_CROWDED = 3 << 20
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N
