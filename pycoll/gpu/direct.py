@@ -33,7 +33,7 @@ Per collective on n ranks, with N the per-rank input:
 * reduce: the root reduces every input into its output.
 
 On a shared GPU the one rank that does the work does it in one launch: the
-allgather's n**2 block copies and a broadcast's copies to three or more ranks
+allgather's n**2 block copies and a broadcast's copies to two or more peers
 are one fan-out kernel, the reduce_scatter's n block reductions one kernel.  At
 n = 4 on an H200, 32 KiB-1 MiB, that took allgather from 294-404 us to 128-191 us
 and reduce_scatter from 201-294 us to 116-187 us (benchmarks/RESULTS.md).

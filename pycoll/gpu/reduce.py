@@ -165,9 +165,7 @@ def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
 # reduction of a collective (see pycoll.gpu.direct).  Each launch there costs
 # microseconds of host time and a slot in the device's queue, and n blocks of n
 # ranks make n**2 copies; these kernels do a collective's work in one launch.
-# Each thread handles one element index of every block, reading everything it
-# needs before it writes, so an output may alias the input it replaces (the
-# in-place allgather and reduce_scatter).
+# Each thread handles one element index of every block.
 
 
 def block_reduce(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., Any] | None:
@@ -214,7 +212,8 @@ def fan_out(sources: list[Any], outputs: list[Any]) -> None:
     """``outputs[o][p*k:(p+1)*k] = sources[p]`` for every o and p, in one kernel on
     the current stream (k = sources[p].size; one source is a broadcast, n sources
     an allgather).  The bytes move as the widest words (up to 16 bytes) that every
-    address and the block length allow.
+    address and the block length allow.  A thread reads all its words before it
+    writes any, so ``sources[p]`` may be block p of ``outputs[p]`` (in place).
     """
     nbytes = sources[0].nbytes
     if not nbytes:
