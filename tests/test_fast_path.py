@@ -323,3 +323,39 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
         _on_all(comms, body)
     # three sizes, each root once: (n - 1) writes a time at the root
     assert sum(writes) == 3 * n * (n - 1)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
+    """Blocks of up to three slots go through the slots in rounds; larger ones by
+    address (the peers' buffers read in place).  Every rank gets every block, for
+    odd sizes, in place and out of place."""
+    from pycoll.algorithms.direct import ALLGATHER_SLOT_ROUNDS
+
+    with communicators(n) as comms:
+        slot = comms[0]._group.slot_bytes
+        reads = [0] * n
+
+        def body(c: pycoll.Communicator) -> None:
+            assert c._group is not None and c._group.cma
+            real = c._group.read
+
+            def counted(*args: Any) -> None:
+                reads[c.rank] += 1
+                real(*args)
+
+            c._group.read = counted  # type: ignore[method-assign]
+            top = ALLGATHER_SLOT_ROUNDS * slot
+            for nbytes, by_address in [(slot + 8, False), (top, False), (top + 8, True)]:
+                k = nbytes // 8
+                xs = [np.random.default_rng([k, r]).random(k) for r in range(n)]
+                before = reads[c.rank]
+                out = c.allgather(xs[c.rank], np.full(n * k, np.nan), algorithm="direct")
+                assert np.array_equal(out, np.concatenate(xs)), (c.rank, nbytes)
+                buf = np.full(n * k, np.nan)
+                buf[c.rank * k : (c.rank + 1) * k] = xs[c.rank]
+                c.allgather(buf[c.rank * k : (c.rank + 1) * k], buf, algorithm="direct")
+                assert np.array_equal(buf, np.concatenate(xs)), (c.rank, nbytes, "in place")
+                assert (reads[c.rank] > before) == by_address, (c.rank, nbytes)
+
+        _on_all(comms, body)

@@ -69,6 +69,16 @@ def _by_address(G: Group, nbytes: int) -> bool:
     return G.cma and nbytes > G.slot_bytes
 
 
+#: allgather blocks of up to this many slots go through the slots in rounds, not
+#: by address.  On the 2-core machine (``sweep.py allgather -b 1M -e 8M -f 2
+#: --algorithm direct --baselines mpi -r 2``, two alternating runs each, 256 KiB
+#: slots) the rounds took 71-76 against 86-87 us at n = 2 with 512 KiB blocks,
+#: 210-265 against 283-289 us and 349-361 against 453-462 us at n = 3 with 350
+#: and 700 KB blocks, 344-377 against 486-553 us at n = 4 with 512 KiB blocks; at
+#: 1 MiB blocks they were no faster (n = 4: 1011-1148 against 915-1029 us).
+ALLGATHER_SLOT_ROUNDS = 3
+
+
 def _step(G: Group) -> int:
     G.seq += 1
     return G.seq
@@ -263,8 +273,10 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
 
 @register("allgather", "direct")
 def allgather(L: Links, x: Any, out: Any) -> None:
+    """Through the slots in rounds up to ALLGATHER_SLOT_ROUNDS of them, else by
+    address: each rank reads every peer's block."""
     G = _group(L)
-    if not _by_address(G, x.nbytes):
+    if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
         _slot_allgather(L, G, x, out)
         return
     dl, bo = L.deadline, L.backoff
