@@ -286,6 +286,18 @@ def test_crowded_is_one_verdict_for_all_ranks(
             assert c._links_cache and all(L.crowded is crowded for L in c._links_cache.values())
 
 
+def _count_calls(c: pycoll.Communicator, name: str, tally: list[int]) -> None:
+    """Count this rank's cross-memory ``read``s or ``write``s in ``tally[rank]``."""
+    assert c._group is not None and c._group.cma
+    real = getattr(c._group, name)
+
+    def counted(*args: Any) -> None:
+        tally[c.rank] += 1
+        real(*args)
+
+    setattr(c._group, name, counted)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("crowded", [False, True])
 def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> None:
@@ -301,14 +313,7 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
             c._links_cache.clear()
 
         def body(c: pycoll.Communicator) -> None:
-            assert c._group is not None and c._group.cma
-            real = c._group.write
-
-            def counted(*args: Any) -> None:
-                writes[c.rank] += 1
-                real(*args)
-
-            c._group.write = counted  # type: ignore[method-assign]
+            _count_calls(c, "write", writes)
             for count, dtype in [
                 (slot // 8 + 3, np.float64),
                 (3 * slot + 7, np.int8),
@@ -337,14 +342,7 @@ def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
         reads = [0] * n
 
         def body(c: pycoll.Communicator) -> None:
-            assert c._group is not None and c._group.cma
-            real = c._group.read
-
-            def counted(*args: Any) -> None:
-                reads[c.rank] += 1
-                real(*args)
-
-            c._group.read = counted  # type: ignore[method-assign]
+            _count_calls(c, "read", reads)
             top = ALLGATHER_SLOT_ROUNDS * slot
             for nbytes, by_address in [(slot + 8, False), (top, False), (top + 8, True)]:
                 k = nbytes // 8
