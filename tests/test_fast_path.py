@@ -333,8 +333,8 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
 @pytest.mark.parametrize("n", [2, 3])
 def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     """Blocks of up to three slots go through the slots in rounds; larger ones by
-    address (the peers' buffers read in place).  Every rank gets every block, for
-    odd sizes, in place and out of place."""
+    address (the peers' buffers read in place).  Every rank gets every block, on
+    both sides of the threshold, in place and out of place."""
     from pycoll.algorithms.direct import ALLGATHER_SLOT_ROUNDS
 
     with communicators(n) as comms:

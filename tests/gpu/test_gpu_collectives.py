@@ -357,10 +357,10 @@ def test_auto_small_messages_through_the_host(request, which, dtype):
 
 
 def test_fast_path_through_the_host(comm_host):
-    comm = comm_host
     """Repeated calls on the same device arrays replay a plan: fresh data each
     time, a new current stream each time (the copies must follow it), every
     collective; a torch tensor whose storage is swapped takes the slow path."""
+    comm = comm_host
     count = 4099
     f32 = np.dtype(np.float32)
     k = count // SIZE
@@ -414,8 +414,8 @@ def test_fast_path_through_the_host(comm_host):
 
 
 def test_in_place_allgather_through_the_host(comm_host):
-    comm = comm_host
     """sendbuf is this rank's block of recvbuf (rank 0: the same address)."""
+    comm = comm_host
     k = 1021
     f32 = np.dtype(np.float32)
     xs = [data(r, k, f32, "sum") for r in range(SIZE)]
