@@ -504,10 +504,7 @@ class Communicator:
         if recvbuf is None:
             recvbuf = _empty_like(x, (k,))
         out = self._output(recvbuf, x, k, what)
-        if _overlaps(x, out):
-            raise InvalidArgumentError(
-                f"rank {self.rank}: {what}: recvbuf overlaps sendbuf; use separate arrays"
-            )
+        self._check_alias(x, out, None, what)
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
@@ -709,8 +706,15 @@ class Communicator:
             )
         return out
 
-    def _check_alias(self, x: Buffer, out: Buffer, at: int, what: str) -> None:
-        """``out`` may hold ``x`` whole at byte ``at`` (in place) or not touch it."""
+    def _check_alias(self, x: Buffer, out: Buffer, at: int | None, what: str) -> None:
+        """``out`` may hold ``x`` whole at byte ``at`` (in place) or not touch it;
+        ``at`` None: the collective has no in-place form."""
+        if at is None:
+            if _overlaps(x, out):
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: {what}: recvbuf overlaps sendbuf; use separate arrays"
+                )
+            return
         if not _aliases(x, out, at):
             return
         if what == "allgather":
