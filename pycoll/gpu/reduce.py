@@ -141,16 +141,16 @@ def nary(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int = 1) -> Callable[
     return f
 
 
+def _chain(op: ReduceOp, n: int, at: str = "") -> str:
+    """``T acc = x0<at>; acc = acc OP x1<at>; ...``: the n inputs in rank order."""
+    step = _NARY_BODY[op]
+    return f"T acc = x0{at}; " + " ".join(step.format(x=f"x{i}{at}") for i in range(1, n))
+
+
 @functools.cache
 def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
     cp = _cupy()
-    step = _NARY_BODY[op]
-    body = (
-        "T acc = x0; "
-        + " ".join(step.format(x=f"x{i}") for i in range(1, n))
-        + " "
-        + " ".join(f"y{j} = acc;" for j in range(outs))
-    )
+    body = _chain(op, n) + " " + " ".join(f"y{j} = acc;" for j in range(outs))
     return cp.ElementwiseKernel(
         ", ".join(f"T x{i}" for i in range(n)),
         ", ".join(f"T y{j}" for j in range(outs)),
@@ -188,17 +188,10 @@ def block_reduce(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., An
 @functools.cache
 def _block_reduce_kernel(op: ReduceOp, n: int) -> Any:
     cp = _cupy()
-    step = _NARY_BODY[op]
-    blocks = []
-    for q in range(n):
-        at = f"[{q} * k + i]" if q else "[i]"
-        blocks.append(
-            "{ "
-            + f"T acc = x0{at}; "
-            + " ".join(step.format(x=f"x{p}{at}") for p in range(1, n))
-            + f" y{q}[i] = acc; "
-            + "}"
-        )
+    blocks = [
+        "{ " + _chain(op, n, f"[{q} * k + i]" if q else "[i]") + f" y{q}[i] = acc; }}"
+        for q in range(n)
+    ]
     return cp.ElementwiseKernel(
         ", ".join(f"raw T x{p}" for p in range(n)) + ", int64 k",
         ", ".join(f"raw T y{q}" for q in range(n)),
