@@ -295,6 +295,67 @@ def test_peer_disappears(pair):
     assert poll(a.cq)[0].status == e.IBV_WC_WR_FLUSH_ERR
 
 
+def _wait_until(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def _peer_closes_before_its_ack_is_read(a: Node, b: Node):
+    """a writes to b; b places the write (and ACKs it) and destroys its QP while
+    a's NIC has not read that ACK yet: the responses to a's requests travel on
+    another stream than b's requests, and nothing orders the two streams."""
+    connect(a, b)
+    mra = v.MR(a.pd, 64, RW)
+    mrb = v.MR(b.pd, 64, RW)
+    for i in range(2):
+        b.qp.post_recv(v.RecvWR(wr_id=100 + i))
+    imm = e.IBV_WR_RDMA_WRITE_WITH_IMM
+    a.qp.post_send(write_wr(1, mra, 8, mrb.rkey, mrb.buf, imm))
+    assert poll(a.cq)[0].status == e.IBV_WC_SUCCESS and poll(b.cq)[0].status == 0
+    assert _wait_until(lambda: a.qp.responder is not None)  # b's request stream is up
+    with a.ctx.engine.lock:  # a's NIC leaves the responses to its requests unread
+        a.qp.requester.link.pause()
+    a.qp.post_send(write_wr(2, mra, 8, mrb.rkey, mrb.buf + 8, imm))
+    (rw,) = poll(b.cq)  # b saw the write complete: its ACK has gone out
+    assert rw.status == e.IBV_WC_SUCCESS and rw.wr_id == 101
+    b.qp.close()  # as Communicator.close: local, both of b's streams end
+    responder = a.qp.responder
+    assert _wait_until(lambda: responder.link.closed)  # a's NIC saw b's request stream end
+    return mra, mrb
+
+
+@pytest.mark.timeout(30)
+def test_ack_sent_before_the_peer_closed_is_not_lost(pair):
+    """The end of the peer's request stream does not fail a write the peer
+    already acknowledged (a real HCA ACKs on placement, whatever the peer's
+    process does next); the peer's loss still puts the QP in ERR."""
+    a, b = pair
+    keep = _peer_closes_before_its_ack_is_read(a, b)
+    with a.ctx.engine.lock:
+        a.qp.requester.link.resume()
+    (sw,) = poll(a.cq)
+    assert sw.wr_id == 2 and sw.status == e.IBV_WC_SUCCESS, sw
+    # the requester stream's own end follows its ACKs: the QP then fails at once
+    assert _wait_until(lambda: a.qp.qp_state == e.IBV_QPS_ERR, 2.0)
+    del keep
+
+
+@pytest.mark.timeout(30)
+def test_unanswered_write_fails_soon_after_the_peer_request_stream_ends(pair):
+    """A write whose ACK never comes still fails with RETRY_EXC_ERR, within the
+    grace the provider gives the responses' stream, not after a transport timeout."""
+    a, b = pair
+    keep = _peer_closes_before_its_ack_is_read(a, b)  # and a never reads the ACK
+    t0 = time.monotonic()
+    (sw,) = poll(a.cq, timeout=10)
+    assert sw.wr_id == 2 and sw.status == e.IBV_WC_RETRY_EXC_ERR, sw
+    assert time.monotonic() - t0 < 5
+    assert a.qp.qp_state == e.IBV_QPS_ERR
+    del keep
+
+
 @pytest.mark.timeout(30)
 def test_peer_never_listening_gives_retry_exceeded():
     a, b = Node(), Node()

@@ -63,6 +63,11 @@ RNR_DELAY = [
     327.68, 491.52,
 ]  # fmt: skip
 PSN_MASK = 0xFFFFFF
+#: How long a QP whose peer ended its request stream still waits for the
+#: responses to its own requests, which come on the other stream
+#: (:meth:`Responder.on_link_lost`); twice what the peer's close may spend
+#: sending what it queued (``engine.CLOSE_FLUSH``).
+RESPONSE_GRACE = 1.0
 
 
 def _psn_le(a: int, b: int) -> bool:
@@ -303,8 +308,37 @@ class Responder:
             self.link.send(RESP.pack(ACK, psn, 0, 0))
 
     def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
-        if self.qp.responder is self and self.qp.qp_state != e.IBV_QPS_ERR:
-            self.qp._to_error(e.IBV_WC_RETRY_EXC_ERR)
+        """The peer's request stream ended: it destroyed its QP, or its process is gone.
+
+        The responses to *our* requests come back on the other stream, and nothing
+        orders the two (two sockets, each read when the selector lists it): ACKs
+        the peer sent before it closed may still be unread.  A real HCA acknowledges
+        a request when it places it, whatever the peer's process does next, so such
+        requests succeed.  With requests in flight the QP therefore waits for that
+        stream: its own end (the peer closed both) fails what is still unanswered,
+        and :data:`RESPONSE_GRACE` bounds the wait should it stay open.  With none,
+        the QP fails at once, so a receive from a peer that is gone is flushed.
+        """
+        qp = self.qp
+        if qp.responder is not self or qp.qp_state == e.IBV_QPS_ERR:
+            return
+        req = qp.requester
+        rlink = req.link if req is not None else None
+        if (
+            req is not None
+            and req.inflight
+            and rlink is not None
+            and rlink.established
+            and not rlink.closed
+        ):
+            qp.engine.call_later(RESPONSE_GRACE, self._peer_gone)
+            return
+        qp._to_error(e.IBV_WC_RETRY_EXC_ERR)
+
+    def _peer_gone(self) -> None:
+        qp = self.qp
+        if qp.responder is self and not qp._closed and qp.qp_state != e.IBV_QPS_ERR:
+            qp._to_error(e.IBV_WC_RETRY_EXC_ERR)
 
     def finish(self) -> None:
         self.after_read()
