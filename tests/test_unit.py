@@ -243,12 +243,13 @@ def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
 
 def test_cost_model_on_a_crowded_host() -> None:
     """Ranks outnumbering cores: allgather leaves direct reads for the ring from
-    3 MiB blocks (2 MiB otherwise); broadcast stays direct."""
+    8 MiB blocks (2 MiB otherwise); broadcast stays direct."""
     ag, bc = names("allgather"), names("broadcast")
     for n in (3, 4):
         assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, True) == "direct"
-        assert cost.choose("allgather", ag, n, 2796200, 1 << 20, True) == "direct"
-        assert cost.choose("allgather", ag, n, 4 << 20, 1 << 20, True) == "ring"
+        assert cost.choose("allgather", ag, n, 5592404, 1 << 20, True) == "direct"
+        assert cost.choose("allgather", ag, n, (8 << 20) - 4, 1 << 20, True) == "direct"
+        assert cost.choose("allgather", ag, n, 8 << 20, 1 << 20, True) == "ring"
         assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, False) == "ring"
         for size in (8, cost.DIRECT_SLOT_BYTES, 2 << 20, 1 << 28):
             assert cost.choose("broadcast", bc, n, size, 1 << 20, True) == "direct"

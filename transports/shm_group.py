@@ -10,12 +10,11 @@ outlives the job.
 Layout (offsets in bytes)::
 
     0        header: magic, version, ranks, slot_bytes, slots (K)
-    4096     control, LINE bytes a rank (160 + 16 K + 16 ranks, rounded up to
-             64): "posted" and "done" counters on their own cache lines, then
-             pid, pid namespace, a "closed" flag, the address of the rank's
-             mapping (for the direct-read probe), a posted (address, length)
-             range per slot index and 2 * ranks marks (:meth:`ShmGroup.mark`);
-             beside "posted", the CPU the rank last ran on (:meth:`ShmGroup.cpu`)
+    4096     control, LINE bytes a rank (160 + 16 K, rounded up to 64): "posted"
+             and "done" counters on their own cache lines, then pid, pid
+             namespace, a "closed" flag, the address of the rank's mapping (for
+             the direct-read probe) and a posted (address, length) range per
+             slot index
     DATA0    slots: rank j's slot i at DATA0 + (K j + i) * slot_bytes
 
 Protocol.  Every rank counts the same sequence numbers (one per step of a
@@ -42,7 +41,6 @@ the awaited rank is alive and that the deadline has not passed.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -65,11 +63,6 @@ from transports.base import (
 
 log = logging.getLogger(__name__)
 
-try:
-    _sched_getcpu: Callable[[], int] | None = ctypes.CDLL(None).sched_getcpu
-except (OSError, AttributeError):  # pragma: no cover - not glibc
-    _sched_getcpu = None
-
 TRANSPORT = "shm"
 #: Default bytes of one slot; PYCOLL_GROUP_SLOT_BYTES sets it.
 SLOT_BYTES = 256 << 10
@@ -77,27 +70,22 @@ SLOT_BYTES = 256 << 10
 SLOTS = 8
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 3
+_VERSION = 2
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
 _CTRL0 = 4096
-_POSTED, _CPU, _DONE, _PID, _PIDNS, _CLOSED, _MAPADDR, _RANGES = 0, 8, 64, 128, 136, 144, 152, 160
+_POSTED, _DONE, _PID, _PIDNS, _CLOSED, _MAPADDR, _RANGES = 0, 64, 128, 136, 144, 152, 160
 _RANGE = struct.Struct("<QQ")
 
 
-def _marks(slots: int) -> int:
-    """Offset of the marks in a control line: after the fields and a range per slot."""
-    return _RANGES + slots * _RANGE.size
-
-
-def _line(slots: int, size: int) -> int:
-    """Bytes of a rank's control line: the fields, a range per slot, 2 marks per rank."""
-    return -(-(_marks(slots) + 16 * size) // 64) * 64
+def _line(slots: int) -> int:
+    """Bytes of a rank's control line: the fields, then a range per slot."""
+    return -(-(_RANGES + slots * _RANGE.size) // 64) * 64
 
 
 def _data0(size: int, slots: int) -> int:
-    return _CTRL0 + -(-size * _line(slots, size) // _PAGE) * _PAGE
+    return _CTRL0 + -(-size * _line(slots) // _PAGE) * _PAGE
 
 
 def segment_bytes(size: int, slot_bytes: int, slots: int = SLOTS) -> int:
@@ -129,18 +117,12 @@ class ShmGroup:
         self.rank = rank
         self._creator = creator
         _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
-        n, self._line = self.size, _line(self.slots, self.size)
+        n, self._line = self.size, _line(self.slots)
         ln = self._line
         self._buf = np.frombuffer(mm, np.uint8)
         self._posted = [_atomic.Counter(mm, _CTRL0 + j * ln + _POSTED) for j in range(n)]
         self._done = [_atomic.Counter(mm, _CTRL0 + j * ln + _DONE) for j in range(n)]
         self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + _CLOSED) for j in range(n)]
-        self._cpu = [_atomic.Counter(mm, _CTRL0 + j * ln + _CPU) for j in range(n)]
-        m0 = _marks(self.slots)
-        self._marks = [
-            [_atomic.Counter(mm, _CTRL0 + j * ln + m0 + 8 * i) for i in range(2 * n)]
-            for j in range(n)
-        ]
         self._my_posted = self._posted[rank].store
         self._my_done = self._done[rank].store
         # what we know for sure of each rank's "done", to skip loads
@@ -322,35 +304,6 @@ class ShmGroup:
         self._my_done(seq - 1)
         self._my_posted(seq)
 
-    def ready(self, j: int, seq: int) -> bool:
-        """Whether rank ``j`` has posted step ``seq`` (without waiting)."""
-        if self._posted[j].load() < seq:
-            return False
-        self._known_done[j] = max(self._known_done[j], seq - 1)
-        return True
-
-    def note_cpu(self) -> None:
-        """Publish the CPU this rank runs on now (for :meth:`cpu`)."""
-        if _sched_getcpu is not None:
-            self._cpu[self.rank].store(_sched_getcpu() + 1)
-
-    def cpu(self, j: int) -> int:
-        """The CPU rank ``j`` last published with :meth:`note_cpu`, or -1 if none.
-
-        Where ranks outnumber cores, those that share a CPU take turns on it.
-        """
-        return self._cpu[j].load() - 1
-
-    def set_mark(self, i: int, value: int) -> None:
-        """Publish this rank's mark ``i`` (of ``2 * size``): a counter of the
-        algorithm's own, such as how far it got through a peer's block."""
-        self._marks[self.rank][i].store(value)
-
-    def mark(self, j: int, i: int) -> int:
-        """Rank ``j``'s mark ``i`` (stored with release, loaded with acquire
-        semantics, like the step counters)."""
-        return self._marks[j][i].load()
-
     def done(self, seq: int) -> None:
         """Say that this rank has finished reading everything of step ``seq``."""
         self._my_done(seq)
@@ -474,8 +427,7 @@ class ShmGroup:
             self._closed_flag[self.rank].store(1)
         except ValueError:
             pass
-        marks = (c for row in self._marks for c in row)
-        for c in (*self._posted, *self._done, *self._closed_flag, *self._cpu, *marks):
+        for c in (*self._posted, *self._done, *self._closed_flag):
             c.release_buffer()
         self._my_posted = self._my_done = _closed  # they held the counters' memory
         self._views.clear()

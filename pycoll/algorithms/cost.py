@@ -52,8 +52,12 @@ DIRECT_ALLGATHER_BYTES = 1.25
 #: with 2 MiB blocks, the ring 0.65-0.79 of direct's at n = 3 with 5.6 MB blocks
 #: and at n = 4 with 4 MiB blocks; the full sweeps of that day agree at 2.8 MB
 #: (direct 1.13-1.43x faster in three of three).  Earlier code had the ring ahead
-#: at 2.8 MB in three runs of four.
-DIRECT_ALLGATHER_BIG_CROWDED = 3 << 20
+#: at 2.8 MB in three runs of four.  Since direct reads large blocks out of the
+#: peers' outputs (``ALLGATHER_READ_OUTPUT_CROWDED``), direct took 3187 against
+#: 3327 us at n = 3 with 5.6 MB blocks and 3841 against 4601 at n = 4 with 4 MiB
+#: blocks; with 8 MiB blocks and up they were within 10% either way (n = 4:
+#: 7581 against 8456 us; n = 3, 11 MB: 7581 against 7290), so 8 MiB.
+DIRECT_ALLGATHER_BIG_CROWDED = 8 << 20
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N

@@ -25,8 +25,6 @@ allreduce: slots: everyone reduces every contribution.  By address: rank r
     posts its output, then reads every other finished segment (an allgather).
     Per rank (n-1)/n N read and reduced, (n-1)/n N read.
 allgather: rank r reads every peer's block into its output; (n-1) k read.
-    Where ranks outnumber cores, a rank alone on its CPU also writes its own
-    block into the outputs of ranks that share one, meeting their reads.
 broadcast: every non-root reads the root's buffer; N read.
 reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
 reduce: a reduce-scatter into segments, then the root reads every segment.
@@ -79,6 +77,23 @@ def _by_address(G: Group, nbytes: int) -> bool:
 #: and 700 KB blocks, 344-377 against 486-553 us at n = 4 with 512 KiB blocks; at
 #: 1 MiB blocks they were no faster (n = 4: 1011-1148 against 915-1029 us).
 ALLGATHER_SLOT_ROUNDS = 3
+#: By address, blocks of this size and up (..._CROWDED where ranks outnumber
+#: cores) are read out of the peers' outputs (block j of rank j's, which rank j
+#: has just written) rather than out of their inputs.  On the 2-core machine a
+#: cross-memory read of a block its owner had just written ran at 17-20 GB/s
+#: against 12 for its input (2.8 MB, two processes), but the owner's next write
+#: of memory another process had read took longer (2.8 MB: 97 against 65 us),
+#: at times far longer (1 MiB: 420 against 24 us): small blocks come from the
+#: input.  Alternating runs of ``sweep.py allgather -b 2M -e 32M -f 2
+#: --algorithm direct``, these thresholds against reading inputs only: n = 2,
+#: 16 and 32 MiB (8 and 16 MiB blocks) 1465-1742 against 2056-2071 us and
+#: 2953-3015 against 5343-6092; n = 3, 8 and 32 MiB 1358-1574 against 1896-2077
+#: and 7094-8428 against 10574-10805; n = 4, 8 and 32 MiB 1695-1820 against
+#: 2258-2791 and 7443-9060 against 11001-11437.  Smaller blocks from the
+#: outputs lost: 806-1942 against 856-948 us at n = 3 with 1.4 MB blocks;
+#: 632-660 against 144-148 us at n = 2 with 1 MiB blocks in a slow phase.
+ALLGATHER_READ_OUTPUT_BYTES = 8 << 20
+ALLGATHER_READ_OUTPUT_CROWDED = 2 << 20
 
 
 def _step(G: Group) -> int:
@@ -276,106 +291,22 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
 @register("allgather", "direct")
 def allgather(L: Links, x: Any, out: Any) -> None:
     """Through the slots in rounds up to ALLGATHER_SLOT_ROUNDS of them, else by
-    address, each block shared between its reader and its owner (below)."""
+    address: each rank reads every peer's block, out of the peer's input, or
+    from ALLGATHER_READ_OUTPUT_BYTES (..._CROWDED) up out of its output."""
     G = _group(L)
     if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
         _slot_allgather(L, G, x, out)
         return
-    _shared_allgather(L, G, x.size, out)
-
-
-#: By address, where a block may be copied from both ends, it moves in pieces of
-#: this size (see _shared_allgather): about 40 us of cross-memory copy on the
-#: 2-core machine (12 GB/s), against a few us of system call a piece.
-SHARE_PIECE_BYTES = 512 << 10
-#: A mark holds ``step * _STAMP + pieces``: a mark left from an earlier step reads as none.
-_STAMP = 1 << 24
-
-
-def _shared_allgather(L: Links, G: Group, k: int, out: Any) -> None:
-    """Every block of ``out`` (``k`` elements each; ours is in place) reaches
-    every rank; a rank with a core to itself also does the copies of those that
-    share one.
-
-    Block j must reach rank i: i can read it out of j's buffer, or j can write it
-    into i's, the same one kernel copy either way.  Each rank reads the peers'
-    blocks.  Where ranks outnumber cores, a rank that no other rank shares a CPU
-    with (as they last told, :meth:`Group.cpu`) also writes its own block into
-    the buffers of those that share one, from the back, piece by piece, while
-    they read from the front, each publishing how far it got (marks), until they
-    meet.  Without it, such a rank waits with a core to itself while the others
-    queue for theirs (on the 2-core machine with 3 ranks, one core did two thirds
-    of the copies), and the scheduler does not move them: the waiter's core never
-    falls idle.  The readers read such a rank's block last, to leave it time.
-
-    On the 2-core machine at n = 3 (three alternating runs of ``sweep.py
-    allgather -b 2M -e 32M -f 2 --algorithm direct``, against reading alone):
-    8 MiB took 1448-2204 against 2177-2878 us, 16 MiB 3117-5034 against
-    5025-7080, 32 MiB 6699-7560 against 9254-9882; 4 MiB (1.4 MB blocks) the
-    same, 857-950 against 866-928.  Blocks of up to ALLGATHER_SLOT_ROUNDS slots
-    stay faster through the slots (2 MiB: 353-921 against 449-1262 us).
-
-    When both ends copy the same piece at once, both write the same bytes.  The
-    sources are never written during the step, and no rank returns before every
-    rank said it is done, writes included."""
-    n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
-    isz = out.itemsize
-    s = _post_buffer(L, G, out)
-    G.note_cpu()
-    cpus = [G.cpu(j) for j in range(n)]
-
-    def alone(j: int) -> bool:
-        return L.crowded and cpus[j] >= 0 and cpus.count(cpus[j]) == 1
-
-    peers = _others(n, r)
-    writer = {j: alone(j) and not alone(r) for j in peers}  # j may write its block to us
-    reading = sorted(peers, key=writer.__getitem__)  # those blocks last
-    writing = [i for i in peers if not alone(i)] if alone(r) else []
-    base = s * _STAMP
-    step = max(1, SHARE_PIECE_BYTES // isz)
-    pieces = -(-k // step)
-    assert pieces < _STAMP
-    front = dict.fromkeys(peers, 0)  # pieces we read of each peer's block
-    back = dict.fromkeys(peers, pieces)  # our block from here on is in each peer's output
-
-    def theirs(j: int, i: int, none: int) -> int:
-        v = G.mark(j, i)
-        return v - base if v >= base else none
-
-    while reading or writing:
-        moved = False
-        for j in reading:
-            if not G.ready(j, s):
-                continue
-            f, b = front[j], theirs(j, n + r, pieces)  # j wrote [b, pieces) into ours
-            if f >= b:
-                reading.remove(j)
-            else:
-                g = f + 1 if writer[j] else b  # a piece at a time where j may write
-                lo, hi = j * k + f * step, j * k + min(g * step, k)
-                G.read(j, s, lo * isz, out[lo:hi])
-                front[j] = g
-                G.set_mark(j, base + g)
-            moved = True
-            break
-        if not moved:
-            for i in writing:
-                if not G.ready(i, s):
-                    continue
-                b = back[i]
-                if b <= theirs(i, r, 0):  # i read the rest
-                    writing.remove(i)
-                else:
-                    lo, hi = r * k + (b - 1) * step, r * k + min(b * step, k)
-                    G.write(i, s, lo * isz, out[lo:hi])
-                    back[i] = b - 1
-                    G.set_mark(n + i, base + b - 1)
-                moved = True
-                break
-        late = None if moved else next((j for j in peers if not G.ready(j, s)), None)
-        if late is not None:
-            G.wait((late,), s, dl, bo)
+    k = x.size
+    # our block of out holds x already (the caller placed it)
+    from_out = x.nbytes >= (
+        ALLGATHER_READ_OUTPUT_CROWDED if L.crowded else ALLGATHER_READ_OUTPUT_BYTES
+    )
+    s = _post_buffer(L, G, out if from_out else x)
+    for j in _others(L.size, L.rank):
+        G.wait((j,), s, dl, bo)
+        G.read(j, s, j * k * x.itemsize if from_out else 0, out[j * k : (j + 1) * k])
     _finish(L, G, s)
 
 

@@ -67,26 +67,6 @@ class Group(Protocol):
         """Until every rank of ``peers`` is done with step ``seq``."""
         ...
 
-    def ready(self, j: int, seq: int) -> bool:
-        """Whether rank j has posted step ``seq`` (without waiting)."""
-        ...
-
-    def note_cpu(self) -> None:
-        """Publish the CPU this rank runs on now."""
-        ...
-
-    def cpu(self, j: int) -> int:
-        """The CPU rank j last published, or -1."""
-        ...
-
-    def set_mark(self, i: int, value: int) -> None:
-        """Publish this rank's mark ``i`` (of ``2 * size``), an algorithm's own counter."""
-        ...
-
-    def mark(self, j: int, i: int) -> int:
-        """Rank j's mark ``i``."""
-        ...
-
     def read(self, j: int, seq: int, offset: int, out: Any) -> None:
         """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
         ...
