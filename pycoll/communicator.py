@@ -22,7 +22,7 @@ from pycoll import algorithms
 from pycoll.algorithms import cost, direct
 from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
-from pycoll.buffers import Buffer, as_buffer, device_signature
+from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature
 from pycoll.config import SLICED_COPY_BYTES, TRACE, Config, setup_logging
 from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
@@ -782,8 +782,13 @@ class Communicator:
             return True
         if self.config.device_host_bytes is not None:
             return True
-        back = {"allgather": nbytes * self.size, "reduce_scatter": nbytes // self.size}
-        return back.get(what, nbytes) >= SLICED_COPY_BYTES
+        if what == "allgather":
+            back = nbytes * self.size
+        elif what == "reduce_scatter":
+            back = nbytes // self.size
+        else:
+            back = nbytes
+        return back >= SLICED_COPY_BYTES
 
     def _device_algorithm(self, what: str, requested: str, algo: str) -> str:
         """The algorithm for device buffers: ``direct`` (one-sided windows between
@@ -1327,8 +1332,6 @@ def _aliases(x: Buffer, out: Buffer, at: int) -> bool:
     """Whether ``out`` overlaps ``x`` other than by holding it whole at byte ``at``."""
     if out is x or not _overlaps(x, out):
         return False
-    from pycoll.buffers import data_ptr
-
     return bool(data_ptr(x.flat) != data_ptr(out.flat) + at)
 
 
@@ -1341,8 +1344,6 @@ def _same(a: Any, b: Any) -> bool:
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     if a.device != b.device:
         return False
-    from pycoll.buffers import data_ptr
-
     pa, pb = data_ptr(a.flat), data_ptr(b.flat)
     return pa < pb + b.nbytes and pb < pa + a.nbytes
 

@@ -323,14 +323,8 @@ class Responder:
         if qp.responder is not self or qp.qp_state == e.IBV_QPS_ERR:
             return
         req = qp.requester
-        rlink = req.link if req is not None else None
-        if (
-            req is not None
-            and req.inflight
-            and rlink is not None
-            and rlink.established
-            and not rlink.closed
-        ):
+        rlink = req.link if req is not None and req.inflight else None
+        if rlink is not None and rlink.established and not rlink.closed:
             qp.engine.call_later(RESPONSE_GRACE, self._peer_gone)
             return
         qp._to_error(e.IBV_WC_RETRY_EXC_ERR)
