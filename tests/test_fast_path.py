@@ -330,6 +330,37 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
     assert sum(writes) == 3 * n * (n - 1)
 
 
+@pytest.mark.parametrize("cma", [True, False])
+@pytest.mark.parametrize("n", [2, 3])
+def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
+    n: int, cma: bool
+) -> None:
+    """Up to ``ahead`` rounds of slots are all written before any is read (more
+    go round by round, here without direct reads): a root's broadcasts straight
+    after, which wait for no reader, must not rewrite a slot a slow peer has
+    still to read."""
+    with communicators(n) as comms:
+        G = comms[0]._group
+        slot, ahead, K = G.slot_bytes, G.ahead, G.slots
+        for c in comms:
+            c._group.cma = cma
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            sizes = [2 * slot, ahead * slot] + ([] if cma else [(ahead + 2) * slot])
+            for it, nbytes in enumerate(sizes):
+                k = nbytes // 8
+                xs = [np.random.default_rng([k, q, it]).random(k) for q in range(n)]
+                out = c.allgather(xs[r], np.full(n * k, np.nan), algorithm="direct")
+                assert np.array_equal(out, np.concatenate(xs)), (r, nbytes)
+                for b in range(K + 2):  # each a step of the slots
+                    buf = np.full(64, float(b) if r == 0 else np.nan)
+                    c.broadcast(buf, root=0, algorithm="direct")
+                    assert (buf == b).all(), (r, nbytes, b)
+
+        _on_all(comms, body)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     """Blocks of up to three slots go through the slots in rounds; larger ones by

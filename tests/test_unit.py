@@ -350,6 +350,40 @@ def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
         a.close()
 
 
+@pytest.mark.parametrize("k", [2, 8])
+def test_group_segment_steps_posted_ahead_are_not_taken_as_consumed(k: int) -> None:
+    """A rank may post up to ``ahead`` steps before it reads them (``consumed=False``
+    after the first): a peer that sees those steps still waits for its ``done``
+    before rewriting a slot it has yet to read."""
+    import secrets
+
+    from transports.base import Backoff, Deadline, TransportTimeout
+    from transports.shm_group import AHEAD, ShmGroup
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+    token = secrets.token_bytes(8)
+    a = ShmGroup.create(token, 0, 2, 4096, slots=k)
+    b = ShmGroup.attach(token, 1, 2, 5.0)
+    try:
+        a.unlink()
+        assert a.ahead == b.ahead == min(AHEAD, k)
+        for s in range(1, a.ahead + 1):
+            a.claim(s, Deadline.after(5), quick)
+            a.post(s, consumed=s == 1)
+        b.wait([0], a.ahead, Deadline.after(5), quick)
+        for s in range(1, k + 1):
+            b.claim(s, Deadline.after(5), quick)  # fresh slots
+        with pytest.raises(TransportTimeout):
+            b.claim(k + 1, Deadline.after(0.05), quick)  # a has not read step 1 yet
+        a.done(1)
+        b.claim(k + 1, Deadline.after(5), quick)
+        with pytest.raises(TransportTimeout):
+            b.claim(k + 2, Deadline.after(0.05), quick)
+    finally:
+        b.close()
+        a.close()
+
+
 def test_device_host_route_on_a_shared_gpu() -> None:
     """auto sends small device collectives through the host, except on a GPU every
     rank shares where a rank's copy back to the device would be under 28 KiB (such

@@ -23,12 +23,15 @@ range ``s % K``) and then stores ``posted = s`` with release semantics; a reader
 loads ``posted`` with acquire semantics (:mod:`transports._atomic`), then reads
 the slot or the range.  A reader that has finished with everything of step
 ``s`` stores ``done = s``; :meth:`ShmGroup.post` of step ``s`` stores
-``done = s - 1`` first, since a rank never posts a step before it has consumed
-the one before.  So a slot or range is rewritten (step ``s + K``) only after
-every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`): a rank runs up to K
-steps ahead of the slowest peer, so back-to-back small collectives rarely wait
-on a descheduled one.  A posted user buffer is returned to its owner only after
-every reader said ``done`` (:meth:`ShmGroup.wait_done`).
+``done = s - 1`` first, unless the caller says it has not consumed that step
+yet.  A rank may post up to ``ahead`` (``min(AHEAD, K)``) steps it has not
+consumed (several rounds of slots written before any is read), never more: so
+a peer seen at step ``s`` has consumed step ``s - ahead``, and :meth:`claim`
+need not load its ``done`` for that.  A slot or range is rewritten (step
+``s + K``) only after every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`):
+a rank runs up to K steps ahead of the slowest peer, so back-to-back small
+collectives rarely wait on a descheduled one.  A posted user buffer is returned
+to its owner only after every reader said ``done`` (:meth:`ShmGroup.wait_done`).
 
 Large ranges are read with cross-memory attach (:mod:`transports._cma`): one
 copy, by the reader, out of the owner's memory.  :meth:`ShmGroup.probe` checks
@@ -68,6 +71,8 @@ TRANSPORT = "shm"
 SLOT_BYTES = 256 << 10
 #: Slots per rank (K): a rank may run this many steps ahead of the slowest peer.
 SLOTS = 8
+#: Steps a rank may post before it has consumed them (at most K; see ``post``).
+AHEAD = 4
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
 _VERSION = 2
@@ -109,6 +114,7 @@ class ShmGroup:
         slots: slots per rank (K); step ``s`` uses slot (and range) ``s % K``.
         cma: whether peers' posted ranges may be read and written directly (set
             by the layer above once every rank's :meth:`probe` succeeded).
+        ahead: how many steps a rank may post before it has consumed them.
     """
 
     def __init__(self, mm: mmap.mmap, name: str, rank: int, creator: bool) -> None:
@@ -117,6 +123,7 @@ class ShmGroup:
         self.rank = rank
         self._creator = creator
         _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
+        self.ahead = min(AHEAD, self.slots)
         n, self._line = self.size, _line(self.slots)
         ln = self._line
         self._buf = np.frombuffer(mm, np.uint8)
@@ -291,17 +298,20 @@ class ShmGroup:
             if known[j] < need and j != self.rank:
                 self._wait(self._done, j, need, deadline, backoff)
 
-    def post(self, seq: int, addr: int = 0, nbytes: int = 0) -> None:
+    def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
         read ``[addr, addr + nbytes)`` of this process's memory until they are done.
 
         The range is kept per slot index (``seq % slots``), like the slots: :meth:`claim`
-        the step first.
+        the step first.  ``consumed``: this rank is done with step ``seq - 1``
+        (else it says so later with :meth:`done`; it must have consumed step
+        ``seq - ahead``).
         """
         if nbytes:
             off = _CTRL0 + self.rank * self._line + _RANGES + (seq % self.slots) * _RANGE.size
             _RANGE.pack_into(self._mm, off, addr, nbytes)
-        self._my_done(seq - 1)
+        if consumed:
+            self._my_done(seq - 1)
         self._my_posted(seq)
 
     def done(self, seq: int) -> None:
@@ -312,10 +322,11 @@ class ShmGroup:
         """Wait until every rank of ``peers`` posted step ``seq``."""
         posted = self._posted
         known = self._known_done
+        ahead = self.ahead
         for j in peers:
             if posted[j].load() < seq:
                 self._wait(posted, j, seq, deadline, backoff)
-            known[j] = max(known[j], seq - 1)
+            known[j] = max(known[j], seq - ahead)
 
     def wait_done(
         self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff

@@ -14,7 +14,8 @@ Larger ones, when the group allows direct reads, go by address: a rank posts
 where its buffer is and the readers copy out of it with one kernel copy each
 (``read``); the collective ends when every reader said it is done, so no buffer
 is returned to its owner while a peer still reads it.  Without direct reads,
-larger messages go through the slots in rounds of a slot each.
+larger messages go through the slots in rounds of a slot each (an allgather
+writes up to ``G.ahead`` rounds before it reads any).
 
 Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
 and every element is reduced by one rank only (or by every rank identically), so
@@ -172,16 +173,34 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
 
 
 def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
+    """Round by round; when there are at most ``G.ahead`` rounds, every round is
+    written and posted before any is read: a rank that shares its core then
+    does its part in one go, instead of waiting for its peers once a round."""
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = x.size
-    for lo, hi, s, v in _rounds(G, x.dtype, k, max(1, G.slot_bytes // x.itemsize)):
+    per_round = max(1, G.slot_bytes // x.itemsize)
+    rounds = _rounds(G, x.dtype, k, per_round)
+    if -(-k // per_round) > G.ahead:
+        for lo, hi, s, v in rounds:
+            G.claim(s, dl, bo)
+            v[r][...] = x[lo:hi]
+            G.post(s)
+            G.wait(others, s, dl, bo)
+            for j in others:
+                out[j * k + lo : j * k + hi] = v[j]
+            G.done(s)
+        return
+    written: list[Any] = []
+    for lo, hi, s, v in rounds:
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
-        G.post(s)
-        G.wait(others, s, dl, bo)
+        G.post(s, consumed=not written)  # the steps before this call's first are consumed
+        written.append((lo, hi, s, v))
+    for lo, hi, s, v in written:
         for j in others:
+            G.wait((j,), s, dl, bo)
             out[j * k + lo : j * k + hi] = v[j]
         G.done(s)
 

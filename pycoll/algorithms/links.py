@@ -40,6 +40,7 @@ class Group(Protocol):
     slots: int  # slots per rank (K); step s uses slot s % K
     cma: bool  # whether posted ranges may be read and written (else all goes by slots)
     seq: int  # the last step this rank used
+    ahead: int  # steps a rank may post before it has consumed them (at most slots)
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
         """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
@@ -49,8 +50,9 @@ class Group(Protocol):
         """Wait until this rank may rewrite its slot for step ``seq``."""
         ...
 
-    def post(self, seq: int, addr: int = 0, nbytes: int = 0) -> None:
-        """Publish step ``seq`` (and a range of this process's memory peers may read)."""
+    def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
+        """Publish step ``seq`` (and a range of this process's memory peers may read);
+        ``consumed``: this rank is done with step ``seq - 1`` (see ``ahead``)."""
         ...
 
     def done(self, seq: int) -> None:
