@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import typing
@@ -307,23 +308,34 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
         a.close()
 
 
+@contextlib.contextmanager
+def _group_pair(k: int) -> typing.Iterator[tuple[typing.Any, typing.Any]]:
+    """Ranks 0 and 1 of a two-rank group segment with K = ``k`` slots of 4 KiB."""
+    import secrets
+
+    from transports.shm_group import ShmGroup
+
+    token = secrets.token_bytes(8)
+    a = ShmGroup.create(token, 0, 2, 4096, slots=k)
+    try:
+        b = ShmGroup.attach(token, 1, 2, 5.0)
+        try:
+            a.unlink()
+            yield a, b
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
 @pytest.mark.parametrize("k", [2, 8])
 def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
     """Step s uses slot and posted range s % K: a rank claims K steps without its
     peer, the next claim waits for the peer's done, and ranges of K steps coexist."""
-    import secrets
-
-    import numpy as np
-
     from transports.base import Backoff, Deadline, TransportError, TransportTimeout
-    from transports.shm_group import ShmGroup
 
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
-    token = secrets.token_bytes(8)
-    a = ShmGroup.create(token, 0, 2, 4096, slots=k)
-    b = ShmGroup.attach(token, 1, 2, 5.0)
-    try:
-        a.unlink()
+    with _group_pair(k) as (a, b):
         assert b.slots == k and len(b.views(np.uint8, 16)) == k
         srcs = [np.full(8 * s, s, np.uint8) for s in range(1, k + 1)]
         for s in range(1, k + 1):
@@ -345,9 +357,6 @@ def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
         a.claim(k + 1, Deadline.after(5), quick)
         with pytest.raises(TransportTimeout):
             a.claim(k + 2, Deadline.after(0.05), quick)
-    finally:
-        b.close()
-        a.close()
 
 
 @pytest.mark.parametrize("k", [2, 8])
@@ -355,17 +364,11 @@ def test_group_segment_steps_posted_ahead_are_not_taken_as_consumed(k: int) -> N
     """A rank may post up to ``ahead`` steps before it reads them (``consumed=False``
     after the first): a peer that sees those steps still waits for its ``done``
     before rewriting a slot it has yet to read."""
-    import secrets
-
     from transports.base import Backoff, Deadline, TransportTimeout
-    from transports.shm_group import AHEAD, ShmGroup
+    from transports.shm_group import AHEAD
 
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
-    token = secrets.token_bytes(8)
-    a = ShmGroup.create(token, 0, 2, 4096, slots=k)
-    b = ShmGroup.attach(token, 1, 2, 5.0)
-    try:
-        a.unlink()
+    with _group_pair(k) as (a, b):
         assert a.ahead == b.ahead == min(AHEAD, k)
         for s in range(1, a.ahead + 1):
             a.claim(s, Deadline.after(5), quick)
@@ -379,9 +382,6 @@ def test_group_segment_steps_posted_ahead_are_not_taken_as_consumed(k: int) -> N
         b.claim(k + 1, Deadline.after(5), quick)
         with pytest.raises(TransportTimeout):
             b.claim(k + 2, Deadline.after(0.05), quick)
-    finally:
-        b.close()
-        a.close()
 
 
 def test_device_host_route_on_a_shared_gpu() -> None:
