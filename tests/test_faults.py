@@ -36,6 +36,8 @@ def _mpich_segments() -> set[str]:
 def _remove_orphans(names: set[str]) -> None:
     """MPICH's own segments outlive a job one of whose ranks was killed: remove
     the job's new ones that no process still maps (another job's stay)."""
+    if not names:
+        return
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:

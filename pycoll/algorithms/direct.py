@@ -181,28 +181,26 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     others = _others(n, r)
     k = x.size
     per_round = max(1, G.slot_bytes // x.itemsize)
-    rounds = _rounds(G, x.dtype, k, per_round)
-    if -(-k // per_round) > G.ahead:
-        for lo, hi, s, v in rounds:
-            G.claim(s, dl, bo)
-            v[r][...] = x[lo:hi]
-            G.post(s)
-            G.wait(others, s, dl, bo)
+    ahead = -(-k // per_round) <= G.ahead
+    unread: list[Any] = []
+
+    def read() -> None:
+        for lo, hi, s, v in unread:
             for j in others:
+                G.wait((j,), s, dl, bo)
                 out[j * k + lo : j * k + hi] = v[j]
             G.done(s)
-        return
-    written: list[Any] = []
-    for lo, hi, s, v in rounds:
+        unread.clear()
+
+    for rnd in _rounds(G, x.dtype, k, per_round):
+        lo, hi, s, v = rnd
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
-        G.post(s, consumed=not written)  # the steps before this call's first are consumed
-        written.append((lo, hi, s, v))
-    for lo, hi, s, v in written:
-        for j in others:
-            G.wait((j,), s, dl, bo)
-            out[j * k + lo : j * k + hi] = v[j]
-        G.done(s)
+        G.post(s, consumed=not unread)  # with no round unread, step s - 1 is consumed
+        unread.append(rnd)
+        if not ahead:
+            read()
+    read()
 
 
 def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
