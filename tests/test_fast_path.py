@@ -10,6 +10,8 @@ threads (:mod:`tests.inproc`).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -177,12 +179,11 @@ def test_recorder_closing_and_plan_bounds() -> None:
             for a in arrays:
                 c.allreduce(a)
             assert len(c._plans) <= PLAN_MAX
-            # large arrays are not kept
+            # large arrays are not kept (see test_large_arrays_replay_weak_plans)
             big = np.ones(PLAN_MAX_BYTES // 4 + 1, np.float32)
-            before = len(c._plans)
             c.allreduce(big, op="max")
             c.allreduce(big, op="max")
-            assert len(c._plans) == before and all(p.x is not big for p in c._plans.values())
+            assert all(p.x is not big for p in (*c._plans.values(), *c._weak_plans.values()))
             c.barrier()
             return recent
 
@@ -192,7 +193,74 @@ def test_recorder_closing_and_plan_bounds() -> None:
             x = np.ones(2, np.float32)
             with pytest.raises(pycoll.CommunicatorClosedError):
                 c.allreduce(x, op="max")
-            assert not c._plans
+            assert not c._plans and not c._weak_plans
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_large_arrays_replay_weak_plans(n: int) -> None:
+    """Arrays over PLAN_MAX_BYTES get plans that hold them by weak references:
+    the replays give the slow path's results and objects, a dropped array takes
+    its plan with it (and is freed), and an array's memory cannot move while its
+    plan lives."""
+    k = PLAN_MAX_BYTES // 4 + 7  # float32 elements: just over the size of held plans
+    with communicators(n) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            x = np.empty(k, np.float32)
+            out = np.full(k, np.nan, np.float32)
+            g = np.full(n * k, np.nan, np.float32)
+            b = np.empty(k, np.float32)
+            rs = np.full(k, np.nan, np.float32)
+            src = np.empty(n * k, np.float32)
+            red = np.full(k, np.nan, np.float32)
+            base = np.arange(k, dtype=np.float32)
+            for it in range(3):  # the first call makes each plan, the others replay it
+                x[...] = base + r + it
+                exp = sum(base + q + it for q in range(n))
+                assert c.allreduce(x, out) is out
+                np.testing.assert_array_equal(out, exp)
+                assert c.allreduce(x) is x  # in place
+                np.testing.assert_array_equal(x, exp)
+                x[...] = base + r + it
+                assert c.allgather(x, g) is g
+                np.testing.assert_array_equal(g, np.concatenate([base + q + it for q in range(n)]))
+                fresh = c.allgather(x)
+                assert fresh.shape == (n, k) and fresh is not g
+                np.testing.assert_array_equal(fresh.reshape(-1), g)
+                for root in range(n):
+                    b[...] = base * (r + 1) + it
+                    assert c.broadcast(b, root=root) is b
+                    np.testing.assert_array_equal(b, base * (root + 1) + it)
+                src[...] = np.arange(n * k, dtype=np.float32) + r + it
+                assert c.reduce_scatter(src, rs, op="max") is rs
+                np.testing.assert_array_equal(rs, src[r * k : (r + 1) * k] - r + n - 1)
+                got = c.reduce(x, red if r == 0 else None, op="min")
+                assert got is (red if r == 0 else None)
+                if r == 0:
+                    np.testing.assert_array_equal(red, x - r)
+            plans = list(c._weak_plans.values())
+            assert plans and all(p.weak and isinstance(p.x, weakref.ref) for p in plans)
+            # a dropped array takes its plan with it, and nothing holds it
+            gone = weakref.ref(out)
+            held = len(c._weak_plans)
+            del out, plans
+            gc.collect()
+            assert gone() is None and len(c._weak_plans) == held - 1
+            # NumPy will not move an array's memory while a weak reference to it
+            # lives (resize refuses; .data cannot be set), and the plan checks the
+            # address before each replay besides
+            a = np.zeros(k, np.float32)
+            for _ in range(2):
+                c.allreduce(a, op="max")
+            with pytest.raises(ValueError, match="resize"):
+                a.resize(4 * k, refcheck=False)
+            a[...] = r + 1
+            assert c.allreduce(a, op="max") is a
+            np.testing.assert_array_equal(a, np.full(k, n, np.float32))
+            c.barrier()
+
+        _on_all(comms, body)
 
 
 def test_async_calls_and_queued_blocking_ones_bypass_plans() -> None:
