@@ -130,8 +130,8 @@ class Record:
 PLAN_MAX_BYTES = 256 << 10
 #: ... and at most this many plans (the oldest goes first).
 PLAN_MAX = 32
-#: Plans of larger arrays, which hold no memory: more of them, so that a
-#: training step's gradient buckets keep theirs.  (Making a plan costs a few
+#: Plans of larger arrays, which hold no memory (not even scratch): more of
+#: them, so that a training step's gradient buckets keep theirs.  (Making a plan costs a few
 #: microseconds more than the slow path: on the 2-core machine, 40 arrays of
 #: 280 KB allreduced in turn at n = 1 took 10.6 us a call with room for 32
 #: plans, 4.4 without plans for them, 2.9 with room for all.)
@@ -1275,7 +1275,10 @@ class Communicator:
         x, out, wrap = self._host_side(x, out)
         n, xa = self.size, x.flat
         is_root = self.rank == root
-        oa = out.flat if out is not None else np.empty_like(xa)  # scratch off the root
+        # Off the root the output is scratch.  A weak plan (large arrays) holds no
+        # memory: it takes fresh scratch each call, as the slow path does.
+        fresh = out is None and isinstance(x.obj, _Held)
+        oa = out.flat if out is not None else np.empty(0 if fresh else xa.size, xa.dtype)
         res = out.obj if out is not None else None
         avg = rop is ReduceOp.AVG and is_root
         if n == 1:
@@ -1292,7 +1295,7 @@ class Communicator:
             step = self._step("reduce", algo, x.dtype, rop, x.count, root)
 
             def run() -> Any:
-                step(xa, oa)
+                step(xa, np.empty_like(xa) if fresh else oa)
                 if avg:
                     finish_avg(oa, n)
                 return res
