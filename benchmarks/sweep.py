@@ -32,6 +32,12 @@ memory; its allreduce and reduce work in place on the output buffer), and
 ``nccl`` (torch.distributed, ``--device cuda`` only).  ``avg`` is a sum followed
 by a division for the baselines, as pycoll does it.  A baseline that cannot run
 (not installed, dtype or op unsupported) is skipped with a one-line reason.
+
+Host buffers are mapped one by one and backed by 2 MiB pages as ``--hugepages``
+says (default ``numpy``: from 4 MiB, as NumPy asks for them), so the kind of
+page, which changes the cost of a copy between processes by up to 2x at 2 MiB,
+does not depend on what the process allocated before (``benchmarks/hostmem.py``);
+each JSON record says what the kernel gave (``hugepage_frac``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hostmem
 from common import (
     BUSBW_FACTOR,
     COLLECTIVES,
@@ -100,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("host", "cuda"), default="host")
     ap.add_argument("--baselines", default="", help="comma list of mpi, gloo, nccl")
     ap.add_argument("--inplace", type=int, default=0, choices=(0, 1), help="in-place variants")
+    ap.add_argument(
+        "--hugepages",
+        choices=hostmem.POLICIES,
+        default="numpy",
+        help="host buffers on 2 MiB pages: numpy (from 4 MiB, as NumPy asks), on, off",
+    )
     ap.add_argument("-r", "--reps", type=int, default=1, help="repeat each measurement")
     ap.add_argument(
         "--max-time",
@@ -222,11 +235,19 @@ def input_bytes(case: Case) -> int:
     return count * case.dtype.itemsize
 
 
-def make_buffers(case: Case, xp: Any) -> Buffers:
+def make_buffers(case: Case, xp: Any, hugepages: str = "numpy") -> Buffers:
+    """Device buffers from ``xp``; host ones each in its own mapping, backed by
+    pages as ``hugepages`` says (see ``benchmarks/hostmem.py``)."""
+
+    def empty(count: int) -> Any:
+        if xp is np:
+            return hostmem.empty(count, case.dtype, hugepages)
+        return xp.empty(count, case.dtype)
+
     if case.collective == "broadcast":
-        b = xp.empty(case.count, case.dtype)
+        b = empty(case.count)
         return Buffers(b, b, xp)
-    return Buffers(xp.empty(case.send_count, case.dtype), xp.empty(case.recv_count, case.dtype), xp)
+    return Buffers(empty(case.send_count), empty(case.recv_count), xp)
 
 
 # --------------------------------------------------------------------------- systems
@@ -728,6 +749,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     say(f"# host(s): {', '.join(meta['hosts'])}  {meta.get('mpi', '')}")
     say("# time: per-call mean on the slowest rank; x<baseline> = baseline time / pycoll time")
+    if xp is np:
+        say(
+            f"# host buffers: one mapping each, hugepages {args.hugepages} "
+            "(2 MiB pages: numpy = from 4 MiB, as NumPy asks; JSON hugepage_frac)"
+        )
 
     sync = sync_fn(xp, runner)
     # A dry run of the timing loop: the first timed loop of a process came out
@@ -795,7 +821,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         busbws: dict[str, list[float]] = {a_: [] for a_ in algos}
         skip_said: set[tuple[str, str]] = set()
         for case in cases:
-            bufs = make_buffers(case, xp)
+            bufs = make_buffers(case, xp, args.hugepages)
             ref = expected(case, rank, n) if args.check else None
             # what auto picks: by the bytes each rank passes in (an allgather's
             # block, not nccl-tests' size, which is the whole output)
@@ -833,6 +859,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 prepared[sysm.label] = p
                 wsum = w.allreduce(wrong, op=MPI.SUM) if args.check else None
                 per_sys[sysm.label] = [{"wrong": wsum}]
+            # what the kernel gave the (now touched) buffers, mean over ranks
+            huge = None
+            if xp is np:
+                own = (bufs.send,) if bufs.send is bufs.recv else (bufs.send, bufs.recv)
+                fr = [f for f in w.allgather(hostmem.hugepage_fraction(*own)) if f is not None]
+                huge = round(statistics.mean(fr), 3) if fr else None
             for rep in range(args.reps):
                 for sysm in systems:
                     p = prepared.get(sysm.label)
@@ -866,6 +898,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "root": case.root,
                         "inplace": bool(args.inplace),
                         "device": args.device,
+                        "hugepages": args.hugepages if xp is np else None,
+                        "hugepage_frac": huge,
                         "iters": iters,
                         "warmup": args.warmup_iters,
                         "chunk_bytes": chunk,

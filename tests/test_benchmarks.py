@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.launch import mpiexec
@@ -55,6 +56,7 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     assert all(r["wrong"] == 0 for r in recs)
     for key in ("time_us", "algbw", "busbw", "algorithm", "transport", "dtype", "host", "date"):
         assert key in recs[0]
+    assert all(r["hugepages"] == "numpy" and 0 <= r["hugepage_frac"] <= 1 for r in recs)
     for coll in COLLECTIVES:
         assert (plots / f"{coll}.png").stat().st_size > 0
     # the fit runs on the same JSON
@@ -69,12 +71,58 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
     cmd = mpiexec(2) + [
         sys.executable, str(BENCH / "sweep.py"), "allreduce",
         "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
-        "--baselines", "gloo", "--timeout", "60", "--no-progress",
+        "--baselines", "gloo", "--timeout", "60", "--no-progress", "--hugepages", "off",
     ]  # fmt: skip
     proc = _run(cmd, 50)
     assert "skipped" not in proc.stdout, proc.stdout
     rows = _rows(proc.stdout)
     assert rows and all(r[8] == "0" and r[9] != "skip" for r in rows), proc.stdout
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            inside = int(lo, 16) <= addr < int(hi, 16)
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_host_buffers_follow_their_hugepage_policy() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import hostmem
+    finally:
+        sys.path.remove(str(BENCH))
+    cases = [  # (policy, bytes, madvise flag wanted: hg huge pages, nh never)
+        ("numpy", 8, None),
+        ("numpy", 2 << 20, None),
+        ("numpy", 4 << 20, "hg"),
+        ("on", 8, "hg"),
+        ("on", 3 << 20, "hg"),
+        ("off", 8 << 20, "nh"),
+    ]
+    for policy, nbytes, want in cases:
+        a = hostmem.empty(nbytes // 4, "float32", policy)
+        assert a.dtype == np.float32 and a.shape == (nbytes // 4,) and a.flags.writeable
+        addr = a.__array_interface__["data"][0]
+        assert addr % hostmem.HUGE == 0, (policy, nbytes)
+        a[...] = 7
+        flags = _vm_flags(addr)
+        for flag in ("hg", "nh"):
+            assert (flag in flags) == (flag == want), (policy, nbytes, flags)
+        frac = hostmem.hugepage_fraction(a)
+        assert frac is not None and 0 <= frac <= 1
+        if want == "nh":
+            assert frac == 0
+    assert hostmem.empty(0, "float64").size == 0
+    with pytest.raises(ValueError, match="hugepages"):
+        hostmem.empty(1, "float32", "always")
 
 
 @pytest.mark.timeout(60)
