@@ -51,6 +51,30 @@ def empty(count: int, dtype: Any, hugepages: str = "numpy") -> np.ndarray:
     return whole[off : off + nbytes].view(dtype)
 
 
+def mappings() -> list[tuple[int, int, dict[str, str]]]:
+    """This process's mappings from ``/proc/self/smaps``: ``(start, end, fields)``,
+    ``fields`` the text after each ``Name:`` (``AnonHugePages``, ``VmFlags``...).
+
+    Raises:
+        OSError: the file cannot be read (not Linux).
+    """
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    out: list[tuple[int, int, dict[str, str]]] = []
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if head.endswith(":"):
+            if out:
+                out[-1][2][head[:-1]] = rest.strip()
+            continue
+        lo, _, hi = head.partition("-")
+        try:
+            out.append((int(lo, 16), int(hi, 16), {}))
+        except ValueError:  # not a mapping's first line
+            continue
+    return out
+
+
 def hugepage_fraction(*arrays: Any) -> float | None:
     """The fraction of the arrays' bytes that lie on huge pages (touch them first),
     or None where ``/proc/self/smaps`` cannot tell.
@@ -66,22 +90,12 @@ def hugepage_fraction(*arrays: Any) -> float | None:
     if not total:
         return None
     try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
+        maps = mappings()
     except OSError:
         return None
     huge = 0
-    overlap = 0
-    for line in lines:
-        head = line.split(maxsplit=1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            a, _, b = head.partition("-")
-            try:
-                vlo, vhi = int(a, 16), int(b, 16)
-            except ValueError:
-                continue
-            overlap = sum(max(0, min(hi, vhi) - max(lo, vlo)) for lo, hi in spans)
-        elif head == "AnonHugePages:" and overlap:
-            huge += min(overlap, int(line.split()[1]) * 1024)
-            overlap = 0
+    for vlo, vhi, fields in maps:
+        overlap = sum(max(0, min(hi, vhi) - max(lo, vlo)) for lo, hi in spans)
+        if overlap and "AnonHugePages" in fields:
+            huge += min(overlap, int(fields["AnonHugePages"].split()[0]) * 1024)
     return huge / total

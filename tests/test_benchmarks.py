@@ -79,19 +79,6 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
     assert rows and all(r[8] == "0" and r[9] != "skip" for r in rows), proc.stdout
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds ``addr``."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0] if line.strip() else ""
-        if "-" in head and not head.endswith(":"):
-            lo, _, hi = head.partition("-")
-            inside = int(lo, 16) <= addr < int(hi, 16)
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
 def test_host_buffers_follow_their_hugepage_policy() -> None:
     sys.path.insert(0, str(BENCH))
@@ -113,7 +100,7 @@ def test_host_buffers_follow_their_hugepage_policy() -> None:
         addr = a.__array_interface__["data"][0]
         assert addr % hostmem.HUGE == 0, (policy, nbytes)
         a[...] = 7
-        flags = _vm_flags(addr)
+        flags = next(f for lo, hi, f in hostmem.mappings() if lo <= addr < hi)["VmFlags"].split()
         for flag in ("hg", "nh"):
             assert (flag in flags) == (flag == want), (policy, nbytes, flags)
         frac = hostmem.hugepage_fraction(a)
