@@ -10,7 +10,10 @@ allreduce (reduce-scatter, then allgather), pipelined in slices of
     allgather step s (0..n-2): send segment r+1-s, receive segment r-s.
     Bytes sent per rank: 2(n-1)/n * N.  Segment k is summed in ring order starting
     at rank k, and the finished segment is copied to everyone, so all ranks hold
-    the same bits.
+    the same bits.  Of two operands the lower rank's comes first (the partial
+    sum, except where it arrives at rank 0), so at n = 2 every segment is
+    ``x0 OP x1``, as in every other allreduce (which lets ``auto`` switch
+    between them, see :mod:`pycoll.tune`).
 
 allgather: n-1 steps; step s sends block r-s and receives block r-s-1.
     Bytes sent per rank: (n-1)/n * N_out.
@@ -55,7 +58,7 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
         for s in range(n - 1):
             src = x if s == 0 else out
             L.send(right, src[seg(r - s)])
-            L.wait(L.recv_reduce(left, out[seg(r - s - 1)], x[seg(r - s - 1)]))
+            L.wait(L.recv_reduce(left, out[seg(r - s - 1)], x[seg(r - s - 1)], left < r))
         for s in range(n - 1):
             L.send(right, out[seg(r + 1 - s)])
             L.wait(L.recv(left, out[seg(r - s)]))
@@ -109,8 +112,8 @@ def _reduce_scatter(L: Links, x: Any, bounds: list[int], mine: Any) -> None:
                     L.wait(busy[s % 2])
                     busy[s % 2] = None
                 dst = scratch[s % 2][:m]
-            if m:
-                L.wait(L.recv_reduce(left, dst, x[rs]))
+            if m:  # the lower rank's operand first, as in allreduce
+                L.wait(L.recv_reduce(left, dst, x[rs], left < r))
     L.finish()
 
 

@@ -105,8 +105,8 @@ def _up_post(L: Links, job: _Up, c: int, x: Any, out: Any) -> list[Any]:
     sl = job.parts[c]
     reqs = []
     ch = job.children
-    if ch:
-        reqs.append(L.recv_reduce(ch[0], out[sl], x[sl]))
+    if ch:  # the lower rank's operand first: at n = 2, x0 OP x1 whichever tree
+        reqs.append(L.recv_reduce(ch[0], out[sl], x[sl], ch[0] < L.rank))
     for child in ch[1:]:
         assert job.scratch is not None
         reqs.append(L.recv(child, job.scratch[: sl.stop - sl.start]))
