@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--algorithm",
         default="auto",
-        help="auto, ring, tree, a comma list, or all (every registered algorithm)",
+        help="auto, ring, tree, a comma list, or all (auto and every registered algorithm)",
     )
     ap.add_argument("--transport", default=None, help="pycoll transports, e.g. shm or tcp,shm")
     ap.add_argument("--chunk-bytes", default=None, help="pycoll chunk_bytes (default: pycoll's)")
@@ -233,6 +233,17 @@ def input_bytes(case: Case) -> int:
     """Bytes of one rank's input (the size pycoll's ``auto`` decides by)."""
     count = case.count if case.collective == "broadcast" else case.send_count
     return count * case.dtype.itemsize
+
+
+def tuned_calls(comm: Any, coll: str, nbytes: int) -> dict[str, int]:
+    """Calls ``auto`` has run of each algorithm for ``coll`` calls of ``nbytes``
+    input bytes (its online choice, :mod:`pycoll.tune`); empty where untuned."""
+    out: dict[str, int] = {}
+    for key, t in comm._tuners.items():
+        if t is not None and key[0] == coll and key[1] == nbytes:
+            for a, c in zip(t.names, t.calls, strict=True):
+                out[a] = out.get(a, 0) + c
+    return out
 
 
 def make_buffers(case: Case, xp: Any, hugepages: str = "numpy") -> Buffers:
@@ -585,6 +596,9 @@ class Table:
                 line += f" {'skip':>10s} {'-':>6s}"
         if self.show_algo:
             line += f"  {rec['resolved_algorithm']}"
+            ran = rec.get("auto_ran")
+            if ran and len(ran) > 1:
+                line += " (tuned: " + ", ".join(f"{a} {c}" for a, c in ran.items()) + ")"
         return line
 
 
@@ -774,12 +788,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     for coll in collectives:
         reg = algorithms.names(coll)
-        if args.algorithm == "all":
-            algos = list(reg)
-        else:
-            algos = [x.strip().lower() for x in args.algorithm.split(",") if x.strip()]
-            if "all" in algos:
-                algos = [a for a in algos if a != "all"] + [a for a in reg if a not in algos]
+        # "all": auto (which may run several, see pycoll.tune) and each algorithm
+        algos = [x.strip().lower() for x in args.algorithm.split(",") if x.strip()]
+        if "all" in algos:
+            algos = [a for a in algos if a != "all"]
+            algos += [a for a in ("auto", *reg) if a not in algos]
         for a_ in algos:
             if a_ != "auto" and a_ not in reg:
                 raise SystemExit(f"{coll}: algorithm {a_!r} is not one of auto, {', '.join(reg)}")
@@ -823,8 +836,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for case in cases:
             bufs = make_buffers(case, xp, args.hugepages)
             ref = expected(case, rank, n) if args.check else None
-            # what auto picks: by the bytes each rank passes in (an allgather's
-            # block, not nccl-tests' size, which is the whole output)
+            # the model's pick, by the bytes each rank passes in (an allgather's
+            # block, not nccl-tests' size, which is the whole output): auto's
+            # first; where the model sees close contenders auto times them as it
+            # runs (pycoll.tune), and the records say what it ran ("auto_ran")
             auto_choice = comm._algorithm(coll, "auto", input_bytes(case))
             per_sys: dict[str, list[dict[str, Any]]] = {}
             prepared: dict[str, Prepared | None] = {}
@@ -872,9 +887,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         if bar is not None:
                             bar.update(1)
                         continue
+                    tuned = sysm.kind == "pycoll" and sysm.algorithm == "auto"
+                    before = tuned_calls(comm, coll, input_bytes(case)) if tuned else {}
                     sec, iters, med_s, min_s = timed(p.call, args, w, sync)
                     algbw = case.size / sec / 1e9
                     resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
+                    ran = None
+                    if tuned:  # what auto ran in this measurement; the most-run is "resolved"
+                        after = tuned_calls(comm, coll, input_bytes(case))
+                        ran = {a: c - before.get(a, 0) for a, c in after.items()}
+                        ran = {a: c for a, c in ran.items() if c} or None
+                        if ran:
+                            resolved = max(ran, key=ran.__getitem__)
                     rec = {
                         "system": sysm.kind,
                         "collective": coll,
@@ -891,6 +915,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "algorithm": sysm.algorithm if sysm.kind == "pycoll" else None,
                         "resolved_algorithm": resolved if sysm.kind == "pycoll" else None,
                         "auto_choice": auto_choice,
+                        "auto_ran": ran,
                         "transport": transport if sysm.kind == "pycoll" else sysm.kind,
                         "dtype": dname,
                         "type": nccl_name,

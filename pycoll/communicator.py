@@ -37,6 +37,7 @@ from pycoll.errors import (
 )
 from pycoll.gpu import setup as gpu_setup
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
+from pycoll.tune import Tuner, tunable
 from transports.base import Backoff, Deadline
 from transports.base import TransportError as WireError
 
@@ -130,6 +131,9 @@ class Record:
 PLAN_MAX_BYTES = 256 << 10
 #: ... and at most this many plans (the oldest goes first).
 PLAN_MAX = 32
+#: ``auto`` tunes the first this many kinds of call (collective, size, dtype,
+#: op, root) that have close contenders; later ones take the model's choice.
+TUNERS_MAX = 256
 #: Plans of larger arrays, which hold no memory (not even scratch): more of
 #: them, so that a training step's gradient buckets keep theirs.  (Making a plan costs a few
 #: microseconds more than the slow path: on the 2-core machine, 40 arrays of
@@ -300,6 +304,8 @@ class Communicator:
         # memory every rank shares (one host): the "direct" algorithms need it
         self._group = self._wiring.group
         self._candidates: dict[str, tuple[str, ...]] = {}
+        # auto's online choices, by (collective, bytes, dtype, op, root); None: not tuned
+        self._tuners: dict[tuple[Any, ...], Tuner | None] = {}
         try:  # the device side (second connection table, cuda_ipc); None without a GPU
             self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
         except BaseException:
@@ -403,9 +409,11 @@ class Communicator:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allreduce(rop, algo), async_op, x, rop, 0, algo)
+        tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, 0)
+        algo, run_algo = self._host_algorithm(what, algo, tuner)
         if self._plannable(async_op, stream, x, out):
             key = (what, id(sendbuf), id(recvbuf), op, algorithm)
-            p = self._plan_allreduce(key, sendbuf, recvbuf, x, out, rop, algo)
+            p = self._plan_allreduce(key, sendbuf, recvbuf, x, out, rop, algo, tuner)
             return self._replay(p, sendbuf, recvbuf)
 
         def run() -> Any:
@@ -414,8 +422,7 @@ class Communicator:
                     if oa is not xa:
                         oa[...] = xa
                 else:
-                    L = self._links(x.dtype, rop)
-                    algorithms.get(what, algo)(L, xa, oa)
+                    run_algo(self._links(x.dtype, rop), xa, oa)
                 if rop is ReduceOp.AVG:
                     finish_avg(oa, self.size)
 
@@ -466,9 +473,11 @@ class Communicator:
             dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
             return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
+        tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, None, 0)
+        algo, run_algo = self._host_algorithm(what, algo, tuner)
         if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), algorithm)
-            p = self._plan_allgather(key, sendbuf, given, x, out, algo)
+            p = self._plan_allgather(key, sendbuf, given, x, out, algo, tuner)
             return self._replay(p, sendbuf, given)
 
         def run() -> Any:
@@ -477,7 +486,7 @@ class Communicator:
                 if not _same(mine, xa):
                     mine[...] = xa
                 if self.size > 1 and k:
-                    algorithms.get(what, algo)(self._links(x.dtype, None), xa, oa)
+                    run_algo(self._links(x.dtype, None), xa, oa)
 
             self._staged(body, x, out, stream=stream)
             return out.obj
@@ -517,14 +526,17 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.broadcast(root, algo), async_op, b, None, root, algo
             )
+        tuner = self._tuner(what, algorithm, b.nbytes, b.dtype, None, root)
+        algo, run_algo = self._host_algorithm(what, algo, tuner)
         if type(root) is int and self._plannable(async_op, stream, b, None):
             key = (what, id(buf), root, algorithm)
-            return self._replay(self._plan_broadcast(key, buf, b, root, algo), buf, None)
+            p = self._plan_broadcast(key, buf, b, root, algo, tuner)
+            return self._replay(p, buf, None)
 
         def run() -> Any:
             def body(ba: Any, _: Any) -> None:
                 if self.size > 1 and b.count:
-                    algorithms.get(what, algo)(self._links(b.dtype, None), ba, root)
+                    run_algo(self._links(b.dtype, None), ba, root)
 
             self._staged(
                 body, b, b, copy_in=self.rank == root, copy_out=self.rank != root, stream=stream
@@ -579,9 +591,11 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
             )
+        tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, 0)
+        algo, run_algo = self._host_algorithm(what, algo, tuner)
         if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), op, algorithm)
-            p = self._plan_reduce_scatter(key, sendbuf, given, x, out, rop, algo)
+            p = self._plan_reduce_scatter(key, sendbuf, given, x, out, rop, algo, tuner)
             return self._replay(p, sendbuf, given)
 
         def run() -> Any:
@@ -589,7 +603,7 @@ class Communicator:
                 if self.size == 1:
                     oa[...] = xa
                 elif k:
-                    algorithms.get(what, algo)(self._links(x.dtype, rop), xa, oa)
+                    run_algo(self._links(x.dtype, rop), xa, oa)
                 if rop is ReduceOp.AVG:
                     finish_avg(oa, self.size)
 
@@ -643,9 +657,11 @@ class Communicator:
             return self._submit(
                 what, lambda: dc.reduce(rop, root, algo), async_op, x, rop, root, algo
             )
+        tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, root)
+        algo, run_algo = self._host_algorithm(what, algo, tuner)
         if type(root) is int and self._plannable(async_op, stream, x, out):
             key = (what, id(sendbuf), id(recvbuf), root, op, algorithm)
-            p = self._plan_reduce(key, sendbuf, recvbuf, x, out, rop, root, algo)
+            p = self._plan_reduce(key, sendbuf, recvbuf, x, out, rop, root, algo, tuner)
             return self._replay(p, sendbuf, recvbuf)
 
         def run() -> Any:
@@ -656,7 +672,7 @@ class Communicator:
                     if oa is not xa:
                         oa[...] = xa
                 elif x.count:
-                    algorithms.get(what, algo)(self._links(x.dtype, rop), xa, oa, root)
+                    run_algo(self._links(x.dtype, rop), xa, oa, root)
                 if rop is ReduceOp.AVG and is_root:
                     finish_avg(oa, self.size)
 
@@ -797,12 +813,16 @@ class Communicator:
             "else use separate arrays"
         )
 
-    def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
+    def _candidates_for(self, what: str) -> tuple[str, ...]:
         avail = self._candidates.get(what)
         if avail is None:
             avail = self._candidates[what] = tuple(
                 a for a in algorithms.names(what) if self._usable(a)
             )
+        return avail
+
+    def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
+        avail = self._candidates_for(what)
         if not isinstance(algorithm, str):
             raise InvalidArgumentError(
                 f"rank {self.rank}: {what}: algorithm={algorithm!r} must be a string"
@@ -833,6 +853,78 @@ class Communicator:
     def _unusable_why(self, algorithm: str) -> str:
         assert self._wiring is not None
         return f"{algorithm} needs every rank on one host sharing memory ({self._wiring.group_why})"
+
+    def _tuner(
+        self,
+        what: str,
+        requested: str,
+        nbytes: int,
+        dtype: np.dtype[Any],
+        op: ReduceOp | None,
+        root: int,
+    ) -> Tuner | None:
+        """The online choice for host calls of this kind (:mod:`pycoll.tune`), or
+        None where ``auto`` was not asked for, tuning is off, results could
+        depend on the algorithm, or the model sees no close contender.  Made at
+        the first call of its kind, which every rank makes at the same point, and
+        kept (plans hold it), so every rank's schedule counts the same calls."""
+        if (
+            self.size < 2
+            or not self.config.tune
+            or not tunable(what, self.size)
+            or requested.lower() != "auto"
+            or self.config.algorithm_for(what)
+        ):
+            return None
+        key = (what, nbytes, dtype, op, root)
+        try:
+            return self._tuners[key]
+        except KeyError:
+            pass
+        t = None
+        if len(self._tuners) < TUNERS_MAX:
+            names = cost.contenders(
+                what,
+                self._candidates[what],
+                self.size,
+                nbytes,
+                self.config.chunk_bytes,
+                self._crowded,
+            )
+            if len(names) > 1:
+                label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
+                t = Tuner(label, names, self._agree)
+        self._tuners[key] = t
+        return t
+
+    def _host_algorithm(
+        self, what: str, algo: str, tuner: Tuner | None
+    ) -> tuple[str, Callable[..., None]]:
+        """The name a call records and the function that runs it on host arrays:
+        ``algo``'s, or one that runs what ``tuner`` names."""
+        if tuner is None:
+            return algo, algorithms.get(what, algo)
+        fns = [algorithms.get(what, a) for a in tuner.names]
+        run = tuner.run
+
+        def tuned(*args: Any) -> None:
+            run(fns, *args)
+
+        return f"auto[{','.join(tuner.names)}]", tuned
+
+    def _agree(self, v: np.ndarray) -> np.ndarray:
+        """``v`` summed over the ranks, the same bits on each (a tuner's round ends)."""
+        out = np.empty_like(v)
+        a = cost.choose(
+            "allreduce",
+            self._candidates_for("allreduce"),
+            self.size,
+            v.nbytes,
+            self.config.chunk_bytes,
+            self._crowded,
+        )
+        algorithms.get("allreduce", a)(self._links(v.dtype, ReduceOp.SUM), v, out)
+        return out
 
     def _via_host(self, what: str, requested: str, nbytes: int) -> bool:
         """Whether a device collective goes through host memory and the host
@@ -1103,10 +1195,26 @@ class Communicator:
         return p
 
     def _step(
-        self, what: str, algo: str, dtype: np.dtype[Any], op: ReduceOp | None, count: int, root: int
+        self,
+        what: str,
+        algo: str,
+        dtype: np.dtype[Any],
+        op: ReduceOp | None,
+        count: int,
+        root: int,
+        tuner: Tuner | None = None,
     ) -> Callable[[Any, Any], None]:
         """``step(x, out)``: algorithm ``algo`` of ``what`` on flat host arrays,
-        with a fresh deadline each call (the body of a plan, size > 1)."""
+        with a fresh deadline each call (the body of a plan, size > 1); with a
+        ``tuner``, the algorithm it names for each call."""
+        if tuner is not None:
+            steps = [self._step(what, a, dtype, op, count, root) for a in tuner.names]
+            run = tuner.run
+
+            def tuned(a: Any, b: Any) -> None:
+                run(steps, a, b)
+
+            return tuned
         L = self._links(dtype, op)
         bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
         if algo == "direct":
@@ -1137,6 +1245,7 @@ class Communicator:
         out: Buffer,
         rop: ReduceOp,
         algo: str,
+        tuner: Tuner | None = None,
     ) -> _Plan:
         x, ho, wrap = self._host_side(x, out)
         assert ho is not None
@@ -1153,7 +1262,7 @@ class Communicator:
                 return res
 
         else:
-            step = self._step("allreduce", algo, x.dtype, rop, x.count, 0)
+            step = self._step("allreduce", algo, x.dtype, rop, x.count, 0, tuner)
 
             def run() -> Any:
                 step(xa, oa)
@@ -1166,12 +1275,19 @@ class Communicator:
         )
 
     def _plan_allgather(
-        self, key: tuple[Any, ...], sendbuf: Any, recvbuf: Any, x: Buffer, out: Buffer, algo: str
+        self,
+        key: tuple[Any, ...],
+        sendbuf: Any,
+        recvbuf: Any,
+        x: Buffer,
+        out: Buffer,
+        algo: str,
+        tuner: Tuner | None = None,
     ) -> _Plan:
         x, ho, wrap = self._host_side(x, out)
         assert ho is not None
         n, r, k, xa = self.size, self.rank, x.count, x.flat
-        step = self._step("allgather", algo, x.dtype, None, k, 0) if n > 1 and k else None
+        step = self._step("allgather", algo, x.dtype, None, k, 0, tuner) if n > 1 and k else None
         if recvbuf is None:
             shape, dtype = (n, *sendbuf.shape), x.dtype
 
@@ -1199,12 +1315,18 @@ class Communicator:
         return self._keep(key, p)
 
     def _plan_broadcast(
-        self, key: tuple[Any, ...], buf: Any, b: Buffer, root: int, algo: str
+        self,
+        key: tuple[Any, ...],
+        buf: Any,
+        b: Buffer,
+        root: int,
+        algo: str,
+        tuner: Tuner | None = None,
     ) -> _Plan:
         b, _, wrap = self._host_side(b, b, self.rank == root, self.rank != root)
         ba, res = b.flat, b.obj
         if self.size > 1 and b.count:
-            step = self._step("broadcast", algo, b.dtype, None, b.count, root)
+            step = self._step("broadcast", algo, b.dtype, None, b.count, root, tuner)
 
             def run() -> Any:
                 step(ba, None)
@@ -1227,12 +1349,15 @@ class Communicator:
         out: Buffer,
         rop: ReduceOp,
         algo: str,
+        tuner: Tuner | None = None,
     ) -> _Plan:
         x, ho, wrap = self._host_side(x, out)
         assert ho is not None
         n, xa, k = self.size, x.flat, ho.count
         avg = rop is ReduceOp.AVG
-        step = self._step("reduce_scatter", algo, x.dtype, rop, x.count, 0) if n > 1 else None
+        step = (
+            self._step("reduce_scatter", algo, x.dtype, rop, x.count, 0, tuner) if n > 1 else None
+        )
 
         def body(oa: Any) -> None:
             if step is None:
@@ -1271,6 +1396,7 @@ class Communicator:
         rop: ReduceOp,
         root: int,
         algo: str,
+        tuner: Tuner | None = None,
     ) -> _Plan:
         x, out, wrap = self._host_side(x, out)
         n, xa = self.size, x.flat
@@ -1292,7 +1418,7 @@ class Communicator:
                 return res
 
         elif x.count:
-            step = self._step("reduce", algo, x.dtype, rop, x.count, root)
+            step = self._step("reduce", algo, x.dtype, rop, x.count, root, tuner)
 
             def run() -> Any:
                 step(xa, np.empty_like(xa) if fresh else oa)

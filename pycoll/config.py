@@ -83,6 +83,9 @@ class Config:
         group_slot_bytes: bytes of each rank's slots in the group segment that ranks
             on one host share (``PYCOLL_GROUP_SLOT_BYTES``); 0 turns the segment, and
             with it the ``direct`` algorithms, off.
+        tune: let ``auto`` time its close contenders while it runs and keep the
+            fastest, where they give identical results (``PYCOLL_TUNE``; see
+            :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
     """
 
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
@@ -99,6 +102,7 @@ class Config:
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
     device_host_bytes: int | None = None
     group_slot_bytes: int = 256 << 10  # 64K: 2-4x slower at 128-256 KiB by address
+    tune: bool = True
 
     def device_host_limit(self, collective: str) -> int:
         """The input bytes per rank up to which ``auto`` sends a device collective
@@ -166,6 +170,10 @@ class Config:
             kw["timeout"] = t
         if v := e.get("PYCOLL_CHECK", "").strip():
             kw["check"] = v.lower() in ("1", "true", "yes", "on")
+        if v := e.get("PYCOLL_TUNE", "").strip().lower():
+            if v not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+                raise bad("PYCOLL_TUNE", "choose from 1 (on) or 0 (off)")
+            kw["tune"] = v in ("1", "true", "yes", "on")
         if v := e.get("PYCOLL_DEBUG", "").strip().upper():
             if v == "WARNING":
                 v = "WARN"

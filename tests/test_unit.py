@@ -99,15 +99,17 @@ def test_config_from_env() -> None:
             "PYCOLL_TIMEOUT": "12.5",
             "PYCOLL_CHECK": "1",
             "PYCOLL_DEBUG": "info",
+            "PYCOLL_TUNE": "0",
         }
     )
     assert c.transports == ("tcp", "shm") and c.rdma_memory == "dmabuf"
     assert c.rdma_provider == "soft" and c.socket_ifname == "^lo"
     assert c.algorithm_for("allreduce") == "tree" and c.algorithm_for("broadcast") == "ring"
     assert c.chunk_bytes == 65536 and c.timeout == 12.5 and c.check and c.debug == "INFO"
+    assert not c.tune and Config.from_env({"PYCOLL_TUNE": "on"}).tune
     assert Config.from_env({"PYCOLL_TIMEOUT": "5"}, timeout=7).timeout == 7  # arguments win
     d = Config.from_env({})
-    assert d.transports == ("shm", "rdma", "tcp") and d.timeout > 0 and not d.check
+    assert d.transports == ("shm", "rdma", "tcp") and d.timeout > 0 and not d.check and d.tune
 
 
 @pytest.mark.parametrize(
@@ -122,6 +124,7 @@ def test_config_from_env() -> None:
         ("PYCOLL_TIMEOUT", "soon"),
         ("PYCOLL_DEBUG", "LOUD"),
         ("PYCOLL_ALGO", "gather:ring"),
+        ("PYCOLL_TUNE", "maybe"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_variable(var: str, val: str) -> None:

@@ -81,9 +81,11 @@ def estimate(
     chunk: int,
     k: Constants = DEFAULT,
     crowded: bool = False,
+    capped: bool = True,
 ) -> float:
     """Modelled seconds for one call; ``nbytes`` is the per-rank input size;
-    ``crowded``: the host runs more ranks than it has cores."""
+    ``crowded``: the host runs more ranks than it has cores; ``capped``: one-shot
+    costs infinity above :data:`ONESHOT_MAX_BYTES` (what ``auto`` picks by)."""
     if n <= 1:
         return 0.0
     lg = math.ceil(math.log2(n))
@@ -94,7 +96,7 @@ def estimate(
         return _direct(collective, n, nbytes, k, crowded)
     if collective == "allreduce":
         if algorithm == "oneshot":
-            if nbytes > ONESHOT_MAX_BYTES:
+            if capped and nbytes > ONESHOT_MAX_BYTES:
                 return math.inf
             return (1 + 0.25 * (n - 2)) * k.alpha + (n - 1) * nbytes * (k.beta + k.gamma)
         if algorithm == "ring":
@@ -178,3 +180,35 @@ def choose(
 ) -> str:
     """The cheapest of ``candidates`` by the model (ties go to the first); cached."""
     return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk, crowded=crowded))
+
+
+#: The model's runners-up that ``auto`` times while it runs (:mod:`pycoll.tune`):
+#: those modelled within this factor of its choice.  Where the model erred on
+#: the 2-core machine, the faster algorithm was modelled 1.1-1.9x slower: ring
+#: against direct for allgathers of 8-11 MB blocks at n = 3 and 4; at n = 2, for
+#: 0.5-8 MiB, one-shot against direct for allreduce and tree against direct for
+#: reduce, which took half direct's time in the spells when every algorithm that
+#: reads what the other rank has just written ran 2-3x slower (MPI's too).
+TUNE_SPAN = 2.0
+
+
+@functools.lru_cache(maxsize=4096)
+def contenders(
+    collective: str,
+    candidates: tuple[str, ...],
+    n: int,
+    nbytes: int,
+    chunk: int,
+    crowded: bool = False,
+) -> tuple[str, ...]:
+    """The model's choice, then the other ``candidates`` modelled within
+    :data:`TUNE_SPAN` of it, cheapest first.  One-shot counts uncapped at n = 2,
+    where it needs no scratch (its cap is for the n - 1 rows it holds above)."""
+    best = choose(collective, candidates, n, nbytes, chunk, crowded)
+    t = {
+        a: estimate(collective, a, n, nbytes, chunk, crowded=crowded, capped=n > 2)
+        for a in candidates
+    }
+    limit = TUNE_SPAN * t[best]
+    rest = sorted((a for a in candidates if a != best and t[a] <= limit), key=t.__getitem__)
+    return (best, *rest)

@@ -1,0 +1,192 @@
+"""``auto`` times its close contenders while it runs, and keeps the fastest.
+
+The cost model (:mod:`pycoll.algorithms.cost`) picks well where algorithms are
+far apart.  Where they are close, which one wins depends on more than a model
+holds: how the host's scheduler places the ranks' threads, whether the pages
+are huge, what else runs.  On the 2-core machine the same allreduce of 2 MiB at
+n = 2 took 270-300 us with ``direct`` and 350 us one-shot in some runs, and
+775 against 354 us in others, for minutes at a time (``benchmarks/RESULTS.md``).
+No fixed choice is within 10% of the best in both.
+
+So a :class:`Tuner` runs the model's choice (the *incumbent*) for
+:data:`WINDOW` calls, then each other contender :data:`TRIALS` times in a row
+and the incumbent again as many (a *round*), and the ranks agree on the
+fastest.  Each rank's figure for a contender is the median of its calls in the
+round but the first of each run, the figures are summed over the ranks by a
+small allreduce, and the least sum wins (a challenger must beat the incumbent by
+:data:`MARGIN`).  The
+next round comes when the incumbent's calls since will have taken 1/:data:`BUDGET`
+times as long as the round's challengers took (so trying the others costs at most
+that fraction of the time), and at least twice as late as the last one while
+the incumbent stays; from :data:`PERIOD_MIN` calls up to :data:`PERIOD_MAX`.
+
+Why so: a call here takes 50-200 us with two ranks on two cores, give or take
+half, so one or two calls say little (the best of two, interleaved one call
+each, chose the ring for 80-95% of the allgathers of 256 KiB blocks at n = 2
+on the 2-core machine, at 174-183 us against direct's 134-137).  And a rank's
+time for a call runs from its entry, so it holds the wait for peers that the
+previous call left behind, which is the previous algorithm's, and more than
+the first call after a switch ran slow at times: so the first is not timed, and
+the incumbent is timed in the round too, after a switch like the others (the
+incumbent's calls between rounds, timed instead, chose the ring in all but 7
+calls of 220 in one such run, by then at 72 against direct's 29 us).
+
+The schedule counts calls of one collective, size, dtype, op and root, which
+every rank makes in the same order, so all ranks run the same algorithm at
+every call without a word; the one exchange is the sum at the end of a round,
+and its result is the same bits on every rank.
+
+Only collectives whose result cannot depend on the algorithm are tuned:
+allgather and broadcast (they move bytes and compute nothing), and the
+reductions between two ranks (one operation on two operands: every algorithm
+computes ``x0 OP x1``).  Elsewhere algorithms add in different orders, and a
+training job would see its sums change in the last bits when ``auto`` switched.
+``PYCOLL_TUNE=0`` turns tuning off: ``auto`` is then the model's choice alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from pycoll.config import TRACE
+
+log = logging.getLogger(__name__)
+
+#: Calls of the model's choice before the first round.
+WINDOW = 8
+#: Calls of each contender in a round, in a row (the first is not timed).
+TRIALS = 4
+#: The time trying challengers may take, as a fraction of the incumbent's.
+BUDGET = 0.03
+#: Calls of the incumbent alone between rounds: at least (and at least WINDOW) ...
+PERIOD_MIN = 16
+#: ... and at most.
+PERIOD_MAX = 1024
+#: A challenger wins if its summed time is below (1 - MARGIN) of the incumbent's.
+MARGIN = 0.05
+
+#: Collectives whose results are the same bits whichever algorithm runs.
+MOVES_ONLY = ("allgather", "broadcast")
+#: ... and these, between two ranks.
+REDUCES = ("allreduce", "reduce", "reduce_scatter")
+
+
+def tunable(collective: str, n: int) -> bool:
+    """Whether every algorithm of ``collective`` at ``n`` ranks gives the same bits."""
+    return collective in MOVES_ONLY or (n == 2 and collective in REDUCES)
+
+
+class Tuner:
+    """The online choice among ``names`` for one kind of call (see the module).
+
+    Args:
+        label: what the calls are, for the log (``"allgather 8 MiB float32"``).
+        names: the contenders, the model's choice first (the first incumbent).
+        agree: sums a float64 vector over the ranks (a collective; every rank
+            calls it at the same call of the schedule and gets the same bits).
+        clock: seconds, for the timings.
+    """
+
+    __slots__ = (
+        "_agree",
+        "_clock",
+        "best",
+        "calls",
+        "label",
+        "left",
+        "names",
+        "period",
+        "pos",
+        "rounds",
+        "schedule",
+        "trials",
+    )
+
+    def __init__(
+        self,
+        label: str,
+        names: Sequence[str],
+        agree: Callable[[np.ndarray], np.ndarray],
+        clock: Callable[[], float] = perf_counter,
+    ) -> None:
+        if len(names) < 2:
+            raise ValueError("a tuner needs two contenders or more")
+        self.label = label
+        self.names = tuple(names)
+        self._agree = agree
+        self._clock = clock
+        self.best = 0
+        self.left = WINDOW  # calls of the incumbent alone before the next round
+        self.period = PERIOD_MIN // 2  # doubled by a first round that keeps the model's choice
+        self.schedule: tuple[int, ...] = ()  # this round's calls
+        self.pos = 0
+        self.trials: list[list[float]] = [[] for _ in self.names]
+        self.calls = [0] * len(self.names)  # calls run per contender, for the record
+        self.rounds = 0
+
+    @property
+    def choice(self) -> str:
+        """The algorithm the calls between rounds run."""
+        return self.names[self.best]
+
+    def run(self, fns: Sequence[Callable[..., None]], *args: Any) -> None:
+        """One call: ``fns[i](*args)`` for the contender the schedule names."""
+        if self.left:
+            self.left -= 1
+            self.calls[self.best] += 1
+            fns[self.best](*args)
+            return
+        if not self.schedule:  # the challengers, then the incumbent
+            b = self.best
+            order = [i for i in range(len(self.names)) if i != b] + [b]
+            self.schedule = tuple(i for i in order for _ in range(TRIALS))
+        i = self.schedule[self.pos]
+        self.calls[i] += 1
+        t0 = self._clock()
+        fns[i](*args)
+        if self.pos % TRIALS:  # the first of a run pays for the switch
+            self.trials[i].append(self._clock() - t0)
+        self.pos += 1
+        if self.pos == len(self.schedule):
+            self._decide()
+
+    def _decide(self) -> None:
+        mine = [statistics.median(t) for t in self.trials]
+        total = self._agree(np.array(mine, np.float64))
+        was = self.best
+        win = int(np.argmin(total))
+        if not total[win] < (1 - MARGIN) * total[was]:
+            win = was
+        self.rounds += 1
+        # what a round costs in calls of the winner (the same figures on every rank)
+        cost = TRIALS * sum(t for i, t in enumerate(total) if i != win) / total[win]
+        period = max(PERIOD_MIN, math.ceil(cost / BUDGET))
+        if win == was:
+            period = max(period, 2 * self.period)
+        else:
+            self.best = win
+        self.period = self.left = min(period, PERIOD_MAX)
+        self.schedule, self.pos = (), 0
+        self.trials = [[] for _ in self.names]
+        level = logging.INFO if self.rounds == 1 or win != was else TRACE
+        if log.isEnabledFor(level):
+            said = ", ".join(
+                f"{a} {t * 1e6:.0f} us" for a, t in zip(self.names, total, strict=True)
+            )
+            how = "stays" if win == was else f"replaces {self.names[was]}"
+            log.log(
+                level,
+                "tune %s: %s (medians, summed over ranks): %s %s; next look in %d calls",
+                self.label,
+                said,
+                self.names[win],
+                how,
+                self.period,
+            )

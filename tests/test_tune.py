@@ -1,0 +1,302 @@
+"""``auto``'s online choice (pycoll.tune): the schedule, the agreement of the
+ranks, and the claim it rests on, that the collectives it tunes give the same
+bits whichever algorithm runs.  Ranks are threads (:mod:`tests.inproc`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll.algorithms import cost, names
+from pycoll.tune import BUDGET, MARGIN, PERIOD_MAX, PERIOD_MIN, TRIALS, WINDOW, Tuner, tunable
+from tests.inproc import communicators, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeClock:
+    """A clock that the contenders advance by their (changeable) costs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def contenders(
+    clock: FakeClock, costs: dict[str, float]
+) -> tuple[list[Callable[[], None]], list[str]]:
+    ran: list[str] = []
+
+    def fn(name: str) -> Callable[[], None]:
+        def run() -> None:
+            ran.append(name)
+            clock.now += costs[name]
+
+        return run
+
+    return [fn(a) for a in costs], ran
+
+
+def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() -> None:
+    clock, sums = FakeClock(), []
+    costs = {"direct": 3e-3, "ring": 2e-3, "oneshot": 5e-3}
+    fns, ran = contenders(clock, costs)
+
+    def agree(v: np.ndarray) -> np.ndarray:
+        sums.append(v.copy())
+        return v * 2  # two ranks that timed the same
+
+    t = Tuner("allreduce 2 MiB", list(costs), agree, clock)
+    assert t.choice == "direct"  # the model's choice runs until a round says otherwise
+    for _ in range(WINDOW + 3 * TRIALS):
+        t.run(fns)
+    # the challengers, then the incumbent again: each timed after a switch alike
+    assert (
+        ran == ["direct"] * WINDOW + ["ring"] * TRIALS + ["oneshot"] * TRIALS + ["direct"] * TRIALS
+    )
+    assert len(sums) == 1 and sums[0].tolist() == pytest.approx(list(costs.values()))
+    # the next round when ring's calls will have taken 1/BUDGET of what the round cost
+    wait = math.ceil(TRIALS * (3 + 5) / 2 / BUDGET)
+    assert t.choice == "ring" and t.left == wait
+    ran.clear()
+    for _ in range(wait):
+        t.run(fns)
+    assert ran == ["ring"] * wait and len(sums) == 1  # no round, no exchange
+    assert t.calls == [WINDOW + TRIALS, TRIALS + wait, TRIALS]
+    t.run(fns)  # the next round: direct and oneshot challenge
+    assert ran[-1] == "direct"
+
+
+def test_the_wait_between_rounds_doubles_while_the_incumbent_stays_and_resets_on_a_change() -> None:
+    clock = FakeClock()
+    costs = {"direct": 1e-3, "ring": 2e-3}
+    fns, _ = contenders(clock, costs)
+    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    periods = []
+    for _ in range(6):
+        for _ in range(t.left + 2 * TRIALS):
+            t.run(fns)
+        periods.append(t.left)
+    first = math.ceil(TRIALS * 2 / BUDGET)  # a round of ring costs 2 TRIALS calls of direct
+    assert periods == [min(first << i, PERIOD_MAX) for i in range(6)]
+    assert periods[-1] == PERIOD_MAX and t.choice == "direct"
+    # the machine changes: ring becomes faster; the next round switches
+    costs["direct"], costs["ring"] = 3e-3, 1e-3
+    for _ in range(t.left + 2 * TRIALS):
+        t.run(fns)
+    assert t.choice == "ring" and t.left == max(PERIOD_MIN, math.ceil(TRIALS * 3 / BUDGET))
+
+
+def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
+    clock = FakeClock()
+    costs = {"direct": 1e-3, "ring": 1e-3}
+    fns, _ = contenders(clock, costs)
+    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    for _ in range(WINDOW + 2 * TRIALS):
+        t.run(fns)
+    assert t.left == max(PERIOD_MIN, math.ceil(TRIALS / BUDGET))
+
+
+def test_a_challenger_must_win_by_the_margin() -> None:
+    clock = FakeClock()
+    costs = {"direct": 1.00e-3, "ring": (1 - MARGIN / 2) * 1e-3}  # noise, not a reason
+    fns, _ = contenders(clock, costs)
+    t = Tuner("broadcast", list(costs), lambda v: v, clock)
+    for _ in range(WINDOW + 2 * TRIALS):
+        t.run(fns)
+    assert t.choice == "direct" and t.rounds == 1
+
+
+def test_medians_and_an_untimed_first_call_keep_hiccups_out() -> None:
+    clock = FakeClock()
+    seen = []
+    costs = {"direct": 1e-3, "ring": 2e-3}
+    fns, _ = contenders(clock, costs)
+
+    def slow() -> None:  # a preempted call, or the first after a switch
+        clock.now += 50e-3
+
+    t = Tuner("allgather", list(costs), lambda v: seen.append(v) or v, clock)
+    for _ in range(WINDOW):
+        t.run([slow, slow])  # not timed
+    for c in range(2 * TRIALS):  # ring's run, then direct's: the first and one more slow
+        t.run([slow, slow] if c % TRIALS < 2 else fns)
+    assert TRIALS >= 4  # so one slow timed call of three is outvoted
+    assert seen[0].tolist() == pytest.approx([1e-3, 2e-3]) and t.choice == "direct"
+
+
+def test_a_tuner_needs_contenders() -> None:
+    with pytest.raises(ValueError):
+        Tuner("x", ["ring"], lambda v: v)
+
+
+def test_which_collectives_are_tuned() -> None:
+    for n in (2, 3, 4, 8):
+        assert tunable("allgather", n) and tunable("broadcast", n)
+        for c in ("allreduce", "reduce", "reduce_scatter"):
+            assert tunable(c, n) == (n == 2)
+
+
+def test_contenders_are_the_models_choice_then_those_close_to_it() -> None:
+    avail = tuple(names("allreduce"))
+    chunk = 1 << 20
+    for nbytes in (8, 1 << 10, 512 << 10, 8 << 20, 64 << 20):
+        for n in (2, 3, 4):
+            for crowded in (False, True):
+                got = cost.contenders("allreduce", avail, n, nbytes, chunk, crowded)
+                assert got[0] == cost.choose("allreduce", avail, n, nbytes, chunk, crowded)
+                assert len(set(got)) == len(got) and set(got) <= set(avail)
+                t = [
+                    cost.estimate("allreduce", a, n, nbytes, chunk, crowded=crowded, capped=n > 2)
+                    for a in got
+                ]
+                assert all(x <= cost.TUNE_SPAN * t[0] for x in t[1:])
+    # 8 bytes: direct through the slots is far ahead of everything, nothing to time
+    assert cost.contenders("allreduce", avail, 2, 8, chunk) == ("direct",)
+    # between two ranks one-shot holds no scratch, so it contends above its cap
+    assert "oneshot" in cost.contenders("allreduce", avail, 2, 2 << 20, chunk)
+    assert "oneshot" not in cost.contenders("allreduce", avail, 3, 2 << 20, chunk)
+
+
+def _special(rng: np.random.Generator, count: int, dtype: Any) -> np.ndarray:
+    x = rng.standard_normal(count).astype(np.float32)
+    x[rng.integers(0, count, max(1, count // 50))] = 0.0
+    x[rng.integers(0, count, max(1, count // 50))] = -0.0
+    x[rng.integers(0, count, max(1, count // 200))] = np.inf
+    x[rng.integers(0, count, max(1, count // 200))] = np.nan
+    return x.astype(dtype)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf * 0 and the like, on purpose
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64])
+def test_between_two_ranks_every_algorithm_gives_the_same_bits(dtype: Any) -> None:
+    """What makes the n = 2 reductions safe to tune: x0 OP x1, whichever algorithm,
+    signed zeros, infinities and NaNs included."""
+    count = 40_009  # prime: ragged segments and chunks
+    with communicators(2) as comms:
+
+        def body(r: int) -> dict[tuple[str, str, str], bytes]:
+            c = comms[r]
+            x = _special(np.random.default_rng(r), count, dtype)
+            got = {}
+            for op in ("sum", "prod", "min", "max", "avg"):
+                for a in names("allreduce"):
+                    got[("allreduce", op, a)] = c.allreduce(
+                        x, np.empty_like(x), op=op, algorithm=a
+                    ).tobytes()
+                for a in names("reduce_scatter"):
+                    xs = x[: count - count % 2]
+                    o = np.empty(xs.size // 2, xs.dtype)
+                    got[("reduce_scatter", op, a)] = c.reduce_scatter(
+                        xs, o, op=op, algorithm=a
+                    ).tobytes()
+                for a in names("reduce"):
+                    o = np.empty_like(x)
+                    res = c.reduce(x, o, root=1, op=op, algorithm=a)
+                    got[("reduce", op, a)] = b"" if res is None else res.tobytes()
+            return got
+
+        res = run_ranks(2, body)
+    for rank_got in res:
+        by: dict[tuple[str, str], set[bytes]] = {}
+        for (what, op, _), b in rank_got.items():
+            by.setdefault((what, op), set()).add(b)
+        differ = [k for k, v in by.items() if len(v) > 1]
+        assert not differ, f"algorithms differ bitwise at n = 2: {differ}"
+
+
+def _key_of(c: pycoll.Communicator, what: str) -> list[Any]:
+    return [
+        (k, t.names, t.calls, t.best)
+        for k, t in c._tuners.items()
+        if t is not None and k[0] == what
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> None:
+    """Blocking calls replay plans, asynchronous ones take the slow path: both
+    count the same schedule, so the ranks never disagree, and every result is right."""
+    with communicators(n) as comms:
+        avail = comms[0]._candidates_for("allgather")
+        block = next(
+            b
+            for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+            if len(
+                cost.contenders(
+                    "allgather", avail, n, b, comms[0].config.chunk_bytes, comms[0]._crowded
+                )
+            )
+            > 1
+        )
+        k = block // 4
+
+        def body(r: int) -> list[Any]:
+            c = comms[r]
+            x = np.full(k, r, np.int32)
+            g = np.full(n * k, -1, np.int32)
+            want = np.repeat(np.arange(n, dtype=np.int32), k)
+            for i in range(WINDOW + TRIALS * 2 + 8):
+                x[:] = r + i
+                g[:] = -1
+                if i % 5 == 3:
+                    c.allgather(x, g, async_op=True).wait()
+                else:
+                    c.allgather(x, g)
+                np.testing.assert_array_equal(g, want + i)
+            return _key_of(c, "allgather")
+
+        got = run_ranks(n, body)
+    assert got[0] and all(g == got[0] for g in got), got
+    ((_, names_, calls, _),) = got[0]
+    assert len(names_) > 1 and all(calls), calls  # every contender ran
+
+
+def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
+    with communicators(2) as comms:
+        avail = comms[0]._candidates_for("allreduce")
+        nbytes = 2 << 20
+        assert len(cost.contenders("allreduce", avail, 2, nbytes, comms[0].config.chunk_bytes)) > 1
+
+        def body(r: int) -> tuple[list[Any], bytes]:
+            c = comms[r]
+            rng = np.random.default_rng(7)
+            xs = [rng.standard_normal(nbytes // 4).astype(np.float32) for _ in range(2)]
+            out = np.empty_like(xs[0])
+            want = (xs[0] + xs[1]).tobytes()
+            seen = set()
+            for _ in range(WINDOW + 2 * TRIALS + 4):
+                out[:] = np.nan
+                c.allreduce(xs[r], out)
+                seen.add(out.tobytes())
+            assert seen == {want}
+            return _key_of(c, "allreduce"), want
+
+        got = run_ranks(2, body)
+    assert got[0][0] == got[1][0] and got[0][0]
+
+
+def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
+    big = np.zeros(1 << 20, np.float32)
+    for cfg, algo in (
+        ({"tune": False}, "auto"),
+        ({}, "ring"),
+        ({"algo": {"allgather": "direct"}}, "auto"),
+    ):
+        with communicators(2, **cfg) as comms:
+
+            def body(r: int, algo: str = algo) -> int:
+                c = comms[r]
+                for _ in range(3):
+                    c.allgather(big, algorithm=algo)
+                return sum(t is not None for t in c._tuners.values())
+
+            assert run_ranks(2, body) == [0, 0], (cfg, algo)
