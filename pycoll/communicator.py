@@ -131,8 +131,8 @@ class Record:
 PLAN_MAX_BYTES = 256 << 10
 #: ... and at most this many plans (the oldest goes first).
 PLAN_MAX = 32
-#: ``auto`` tunes the first this many kinds of call (collective, size, dtype,
-#: op, root) that have close contenders; later ones take the model's choice.
+#: ``auto`` keeps a tuner (or its absence) for the first this many kinds of call
+#: (collective, size, dtype, op, root); later kinds take the model's choice.
 TUNERS_MAX = 256
 #: Plans of larger arrays, which hold no memory (not even scratch): more of
 #: them, so that a training step's gradient buckets keep theirs.  (Making a plan costs a few
