@@ -840,7 +840,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             # block, not nccl-tests' size, which is the whole output): auto's
             # first; where the model sees close contenders auto times them as it
             # runs (pycoll.tune), and the records say what it ran ("auto_ran")
-            auto_choice = comm._algorithm(coll, "auto", input_bytes(case))
+            nbytes = input_bytes(case)
+            auto_choice = comm._algorithm(coll, "auto", nbytes)
             per_sys: dict[str, list[dict[str, Any]]] = {}
             prepared: dict[str, Prepared | None] = {}
             for sysm in systems:
@@ -888,13 +889,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             bar.update(1)
                         continue
                     tuned = sysm.kind == "pycoll" and sysm.algorithm == "auto"
-                    before = tuned_calls(comm, coll, input_bytes(case)) if tuned else {}
+                    before = tuned_calls(comm, coll, nbytes) if tuned else {}
                     sec, iters, med_s, min_s = timed(p.call, args, w, sync)
                     algbw = case.size / sec / 1e9
                     resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
                     ran = None
                     if tuned:  # what auto ran in this measurement; the most-run is "resolved"
-                        after = tuned_calls(comm, coll, input_bytes(case))
+                        after = tuned_calls(comm, coll, nbytes)
                         ran = {a: c - before.get(a, 0) for a, c in after.items()}
                         ran = {a: c for a, c in ran.items() if c} or None
                         if ran:

@@ -885,7 +885,7 @@ class Communicator:
         if len(self._tuners) < TUNERS_MAX:
             names = cost.contenders(
                 what,
-                self._candidates[what],
+                self._candidates_for(what),
                 self.size,
                 nbytes,
                 self.config.chunk_bytes,
@@ -905,12 +905,7 @@ class Communicator:
         if tuner is None:
             return algo, algorithms.get(what, algo)
         fns = [algorithms.get(what, a) for a in tuner.names]
-        run = tuner.run
-
-        def tuned(*args: Any) -> None:
-            run(fns, *args)
-
-        return f"auto[{','.join(tuner.names)}]", tuned
+        return f"auto[{','.join(tuner.names)}]", tuner.over(fns)
 
     def _agree(self, v: np.ndarray) -> np.ndarray:
         """``v`` summed over the ranks, the same bits on each (a tuner's round ends)."""
@@ -1208,13 +1203,7 @@ class Communicator:
         with a fresh deadline each call (the body of a plan, size > 1); with a
         ``tuner``, the algorithm it names for each call."""
         if tuner is not None:
-            steps = [self._step(what, a, dtype, op, count, root) for a in tuner.names]
-            run = tuner.run
-
-            def tuned(a: Any, b: Any) -> None:
-                run(steps, a, b)
-
-            return tuned
+            return tuner.over([self._step(what, a, dtype, op, count, root) for a in tuner.names])
         L = self._links(dtype, op)
         bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
         if algo == "direct":

@@ -136,6 +136,17 @@ class Tuner:
         """The algorithm the calls between rounds run."""
         return self.names[self.best]
 
+    def over(self, fns: Sequence[Callable[..., None]]) -> Callable[..., None]:
+        """A function that runs one call of ``fns[i](*args)`` by the schedule;
+        ``fns`` holds one function per contender, in the order of ``names``."""
+        fns = tuple(fns)
+        run = self.run
+
+        def tuned(*args: Any) -> None:
+            run(fns, *args)
+
+        return tuned
+
     def run(self, fns: Sequence[Callable[..., None]], *args: Any) -> None:
         """One call: ``fns[i](*args)`` for the contender the schedule names."""
         if self.left:
