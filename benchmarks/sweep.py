@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import sys
@@ -882,7 +883,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 fr = [f for f in w.allgather(hostmem.hugepage_fraction(*own)) if f is not None]
                 huge = round(statistics.mean(fr), 3) if fr else None
             for rep in range(args.reps):
-                for sysm in systems:
+                # a new order each repetition, the same on every rank: whatever one
+                # system leaves behind (Gloo's threads, a cold cache, a scheduler's
+                # placement) falls on a different one each time, not always on the next
+                order = list(systems)
+                random.Random(f"{coll} {case.size} {rep}").shuffle(order)
+                for slot, sysm in enumerate(order):
                     p = prepared.get(sysm.label)
                     if p is None:
                         if bar is not None:
@@ -907,6 +913,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "count": case.count,
                         "nranks": n,
                         "rep": rep,
+                        "slot": slot,
                         "time_us": sec * 1e6,
                         "time_us_median": med_s * 1e6,
                         "time_us_min": min_s * 1e6,
