@@ -12,9 +12,10 @@ So a :class:`Tuner` runs the model's choice (the *incumbent*) for
 :data:`WINDOW` calls, then each other contender :data:`TRIALS` times in a row
 and the incumbent again as many (a *round*), and the ranks agree on the
 fastest.  Each rank's figure for a contender is the median of its calls in the
-round but the first of each run, the figures are summed over the ranks by a
-small allreduce, and the least sum wins (a challenger must beat the incumbent by
-:data:`MARGIN`).  The
+last :data:`POOLED` rounds but the first of each run (the first decision waits
+for that many rounds, run back to back), the figures are summed over the ranks
+by a small allreduce, and the least sum wins (a challenger must beat the
+incumbent by :data:`MARGIN`).  The
 next round comes when the incumbent's calls since will have taken 1/:data:`BUDGET`
 times as long as the round's challengers took (so trying the others costs at most
 that fraction of the time), and at least twice as late as the last one while
@@ -29,7 +30,10 @@ previous call left behind, which is the previous algorithm's, and more than
 the first call after a switch ran slow at times: so the first is not timed, and
 the incumbent is timed in the round too, after a switch like the others (the
 incumbent's calls between rounds, timed instead, chose the ring in all but 7
-calls of 220 in one such run, by then at 72 against direct's 29 us).
+calls of 220 in one such run, by then at 72 against direct's 29 us).  Three
+calls in a row share a spell of the machine, so a decision pools two rounds
+apart: on a round alone ``auto`` kept the ring for allgathers of 512 KiB at
+n = 2 in two repetitions of three, at 1.3x direct's time.
 
 The schedule counts calls of one collective, size, dtype, op and root, which
 every rank makes in the same order, so all ranks run the same algorithm at
@@ -71,6 +75,8 @@ PERIOD_MIN = 16
 PERIOD_MAX = 1024
 #: A challenger wins if its summed time is below (1 - MARGIN) of the incumbent's.
 MARGIN = 0.05
+#: Rounds whose timings a decision takes (the latest and those before it).
+POOLED = 2
 
 #: Collectives whose results are the same bits whichever algorithm runs.
 MOVES_ONLY = ("allgather", "broadcast")
@@ -99,6 +105,7 @@ class Tuner:
         "_clock",
         "best",
         "calls",
+        "history",
         "label",
         "left",
         "names",
@@ -128,6 +135,7 @@ class Tuner:
         self.schedule: tuple[int, ...] = ()  # this round's calls
         self.pos = 0
         self.trials: list[list[float]] = [[] for _ in self.names]
+        self.history: list[list[list[float]]] = []  # the trials of the last rounds
         self.calls = [0] * len(self.names)  # calls run per contender, for the record
         self.rounds = 0
 
@@ -169,7 +177,14 @@ class Tuner:
             self._decide()
 
     def _decide(self) -> None:
-        mine = [statistics.median(t) for t in self.trials]
+        self.history = [*self.history, self.trials][-POOLED:]
+        self.trials = [[] for _ in self.names]
+        self.schedule, self.pos = (), 0
+        if len(self.history) < POOLED:  # the first decision: another round at once
+            return
+        mine = [
+            statistics.median(t for h in self.history for t in h[i]) for i in range(len(self.names))
+        ]
         total = self._agree(np.array(mine, np.float64))
         was = self.best
         win = int(np.argmin(total))
@@ -184,8 +199,6 @@ class Tuner:
         else:
             self.best = win
         self.period = self.left = min(period, PERIOD_MAX)
-        self.schedule, self.pos = (), 0
-        self.trials = [[] for _ in self.names]
         level = logging.INFO if self.rounds == 1 or win != was else TRACE
         if log.isEnabledFor(level):
             said = ", ".join(

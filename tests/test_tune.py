@@ -14,7 +14,17 @@ import pytest
 
 import pycoll
 from pycoll.algorithms import cost, names
-from pycoll.tune import BUDGET, MARGIN, PERIOD_MAX, PERIOD_MIN, TRIALS, WINDOW, Tuner, tunable
+from pycoll.tune import (
+    BUDGET,
+    MARGIN,
+    PERIOD_MAX,
+    PERIOD_MIN,
+    POOLED,
+    TRIALS,
+    WINDOW,
+    Tuner,
+    tunable,
+)
 from tests.inproc import communicators, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +55,15 @@ def contenders(
     return [fn(a) for a in costs], ran
 
 
+def decide(t: Tuner, fns: list[Callable[[], None]]) -> int:
+    """Calls until the tuner's next decision; how many."""
+    rounds, calls = t.rounds, 0
+    while t.rounds == rounds:
+        t.run(fns)
+        calls += 1
+    return calls
+
+
 def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() -> None:
     clock, sums = FakeClock(), []
     costs = {"direct": 3e-3, "ring": 2e-3, "oneshot": 5e-3}
@@ -56,12 +75,17 @@ def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() 
 
     t = Tuner("allreduce 2 MiB", list(costs), agree, clock)
     assert t.choice == "direct"  # the model's choice runs until a round says otherwise
+    assert POOLED == 2
     for _ in range(WINDOW + 3 * TRIALS):
         t.run(fns)
     # the challengers, then the incumbent again: each timed after a switch alike
-    assert (
-        ran == ["direct"] * WINDOW + ["ring"] * TRIALS + ["oneshot"] * TRIALS + ["direct"] * TRIALS
-    )
+    one = ["ring"] * TRIALS + ["oneshot"] * TRIALS + ["direct"] * TRIALS
+    assert ran == ["direct"] * WINDOW + one
+    # the first decision pools two rounds: the second follows at once
+    assert not sums and t.choice == "direct"
+    for _ in range(3 * TRIALS):
+        t.run(fns)
+    assert ran == ["direct"] * WINDOW + one + one
     assert len(sums) == 1 and sums[0].tolist() == pytest.approx(list(costs.values()))
     # the next round when ring's calls will have taken 1/BUDGET of what the round cost
     wait = math.ceil(TRIALS * (3 + 5) / 2 / BUDGET)
@@ -70,7 +94,7 @@ def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() 
     for _ in range(wait):
         t.run(fns)
     assert ran == ["ring"] * wait and len(sums) == 1  # no round, no exchange
-    assert t.calls == [WINDOW + TRIALS, TRIALS + wait, TRIALS]
+    assert t.calls == [WINDOW + 2 * TRIALS, 2 * TRIALS + wait, 2 * TRIALS]
     t.run(fns)  # the next round: direct and oneshot challenge
     assert ran[-1] == "direct"
 
@@ -82,17 +106,30 @@ def test_the_wait_between_rounds_doubles_while_the_incumbent_stays_and_resets_on
     t = Tuner("allgather", list(costs), lambda v: v, clock)
     periods = []
     for _ in range(6):
-        for _ in range(t.left + 2 * TRIALS):
-            t.run(fns)
+        decide(t, fns)
         periods.append(t.left)
     first = math.ceil(TRIALS * 2 / BUDGET)  # a round of ring costs 2 TRIALS calls of direct
     assert periods == [min(first << i, PERIOD_MAX) for i in range(6)]
     assert periods[-1] == PERIOD_MAX and t.choice == "direct"
     # the machine changes: ring becomes faster; the next round switches
     costs["direct"], costs["ring"] = 3e-3, 1e-3
-    for _ in range(t.left + 2 * TRIALS):
-        t.run(fns)
-    assert t.choice == "ring" and t.left == max(PERIOD_MIN, math.ceil(TRIALS * 3 / BUDGET))
+    decide(t, fns)  # pooled with the last round: ring 1.5 against 2 ms, a win
+    assert t.choice == "ring"
+    assert t.left == max(PERIOD_MIN, math.ceil(TRIALS * 2e-3 / 1.5e-3 / BUDGET))
+
+
+def test_one_round_that_favours_a_challenger_does_not_switch_alone() -> None:
+    clock = FakeClock()
+    costs = {"direct": 1e-3, "ring": 2e-3}
+    fns, _ = contenders(clock, costs)
+    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    decide(t, fns)
+    assert t.choice == "direct"
+    costs["ring"] = 0.5e-3  # a spell of one round: pooled, ring's median is 1.25 ms
+    decide(t, fns)
+    assert t.choice == "direct"
+    decide(t, fns)  # it lasts: two rounds of it
+    assert t.choice == "ring"
 
 
 def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
@@ -100,8 +137,7 @@ def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
     costs = {"direct": 1e-3, "ring": 1e-3}
     fns, _ = contenders(clock, costs)
     t = Tuner("allgather", list(costs), lambda v: v, clock)
-    for _ in range(WINDOW + 2 * TRIALS):
-        t.run(fns)
+    decide(t, fns)
     assert t.left == max(PERIOD_MIN, math.ceil(TRIALS / BUDGET))
 
 
@@ -110,8 +146,7 @@ def test_a_challenger_must_win_by_the_margin() -> None:
     costs = {"direct": 1.00e-3, "ring": (1 - MARGIN / 2) * 1e-3}  # noise, not a reason
     fns, _ = contenders(clock, costs)
     t = Tuner("broadcast", list(costs), lambda v: v, clock)
-    for _ in range(WINDOW + 2 * TRIALS):
-        t.run(fns)
+    assert decide(t, fns) == WINDOW + POOLED * 2 * TRIALS
     assert t.choice == "direct" and t.rounds == 1
 
 
@@ -127,9 +162,9 @@ def test_medians_and_an_untimed_first_call_keep_hiccups_out() -> None:
     t = Tuner("allgather", list(costs), lambda v: seen.append(v) or v, clock)
     for _ in range(WINDOW):
         t.run([slow, slow])  # not timed
-    for c in range(2 * TRIALS):  # ring's run, then direct's: the first and one more slow
-        t.run([slow, slow] if c % TRIALS < 2 else fns)
-    assert TRIALS >= 4  # so one slow timed call of three is outvoted
+    for c in range(POOLED * 2 * TRIALS):  # runs of ring, direct, ring, direct: two slow calls
+        t.run([slow, slow] if c % TRIALS < 2 else fns)  # in each, the first and the next
+    assert TRIALS >= 4 and POOLED >= 2  # so two slow timed calls of six are outvoted
     assert seen[0].tolist() == pytest.approx([1e-3, 2e-3]) and t.choice == "direct"
 
 
