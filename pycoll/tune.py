@@ -15,11 +15,11 @@ fastest.  Each rank's figure for a contender is the median of its calls in the
 last :data:`POOLED` rounds but the first of each run (the first decision waits
 for that many rounds, run back to back), the figures are summed over the ranks
 by a small allreduce, and the least sum wins (a challenger must beat the
-incumbent by :data:`MARGIN`).  The
-next round comes when the incumbent's calls since will have taken 1/:data:`BUDGET`
-times as long as the round's challengers took (so trying the others costs at most
-that fraction of the time), and at least twice as late as the last one while
-the incumbent stays; from :data:`PERIOD_MIN` calls up to :data:`PERIOD_MAX`.
+incumbent by :data:`MARGIN`).  The next round comes when the incumbent's calls
+since will have taken 1/:data:`BUDGET` times as long as the round's challengers
+took (so trying the others costs at most that fraction of the time), and at
+least twice as late as the last one while the incumbent stays; from
+:data:`PERIOD_MIN` calls up to :data:`PERIOD_MAX`.
 
 Why so: a call here takes 50-200 us with two ranks on two cores, give or take
 half, so one or two calls say little (the best of two, interleaved one call
