@@ -871,7 +871,7 @@ class Communicator:
         if (
             self.size < 2
             or not self.config.tune
-            or not tunable(what, self.size)
+            or not tunable(what, self.size, dtype)
             or requested.lower() != "auto"
             or self.config.algorithm_for(what)
         ):

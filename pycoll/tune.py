@@ -41,10 +41,13 @@ every call without a word; the one exchange is the sum at the end of a round,
 and its result is the same bits on every rank.
 
 Only collectives whose result cannot depend on the algorithm are tuned:
-allgather and broadcast (they move bytes and compute nothing), and the
-reductions between two ranks (one operation on two operands: every algorithm
-computes ``x0 OP x1``).  Elsewhere algorithms add in different orders, and a
-training job would see its sums change in the last bits when ``auto`` switched.
+allgather and broadcast (they move bytes and compute nothing), the reductions
+between two ranks (one operation on two operands: every algorithm computes
+``x0 OP x1``), and the reductions of integers at any n (sums and products
+wrap modulo 2**bits, which any order gives alike, and min and max are exact;
+integers have no ``avg``).  Elsewhere algorithms add floats in different orders,
+and a training job would see its sums change in the last bits when ``auto``
+switched.
 ``PYCOLL_TUNE=0`` turns tuning off: ``auto`` is then the model's choice alone.
 """
 
@@ -84,9 +87,12 @@ MOVES_ONLY = ("allgather", "broadcast")
 REDUCES = ("allreduce", "reduce", "reduce_scatter")
 
 
-def tunable(collective: str, n: int) -> bool:
-    """Whether every algorithm of ``collective`` at ``n`` ranks gives the same bits."""
-    return collective in MOVES_ONLY or (n == 2 and collective in REDUCES)
+def tunable(collective: str, n: int, dtype: np.dtype[Any] | None = None) -> bool:
+    """Whether every algorithm of ``collective`` at ``n`` ranks gives the same
+    bits (on ``dtype``, where it matters)."""
+    if collective in MOVES_ONLY:
+        return True
+    return collective in REDUCES and (n == 2 or (dtype is not None and dtype.kind in "iu"))
 
 
 class Tuner:

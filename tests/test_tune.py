@@ -178,6 +178,10 @@ def test_which_collectives_are_tuned() -> None:
         assert tunable("allgather", n) and tunable("broadcast", n)
         for c in ("allreduce", "reduce", "reduce_scatter"):
             assert tunable(c, n) == (n == 2)
+            for dt in ("float16", "float32", "float64", ml_dtypes.bfloat16):
+                assert tunable(c, n, np.dtype(dt)) == (n == 2)
+            for dt in ("int8", "uint8", "int32", "uint32", "int64", "uint64"):
+                assert tunable(c, n, np.dtype(dt))
 
 
 def test_contenders_are_the_models_choice_then_those_close_to_it() -> None:
@@ -248,6 +252,50 @@ def test_between_two_ranks_every_algorithm_gives_the_same_bits(dtype: Any) -> No
         assert not differ, f"algorithms differ bitwise at n = 2: {differ}"
 
 
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint32, np.int64])
+def test_integer_reductions_give_the_same_bits_whichever_algorithm(n: int, dtype: Any) -> None:
+    """What makes integer reductions safe to tune at any n: sums and products
+    wrap alike in any order (the inputs span the whole range, so they do wrap)."""
+    count = 10_007
+    info = np.iinfo(dtype)
+    ops = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+    xs = [
+        np.random.default_rng(r).integers(info.min, info.max, count, dtype, endpoint=True)
+        for r in range(n)
+    ]
+    with communicators(n) as comms:
+
+        def body(r: int) -> dict[tuple[str, str, str], np.ndarray]:
+            c = comms[r]
+            got = {}
+            for op in ops:
+                for a in names("allreduce"):
+                    o = np.zeros_like(xs[r])
+                    got[("allreduce", op, a)] = c.allreduce(xs[r], o, op=op, algorithm=a)
+                for a in names("reduce"):
+                    o = np.zeros_like(xs[r])
+                    if c.reduce(xs[r], o, root=n - 1, op=op, algorithm=a) is not None:
+                        got[("reduce", op, a)] = o
+                m = count - count % n
+                for a in names("reduce_scatter"):
+                    o = np.zeros(m // n, xs[r].dtype)
+                    c.reduce_scatter(xs[r][:m], o, op=op, algorithm=a)
+                    got[("reduce_scatter", op, a)] = o
+            return got
+
+        res = run_ranks(n, body)
+    m = count - count % n
+    for op, f in ops.items():
+        want = f.reduce(np.stack(xs), axis=0, dtype=dtype)
+        for r, rank_got in enumerate(res):
+            for (what, o, a), v in rank_got.items():
+                if o != op:
+                    continue
+                w = want[r * (m // n) : (r + 1) * (m // n)] if what == "reduce_scatter" else want
+                np.testing.assert_array_equal(v, w, err_msg=f"{what} {op} {a} rank {r}")
+
+
 def _key_of(c: pycoll.Communicator, what: str) -> list[Any]:
     return [
         (k, t.names, t.calls, t.best)
@@ -279,7 +327,7 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
             x = np.full(k, r, np.int32)
             g = np.full(n * k, -1, np.int32)
             want = np.repeat(np.arange(n, dtype=np.int32), k)
-            for i in range(WINDOW + TRIALS * 2 + 8):
+            for i in range(WINDOW + POOLED * TRIALS * 3 + 8):
                 x[:] = r + i
                 g[:] = -1
                 if i % 5 == 3:
@@ -308,7 +356,7 @@ def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
             out = np.empty_like(xs[0])
             want = (xs[0] + xs[1]).tobytes()
             seen = set()
-            for _ in range(WINDOW + 2 * TRIALS + 4):
+            for _ in range(WINDOW + POOLED * TRIALS * 3 + 4):
                 out[:] = np.nan
                 c.allreduce(xs[r], out)
                 seen.add(out.tobytes())
@@ -317,6 +365,31 @@ def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
 
         got = run_ranks(2, body)
     assert got[0][0] == got[1][0] and got[0][0]
+
+
+def test_at_three_ranks_integer_reductions_are_tuned_and_float_ones_not() -> None:
+    n, nbytes = 3, 512 << 10
+    with communicators(n) as comms:
+        avail = comms[0]._candidates_for("allreduce")
+        assert len(cost.contenders("allreduce", avail, n, nbytes, comms[0].config.chunk_bytes)) > 1
+
+        def body(r: int) -> list[Any]:
+            c = comms[r]
+            xs = [np.arange(nbytes // 4, dtype=np.int32) * (k + 1) for k in range(n)]
+            want = sum(xs)
+            out = np.empty_like(xs[0])
+            for _ in range(WINDOW + POOLED * TRIALS * 2 + 4):
+                out[:] = -1
+                c.allreduce(xs[r], out)
+                np.testing.assert_array_equal(out, want)
+            f = xs[r].astype(np.float32)
+            c.allreduce(f, np.empty_like(f))
+            return _key_of(c, "allreduce")
+
+        got = run_ranks(n, body)
+    assert all(g == got[0] for g in got)
+    ((key, names_, calls, _),) = got[0]  # one tuner: int32's; float32's is None
+    assert key[2] == np.int32 and len(names_) > 1 and all(calls)
 
 
 def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
