@@ -121,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="cap the timed loop near this many seconds per system and size (0: off)",
     )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.25,
+        help="after a Gloo turn, the next system warms up at least this many seconds",
+    )
     ap.add_argument("--limits", action="store_true", help="measure machine limits; add frac")
     ap.add_argument("--limits-bytes", default="256M", help="array size for --limits")
     ap.add_argument("--json", default=None, help="write one record per measurement here")
@@ -516,14 +522,19 @@ def sync_fn(xp: Any, runner: Runner) -> Callable[[], None]:
 
 
 def timed(
-    call: Callable[[], Any], args: argparse.Namespace, mpi_comm: Any, sync: Callable[[], None]
+    call: Callable[[], Any],
+    args: argparse.Namespace,
+    mpi_comm: Any,
+    sync: Callable[[], None],
+    settle: float = 0.0,
 ) -> tuple[float, int, float, float]:
     """(seconds per call on the slowest rank, iterations timed, median, min).
 
     The first figure is the mean over the timed loop (OSU's); the per-call
     median and minimum (each the max over ranks) go to the JSON for noisy
     machines.  On a device the per-call figures include no synchronisation and
-    only the mean is meaningful.
+    only the mean is meaningful.  The warm-up runs ``-w`` calls, and more in
+    batches as long as that took less than ``settle`` seconds on the slowest rank.
     """
     from mpi4py import MPI
 
@@ -532,8 +543,16 @@ def timed(
     for _ in range(args.warmup_iters):
         call()
     sync()
-    if args.max_time > 0 and args.warmup_iters:
-        per = mpi_comm.allreduce((time.perf_counter() - t0) / args.warmup_iters, op=MPI.MAX)
+    warm = args.warmup_iters
+    if settle > 0:  # every rank makes the same calls: the batches end by agreement
+        batch = max(1, args.warmup_iters)
+        while mpi_comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) < settle:
+            for _ in range(batch):
+                call()
+            sync()
+            warm += batch
+    if args.max_time > 0 and warm:
+        per = mpi_comm.allreduce((time.perf_counter() - t0) / warm, op=MPI.MAX)
         iters = max(1, min(iters, int(args.max_time / max(per, 1e-9))))
     ts = np.empty(iters)
     clock = time.perf_counter
@@ -787,6 +806,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         except ImportError:
             bar = None
 
+    after_gloo = False  # the last system timed (or tried) was Gloo
     for coll in collectives:
         reg = algorithms.names(coll)
         # "all": auto (which may run several, see pycoll.tune) and each algorithm
@@ -858,6 +878,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         p.load()
                         p.call()
                         sync()
+                        after_gloo = sysm.kind == "gloo"
                         if args.check:
                             wrong = count_wrong(p.output(), ref, case)
                     except Exception as exc:
@@ -884,8 +905,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 huge = round(statistics.mean(fr), 3) if fr else None
             for rep in range(args.reps):
                 # a new order each repetition, the same on every rank: whatever one
-                # system leaves behind (Gloo's threads, a cold cache, a scheduler's
-                # placement) falls on a different one each time, not always on the next
+                # system leaves behind (a cold cache, a scheduler's placement) falls
+                # on a different one each time, not always on the next
                 order = list(systems)
                 random.Random(f"{coll} {case.size} {rep}").shuffle(order)
                 for slot, sysm in enumerate(order):
@@ -896,7 +917,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         continue
                     tuned = sysm.kind == "pycoll" and sysm.algorithm == "auto"
                     before = tuned_calls(comm, coll, nbytes) if tuned else {}
-                    sec, iters, med_s, min_s = timed(p.call, args, w, sync)
+                    # Gloo's ranks wait for milliseconds a call, asleep; the calls
+                    # after it ran up to 2x slower (n = 4: 30-35 against 16-18 us at
+                    # 32 B) for 100-250 ms on the 2-core VM, so the next system
+                    # warms up for --settle seconds
+                    settle = args.settle if after_gloo and sysm.kind != "gloo" else 0.0
+                    after_gloo = sysm.kind == "gloo"
+                    sec, iters, med_s, min_s = timed(p.call, args, w, sync, settle)
                     algbw = case.size / sec / 1e9
                     resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
                     ran = None
@@ -914,6 +941,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "nranks": n,
                         "rep": rep,
                         "slot": slot,
+                        "settled": settle > 0,
                         "time_us": sec * 1e6,
                         "time_us_median": med_s * 1e6,
                         "time_us_min": min_s * 1e6,

@@ -53,6 +53,25 @@ def index(recs: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
     return out
 
 
+def same_code(recs: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """n -> auto's time / its model's pick's time at each point where ``auto``
+    tuned nothing (so ran the same code): how far apart a point puts one
+    algorithm measured twice (medians over repetitions, as in the tables)."""
+    by: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        if r["system"] == "pycoll":
+            by[(r["collective"], r["nranks"], r["size"], r["algorithm"])].append(r)
+    out: dict[int, list[float]] = defaultdict(list)
+    for (coll, n, size, algo), rs in sorted(by.items()):
+        if algo != "auto" or any(r.get("auto_ran") for r in rs):
+            continue
+        twin = by.get((coll, n, size, rs[0]["auto_choice"]))
+        if twin:
+            t = statistics.median(r["time_us"] for r in rs)
+            out[n].append(t / statistics.median(r["time_us"] for r in twin))
+    return out
+
+
 def pick(systems: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(auto's record, best record of a named algorithm)."""
     py = {k: v for k, v in systems.items() if k.startswith("pycoll:")}
@@ -83,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", nargs="+")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="bandwidth tables from here")
     a = ap.parse_args(argv)
-    idx = index(load(a.json))
+    recs = load(a.json)
+    idx = index(recs)
     ns = sorted({k[1] for k in idx})
 
     def algo_of(r: dict[str, Any]) -> str:
@@ -173,6 +193,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {coll} | {n} | {total} | {good}/{total} | {'; '.join(misses) or '-'} "
                     f"| {model_good}/{total} | {med_good[0]}/{total}, {med_good[1]}/{total} |"
                 )
+    twins = same_code(recs)
+    if twins:
+        print(
+            "\nThe same code measured twice: where `auto` tuned nothing it runs its model's "
+            "pick, and auto's time / that algorithm's time was\n"
+        )
+        print("| n | points | 10th percentile | median | 90th | above 1.1 | below 1/1.1 |")
+        print("|---|---|---|---|---|---|---|")
+        for n, v in sorted(twins.items()):
+            q = statistics.quantiles(v, n=10) if len(v) > 1 else v * 9
+            print(
+                f"| {n} | {len(v)} | {q[0]:.2f} | {statistics.median(v):.2f} | {q[8]:.2f} "
+                f"| {sum(x > 1.1 for x in v)} | {sum(x < 1 / 1.1 for x in v)} |"
+            )
     return 0
 
 

@@ -39,7 +39,7 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     out_json, plots = tmp_path / "sweep.json", tmp_path / "plots"
     cmd = mpiexec(2) + [
         sys.executable, str(BENCH / "sweep.py"), "all",
-        "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
+        "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "-r", "2",
         "--algorithm", "all", "--baselines", "mpi", "--limits", "--limits-bytes", "1M",
         "--timeout", "60", "--no-progress", "--json", str(out_json), "--plot", str(plots),
     ]  # fmt: skip
@@ -59,7 +59,21 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     assert all(r["hugepages"] == "numpy" and 0 <= r["hugepage_frac"] <= 1 for r in recs)
     for coll in COLLECTIVES:
         assert (plots / f"{coll}.png").stat().st_size > 0
-    # the fit runs on the same JSON
+    # each repetition, every system once, in an order of its own
+    turns: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
+    for r in recs:
+        label = f"{r['system']}:{r['algorithm']}"
+        turns.setdefault((r["collective"], r["size"], r["rep"]), []).append((r["slot"], label))
+    assert {rep for (_, _, rep) in turns} == {0, 1}
+    orders = set()
+    for t in turns.values():
+        assert sorted(s for s, _ in t) == list(range(len(t)))
+        orders.add(tuple(label for _, label in sorted(t)))
+    assert len(orders) > 1
+    # the tables and the fit run on the same JSON
+    tab = _run([sys.executable, str(BENCH / "tables.py"), str(out_json)], 30)
+    assert "| allreduce | 2 |" in tab.stdout
+    assert "The same code measured twice" in tab.stdout
     fit = _run([sys.executable, str(BENCH / "fit_cost.py"), str(out_json)], 30)
     assert "DEFAULT = Constants(" in fit.stdout
 
@@ -72,11 +86,23 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
         sys.executable, str(BENCH / "sweep.py"), "allreduce",
         "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
         "--baselines", "gloo", "--timeout", "60", "--no-progress", "--hugepages", "off",
+        "-r", "2", "--settle", "0.05", "--json", str(tmp_path / "g.json"),
     ]  # fmt: skip
     proc = _run(cmd, 50)
     assert "skipped" not in proc.stdout, proc.stdout
     rows = _rows(proc.stdout)
     assert rows and all(r[8] == "0" and r[9] != "skip" for r in rows), proc.stdout
+    # pycoll's turn right after Gloo's, and only that, warms up for --settle seconds
+    recs = json.loads((tmp_path / "g.json").read_text())["records"]
+    seq = sorted(recs, key=lambda r: (r["size"], r["rep"], r["slot"]))
+    # before each size's first repetition every system is tried once, Gloo last
+    prev = [
+        "gloo" if i == 0 or seq[i - 1]["size"] != r["size"] else seq[i - 1]["system"]
+        for i, r in enumerate(seq)
+    ]
+    assert [r["settled"] for r in seq] == [
+        p == "gloo" and r["system"] != "gloo" for p, r in zip(prev, seq)
+    ]
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
