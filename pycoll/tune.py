@@ -11,10 +11,12 @@ No fixed choice is within 10% of the best in both.
 So a :class:`Tuner` runs the model's choice (the *incumbent*) for
 :data:`WINDOW` calls, then each other contender :data:`TRIALS` times in a row
 and the incumbent again as many (a *round*), and the ranks agree on the
-fastest.  Each rank's figure for a contender is the median of its calls in the
-last :data:`POOLED` rounds but the first of each run (the first decision waits
-for that many rounds, run back to back), the figures are summed over the ranks
-by a small allreduce, and the least sum wins (a challenger must beat the
+fastest.  A rank times a call from the return of the one before it to its own
+return, so what an algorithm leaves to pay after it returns counts as its own.
+Each rank's figure for a contender is the median of these times in the last
+:data:`POOLED` rounds, but for the first call of each run (the first decision
+waits for that many rounds, run back to back); the figures are summed over the
+ranks by a small allreduce, and the least sum wins (a challenger must beat the
 incumbent by :data:`MARGIN`).  The next round comes when the incumbent's calls
 since will have taken 1/:data:`BUDGET` times as long as the round's challengers
 took (so trying the others costs at most that fraction of the time), and at
@@ -24,16 +26,19 @@ least twice as late as the last one while the incumbent stays; from
 Why so: a call here takes 50-200 us with two ranks on two cores, give or take
 half, so one or two calls say little (the best of two, interleaved one call
 each, chose the ring for 80-95% of the allgathers of 256 KiB blocks at n = 2
-on the 2-core machine, at 174-183 us against direct's 134-137).  And a rank's
-time for a call runs from its entry, so it holds the wait for peers that the
-previous call left behind, which is the previous algorithm's, and more than
-the first call after a switch ran slow at times: so the first is not timed, and
-the incumbent is timed in the round too, after a switch like the others (the
-incumbent's calls between rounds, timed instead, chose the ring in all but 7
-calls of 220 in one such run, by then at 72 against direct's 29 us).  Three
+on the 2-core machine, at 174-183 us against direct's 134-137).  A call's time
+holds the wait for peers that the previous call left behind, which is the
+previous algorithm's, and more than the first call after a switch ran slow at
+times: so the first is not timed, and the incumbent is timed in the round too,
+after a switch like the others (the incumbent's calls between rounds, timed
+instead, chose the ring in all but 7 calls of 220 in one such run, by then at
+72 against direct's 29 us).  Timed from entry to return, calls left out what
+came between them: in a slow spell of the VM the ring's allgathers of 256 KiB
+blocks at n = 2 took 66-86 us each so, and direct's 113-141, but 190-200
+against 150-170 us a call in a loop, and ``auto`` chose the ring.  Three
 calls in a row share a spell of the machine, so a decision pools two rounds
-apart: on a round alone ``auto`` kept the ring for allgathers of 512 KiB at
-n = 2 in two repetitions of three, at 1.3x direct's time.
+apart: on a round alone ``auto`` kept the ring for allgathers of 256 KiB
+blocks at n = 2 in two repetitions of three, at 1.3x direct's time.
 
 The schedule counts calls of one collective, size, dtype, op and root, which
 every rank makes in the same order, so all ranks run the same algorithm at
@@ -109,6 +114,7 @@ class Tuner:
     __slots__ = (
         "_agree",
         "_clock",
+        "_last",
         "best",
         "calls",
         "history",
@@ -135,6 +141,7 @@ class Tuner:
         self.names = tuple(names)
         self._agree = agree
         self._clock = clock
+        self._last = 0.0  # when the last call of the round returned
         self.best = 0
         self.left = WINDOW  # calls of the incumbent alone before the next round
         self.period = PERIOD_MIN // 2  # doubled by a first round that keeps the model's choice
@@ -174,10 +181,11 @@ class Tuner:
             self.schedule = tuple(i for i in order for _ in range(TRIALS))
         i = self.schedule[self.pos]
         self.calls[i] += 1
-        t0 = self._clock()
         fns[i](*args)
+        now = self._clock()
         if self.pos % TRIALS:  # the first of a run pays for the switch
-            self.trials[i].append(self._clock() - t0)
+            self.trials[i].append(now - self._last)
+        self._last = now
         self.pos += 1
         if self.pos == len(self.schedule):
             self._decide()

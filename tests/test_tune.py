@@ -132,6 +132,18 @@ def test_one_round_that_favours_a_challenger_does_not_switch_alone() -> None:
     assert t.choice == "ring"
 
 
+def test_what_a_call_leaves_to_pay_after_it_returns_counts_as_its_own() -> None:
+    clock = FakeClock()
+    costs = {"direct": 2e-3, "ring": 1e-3}
+    fns, ran = contenders(clock, costs)
+    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    while t.rounds == 0:
+        t.run(fns)
+        if ran[-1] == "ring":  # returns early, the rest is paid before the next call
+            clock.now += 3e-3
+    assert t.choice == "direct"
+
+
 def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
     clock = FakeClock()
     costs = {"direct": 1e-3, "ring": 1e-3}
