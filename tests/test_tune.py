@@ -55,6 +55,16 @@ def contenders(
     return [fn(a) for a in costs], ran
 
 
+def tuner(
+    costs: dict[str, float], label: str = "allgather"
+) -> tuple[Tuner, FakeClock, list[Callable[[], None]], list[str]]:
+    """A tuner over fake contenders of these costs, its clock, the contenders, and
+    the list of the names that ran."""
+    clock = FakeClock()
+    fns, ran = contenders(clock, costs)
+    return Tuner(label, list(costs), lambda v: v, clock), clock, fns, ran
+
+
 def decide(t: Tuner, fns: list[Callable[[], None]]) -> int:
     """Calls until the tuner's next decision; how many."""
     rounds, calls = t.rounds, 0
@@ -100,10 +110,8 @@ def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() 
 
 
 def test_the_wait_between_rounds_doubles_while_the_incumbent_stays_and_resets_on_a_change() -> None:
-    clock = FakeClock()
     costs = {"direct": 1e-3, "ring": 2e-3}
-    fns, _ = contenders(clock, costs)
-    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    t, _, fns, _ = tuner(costs)
     periods = []
     for _ in range(6):
         decide(t, fns)
@@ -119,10 +127,8 @@ def test_the_wait_between_rounds_doubles_while_the_incumbent_stays_and_resets_on
 
 
 def test_one_round_that_favours_a_challenger_does_not_switch_alone() -> None:
-    clock = FakeClock()
     costs = {"direct": 1e-3, "ring": 2e-3}
-    fns, _ = contenders(clock, costs)
-    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    t, _, fns, _ = tuner(costs)
     decide(t, fns)
     assert t.choice == "direct"
     costs["ring"] = 0.5e-3  # a spell of one round: pooled, ring's median is 1.25 ms
@@ -133,10 +139,8 @@ def test_one_round_that_favours_a_challenger_does_not_switch_alone() -> None:
 
 
 def test_what_a_call_leaves_to_pay_after_it_returns_counts_as_its_own() -> None:
-    clock = FakeClock()
     costs = {"direct": 2e-3, "ring": 1e-3}
-    fns, ran = contenders(clock, costs)
-    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    t, clock, fns, ran = tuner(costs)
     while t.rounds == 0:
         t.run(fns)
         if ran[-1] == "ring":  # returns early, the rest is paid before the next call
@@ -145,19 +149,15 @@ def test_what_a_call_leaves_to_pay_after_it_returns_counts_as_its_own() -> None:
 
 
 def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
-    clock = FakeClock()
     costs = {"direct": 1e-3, "ring": 1e-3}
-    fns, _ = contenders(clock, costs)
-    t = Tuner("allgather", list(costs), lambda v: v, clock)
+    t, _, fns, _ = tuner(costs)
     decide(t, fns)
     assert t.left == max(PERIOD_MIN, math.ceil(TRIALS / BUDGET))
 
 
 def test_a_challenger_must_win_by_the_margin() -> None:
-    clock = FakeClock()
     costs = {"direct": 1.00e-3, "ring": (1 - MARGIN / 2) * 1e-3}  # noise, not a reason
-    fns, _ = contenders(clock, costs)
-    t = Tuner("broadcast", list(costs), lambda v: v, clock)
+    t, _, fns, _ = tuner(costs, "broadcast")
     assert decide(t, fns) == WINDOW + POOLED * 2 * TRIALS
     assert t.choice == "direct" and t.rounds == 1
 
