@@ -10,10 +10,11 @@ run several algorithms, see ``pycoll/tune.py``), else the algorithm the cost
 model picks (``auto_choice``); next to the best measured algorithm.  ``x MPI`` / ``x Gloo`` are baseline time /
 pycoll time: above 1 pycoll is faster.  Times are medians over repetitions.
 
-The last table judges ``auto`` by the mean time per call (nccl-tests' ``time``)
-and, beside it, by the median time per call (the slowest rank's), which a
-preempted call does not move: on the 2-core machine one stall in a loop of
-small calls doubles a mean.
+The table of ``auto`` against the best judges by the mean time per call
+(nccl-tests' ``time``) and, beside it, by the median time per call (the
+slowest rank's), which a preempted call does not move: on the 2-core machine
+one stall in a loop of small calls doubles a mean.  The last table, the same
+code measured twice, is the noise of one point.
 """
 
 from __future__ import annotations
