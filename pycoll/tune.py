@@ -12,7 +12,8 @@ So a :class:`Tuner` runs the model's choice (the *incumbent*) for
 :data:`WINDOW` calls, then each other contender :data:`TRIALS` times in a row
 and the incumbent again as many (a *round*), and the ranks agree on the
 fastest.  A rank times a call from the return of the one before it to its own
-return, so what an algorithm leaves to pay after it returns counts as its own.
+return, so what an algorithm leaves to pay after it returns counts as its own
+(the caller's work between calls counts too, alike for every contender).
 Each rank's figure for a contender is the median of these times in the last
 :data:`POOLED` rounds, but for the first call of each run (the first decision
 waits for that many rounds, run back to back); the figures are summed over the
