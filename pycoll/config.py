@@ -15,6 +15,9 @@ KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
 #: transports for device (GPU) buffers, wired in a second table when a GPU is present
 DEVICE_TRANSPORTS = ("cuda_ipc",)
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
+#: The spellings of a switch in the environment: on, and off.
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 
@@ -169,11 +172,11 @@ class Config:
                 raise bad("PYCOLL_TIMEOUT", "must be positive")
             kw["timeout"] = t
         if v := e.get("PYCOLL_CHECK", "").strip():
-            kw["check"] = v.lower() in ("1", "true", "yes", "on")
+            kw["check"] = v.lower() in ON
         if v := e.get("PYCOLL_TUNE", "").strip().lower():
-            if v not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+            if v not in ON + OFF:
                 raise bad("PYCOLL_TUNE", "choose from 1 (on) or 0 (off)")
-            kw["tune"] = v in ("1", "true", "yes", "on")
+            kw["tune"] = v in ON
         if v := e.get("PYCOLL_DEBUG", "").strip().upper():
             if v == "WARNING":
                 v = "WARN"
