@@ -9,7 +9,7 @@ n = 2 took 270-300 us with ``direct`` and 350 us one-shot in some runs, and
 No fixed choice is within 10% of the best in both.
 
 So a :class:`Tuner` runs the model's choice (the *incumbent*) for
-:data:`WINDOW` calls, then each other contender :data:`TRIALS` times in a row
+:func:`window` calls, then each other contender :data:`TRIALS` times in a row
 and the incumbent again as many (a *round*), and the ranks agree on the
 fastest.  A rank times a call from the return of the one before it to its own
 return, so what an algorithm leaves to pay after it returns counts as its own
@@ -22,7 +22,11 @@ incumbent by :data:`MARGIN`).  The next round comes when the incumbent's calls
 since will have taken 1/:data:`BUDGET` times as long as the round's challengers
 took (so trying the others costs at most that fraction of the time), and at
 least twice as late as the last one while the incumbent stays; from
-:data:`PERIOD_MIN` calls up to :data:`PERIOD_MAX`.
+:data:`PERIOD_MIN` calls up to :data:`PERIOD_MAX`.  The first round waits
+until the challengers' calls of the first decision would be at most
+:data:`FIRST` of the calls up to it: a kind of call that is made a few times
+only is left to the model (the contenders are those it models within 2x of its
+choice, so that share bounds what they can cost).
 
 Why so: a call here takes 50-200 us with two ranks on two cores, give or take
 half, so one or two calls say little (the best of two, interleaved one call
@@ -39,7 +43,10 @@ blocks at n = 2 took 66-86 us each so, and direct's 113-141, but 190-200
 against 150-170 us a call in a loop, and ``auto`` chose the ring.  Three
 calls in a row share a spell of the machine, so a decision pools two rounds
 apart: on a round alone ``auto`` kept the ring for allgathers of 256 KiB
-blocks at n = 2 in two repetitions of three, at 1.3x direct's time.
+blocks at n = 2 in two repetitions of three, at 1.3x direct's time.  With the
+first round after 8 calls, a sweep of allreduces of 256 MiB at n = 2 (26 calls
+of 50-60 ms) ran 15 of them as trials of the ring and one-shot, and ``auto``
+took 1.15x the time of direct, the model's choice.
 
 The schedule counts calls of one collective, size, dtype, op and root, which
 every rank makes in the same order, so all ranks run the same algorithm at
@@ -72,8 +79,11 @@ from pycoll.config import TRACE
 
 log = logging.getLogger(__name__)
 
-#: Calls of the model's choice before the first round.
+#: Calls of the model's choice before the first round: at least ...
 WINDOW = 8
+#: ... and enough that the first decision's challenger calls are at most this
+#: share of the calls up to it.
+FIRST = 0.25
 #: Calls of each contender in a round, in a row (the first is not timed).
 TRIALS = 4
 #: The time trying challengers may take, as a fraction of the incumbent's.
@@ -91,6 +101,14 @@ POOLED = 2
 MOVES_ONLY = ("allgather", "broadcast")
 #: ... and these, between two ranks.
 REDUCES = ("allreduce", "reduce", "reduce_scatter")
+
+
+def window(contenders: int) -> int:
+    """Calls of the model's choice before the first round, among ``contenders``
+    algorithms: a kind of call shows it repeats before ``auto`` spends on it."""
+    rounds = POOLED * TRIALS * contenders  # calls up to the first decision, past the window
+    challengers = POOLED * TRIALS * (contenders - 1)
+    return max(WINDOW, math.ceil(challengers / FIRST) - rounds)
 
 
 def tunable(collective: str, n: int, dtype: np.dtype[Any] | None = None) -> bool:
@@ -144,7 +162,7 @@ class Tuner:
         self._clock = clock
         self._last = 0.0  # when the last call of the round returned
         self.best = 0
-        self.left = WINDOW  # calls of the incumbent alone before the next round
+        self.left = window(len(self.names))  # calls of the incumbent alone before the next round
         self.period = PERIOD_MIN // 2  # doubled by a first round that keeps the model's choice
         self.schedule: tuple[int, ...] = ()  # this round's calls
         self.pos = 0

@@ -16,6 +16,7 @@ import pycoll
 from pycoll.algorithms import cost, names
 from pycoll.tune import (
     BUDGET,
+    FIRST,
     MARGIN,
     PERIOD_MAX,
     PERIOD_MIN,
@@ -24,6 +25,7 @@ from pycoll.tune import (
     WINDOW,
     Tuner,
     tunable,
+    window,
 )
 from tests.inproc import communicators, run_ranks
 
@@ -65,6 +67,11 @@ def tuner(
     return Tuner(label, list(costs), lambda v: v, clock), clock, fns, ran
 
 
+def until_decided(contenders: int) -> int:
+    """Calls of one kind up to the first decision among ``contenders``."""
+    return window(contenders) + POOLED * TRIALS * contenders
+
+
 def decide(t: Tuner, fns: list[Callable[[], None]]) -> int:
     """Calls until the tuner's next decision; how many."""
     rounds, calls = t.rounds, 0
@@ -86,16 +93,17 @@ def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() 
     t = Tuner("allreduce 2 MiB", list(costs), agree, clock)
     assert t.choice == "direct"  # the model's choice runs until a round says otherwise
     assert POOLED == 2
-    for _ in range(WINDOW + 3 * TRIALS):
+    first = window(3)
+    for _ in range(first + 3 * TRIALS):
         t.run(fns)
     # the challengers, then the incumbent again: each timed after a switch alike
     one = ["ring"] * TRIALS + ["oneshot"] * TRIALS + ["direct"] * TRIALS
-    assert ran == ["direct"] * WINDOW + one
+    assert ran == ["direct"] * first + one
     # the first decision pools two rounds: the second follows at once
     assert not sums and t.choice == "direct"
     for _ in range(3 * TRIALS):
         t.run(fns)
-    assert ran == ["direct"] * WINDOW + one + one
+    assert ran == ["direct"] * first + one + one
     assert len(sums) == 1 and sums[0].tolist() == pytest.approx(list(costs.values()))
     # the next round when ring's calls will have taken 1/BUDGET of what the round cost
     wait = math.ceil(TRIALS * (3 + 5) / 2 / BUDGET)
@@ -104,7 +112,7 @@ def test_the_incumbent_runs_first_then_a_round_times_the_challengers_in_a_row() 
     for _ in range(wait):
         t.run(fns)
     assert ran == ["ring"] * wait and len(sums) == 1  # no round, no exchange
-    assert t.calls == [WINDOW + 2 * TRIALS, 2 * TRIALS + wait, 2 * TRIALS]
+    assert t.calls == [first + 2 * TRIALS, 2 * TRIALS + wait, 2 * TRIALS]
     t.run(fns)  # the next round: direct and oneshot challenge
     assert ran[-1] == "direct"
 
@@ -158,7 +166,7 @@ def test_close_challengers_are_tried_no_sooner_than_period_min() -> None:
 def test_a_challenger_must_win_by_the_margin() -> None:
     costs = {"direct": 1.00e-3, "ring": (1 - MARGIN / 2) * 1e-3}  # noise, not a reason
     t, _, fns, _ = tuner(costs, "broadcast")
-    assert decide(t, fns) == WINDOW + POOLED * 2 * TRIALS
+    assert decide(t, fns) == window(2) + POOLED * 2 * TRIALS
     assert t.choice == "direct" and t.rounds == 1
 
 
@@ -172,12 +180,27 @@ def test_medians_and_an_untimed_first_call_keep_hiccups_out() -> None:
         clock.now += 50e-3
 
     t = Tuner("allgather", list(costs), lambda v: seen.append(v) or v, clock)
-    for _ in range(WINDOW):
+    for _ in range(window(2)):
         t.run([slow, slow])  # not timed
     for c in range(POOLED * 2 * TRIALS):  # runs of ring, direct, ring, direct: two slow calls
         t.run([slow, slow] if c % TRIALS < 2 else fns)  # in each, the first and the next
     assert TRIALS >= 4 and POOLED >= 2  # so two slow timed calls of six are outvoted
     assert seen[0].tolist() == pytest.approx([1e-3, 2e-3]) and t.choice == "direct"
+
+
+def test_a_kind_of_call_made_a_few_times_is_left_to_the_model() -> None:
+    for k in (2, 3, 4, 5):
+        costs = {
+            a: 1e-3 * (i + 1) for i, a in enumerate(("direct", "ring", "oneshot", "tree", "x")[:k])
+        }
+        t, _, fns, ran = tuner(costs)
+        upto = decide(t, fns)
+        assert upto == until_decided(k) and window(k) >= WINDOW
+        challengers = sum(a != "direct" for a in ran)
+        assert challengers == POOLED * TRIALS * (k - 1)
+        assert challengers <= FIRST * upto  # their share of the calls up to the decision
+        assert window(k) == WINDOW or challengers > FIRST * (upto - 1)  # and no later
+        assert ran[: window(k)] == ["direct"] * window(k)
 
 
 def test_a_tuner_needs_contenders() -> None:
@@ -322,24 +345,23 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
     count the same schedule, so the ranks never disagree, and every result is right."""
     with communicators(n) as comms:
         avail = comms[0]._candidates_for("allgather")
-        block = next(
-            b
-            for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
-            if len(
+        close = {
+            b: len(
                 cost.contenders(
                     "allgather", avail, n, b, comms[0].config.chunk_bytes, comms[0]._crowded
                 )
             )
-            > 1
-        )
-        k = block // 4
+            for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+        }
+        block = next(b for b, m in close.items() if m > 1)
+        k, calls = block // 4, until_decided(close[block]) + 8
 
         def body(r: int) -> list[Any]:
             c = comms[r]
             x = np.full(k, r, np.int32)
             g = np.full(n * k, -1, np.int32)
             want = np.repeat(np.arange(n, dtype=np.int32), k)
-            for i in range(WINDOW + POOLED * TRIALS * 3 + 8):
+            for i in range(calls):
                 x[:] = r + i
                 g[:] = -1
                 if i % 5 == 3:
@@ -359,7 +381,8 @@ def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
     with communicators(2) as comms:
         avail = comms[0]._candidates_for("allreduce")
         nbytes = 2 << 20
-        assert len(cost.contenders("allreduce", avail, 2, nbytes, comms[0].config.chunk_bytes)) > 1
+        close = len(cost.contenders("allreduce", avail, 2, nbytes, comms[0].config.chunk_bytes))
+        assert close > 1
 
         def body(r: int) -> tuple[list[Any], bytes]:
             c = comms[r]
@@ -368,7 +391,7 @@ def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
             out = np.empty_like(xs[0])
             want = (xs[0] + xs[1]).tobytes()
             seen = set()
-            for _ in range(WINDOW + POOLED * TRIALS * 3 + 4):
+            for _ in range(until_decided(close) + 4):
                 out[:] = np.nan
                 c.allreduce(xs[r], out)
                 seen.add(out.tobytes())
@@ -383,14 +406,15 @@ def test_at_three_ranks_integer_reductions_are_tuned_and_float_ones_not() -> Non
     n, nbytes = 3, 512 << 10
     with communicators(n) as comms:
         avail = comms[0]._candidates_for("allreduce")
-        assert len(cost.contenders("allreduce", avail, n, nbytes, comms[0].config.chunk_bytes)) > 1
+        close = len(cost.contenders("allreduce", avail, n, nbytes, comms[0].config.chunk_bytes))
+        assert close > 1
 
         def body(r: int) -> list[Any]:
             c = comms[r]
             xs = [np.arange(nbytes // 4, dtype=np.int32) * (k + 1) for k in range(n)]
             want = sum(xs)
             out = np.empty_like(xs[0])
-            for _ in range(WINDOW + POOLED * TRIALS * 2 + 4):
+            for _ in range(until_decided(close) + 4):
                 out[:] = -1
                 c.allreduce(xs[r], out)
                 np.testing.assert_array_equal(out, want)
