@@ -74,6 +74,7 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     tab = _run([sys.executable, str(BENCH / "tables.py"), str(out_json)], 30)
     assert "| allreduce | 2 |" in tab.stdout
     assert "The same code measured twice" in tab.stdout
+    assert "| 2 | per repetition |" in tab.stdout  # the paired judgement of the same code
     fit = _run([sys.executable, str(BENCH / "fit_cost.py"), str(out_json)], 30)
     assert "DEFAULT = Constants(" in fit.stdout
 
