@@ -306,6 +306,8 @@ class Communicator:
         self._candidates: dict[str, tuple[str, ...]] = {}
         # auto's online choices, by (collective, bytes, dtype, op, root); None: not tuned
         self._tuners: dict[tuple[Any, ...], Tuner | None] = {}
+        # ... and the name and function each runs its calls by, made once
+        self._tuned: dict[Tuner, tuple[str, Callable[..., None]]] = {}
         try:  # the device side (second connection table, cuda_ipc); None without a GPU
             self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
         except BaseException:
@@ -904,8 +906,12 @@ class Communicator:
         ``algo``'s, or one that runs what ``tuner`` names."""
         if tuner is None:
             return algo, algorithms.get(what, algo)
-        fns = [algorithms.get(what, a) for a in tuner.names]
-        return f"auto[{','.join(tuner.names)}]", tuner.over(fns)
+        try:
+            return self._tuned[tuner]
+        except KeyError:
+            fns = [algorithms.get(what, a) for a in tuner.names]
+            made = self._tuned[tuner] = (f"auto[{','.join(tuner.names)}]", tuner.over(fns))
+            return made
 
     def _agree(self, v: np.ndarray) -> np.ndarray:
         """``v`` summed over the ranks, the same bits on each (a tuner's round ends)."""
