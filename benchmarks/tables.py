@@ -76,7 +76,7 @@ def paired(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> float:
     return statistics.median(a[r]["time_us_median"] / b[r]["time_us_median"] for r in reps)
 
 
-#: The ways the same-code table and the auto table judge: label, key.
+#: The ways the auto table and the same-code table judge, in their order.
 WAYS = ("by mean", "by per-call median", "per repetition")
 
 
