@@ -80,12 +80,15 @@ def paired(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> float:
 WAYS = ("by mean", "by per-call median", "per repetition")
 
 
-def same_code(recs: list[dict[str, Any]]) -> dict[str, dict[int, list[float]]]:
+def same_code(
+    reps: dict[tuple, dict[str, dict[int, dict[str, Any]]]],
+) -> dict[str, dict[int, list[float]]]:
     """way -> n -> auto's time / its model's pick's time at each point where
     ``auto`` tuned nothing (so ran the same code): how far apart a point puts one
-    algorithm measured twice, judged each way of :data:`WAYS`."""
+    algorithm measured twice, judged each way of :data:`WAYS`; ``reps`` is
+    :func:`by_rep`'s."""
     out: dict[str, dict[int, list[float]]] = {w: defaultdict(list) for w in WAYS}
-    for (_, n, _), algos in sorted(by_rep(recs).items()):
+    for (_, n, _), algos in sorted(reps.items()):
         auto = algos.get("auto")
         if not auto or any(r.get("auto_ran") for r in auto.values()):
             continue
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             if total:
                 a_, m_ = (", ".join(f"{x}/{total}" for x in good[w]) for w in ("auto", "model"))
                 print(f"| {coll} | {n} | {total} | {a_} | {m_} | {'; '.join(misses) or '-'} |")
-    twins = same_code(recs)
+    twins = same_code(reps)
     if any(twins[w] for w in WAYS):
         print(
             "\nThe same code measured twice: where `auto` tuned nothing it runs its model's "
