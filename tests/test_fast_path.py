@@ -398,6 +398,58 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
     assert sum(writes) == 3 * n * (n - 1)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_limit(
+    n: int, crowded: bool
+) -> None:
+    """Above the slot size a direct allreduce or reduce reads the peers' buffers
+    by address; where ranks outnumber cores it goes through the slots in rounds
+    while a rank's (n - 1) N stays within ROUNDS_CROWDED_*.  Either way every
+    rank (the root, for reduce) gets the rank-order reduction, bit for bit, in
+    place and out of place."""
+    from pycoll.algorithms import direct
+
+    with communicators(n) as comms:
+        slot = comms[0]._group.slot_bytes
+        reads = [0] * n
+        for c in comms:  # before any rank starts: they must agree
+            c._crowded = crowded
+            c._links_cache.clear()
+
+        def body(c: pycoll.Communicator) -> None:
+            _count_calls(c, "read", reads)
+            r = c.rank
+            for coll, limit in [
+                ("allreduce", direct.ROUNDS_CROWDED_ALLREDUCE),
+                ("reduce", direct.ROUNDS_CROWDED_REDUCE),
+            ]:
+                top = limit // (n - 1) // 4  # float32 elements at the limit
+                for count in [slot // 4 + 1, top, top + 1]:
+                    nbytes = 4 * count
+                    by_address = not (crowded and (n - 1) * nbytes <= limit)
+                    rng = [np.random.default_rng([count, q]) for q in range(n)]
+                    xs = [g.standard_normal(count).astype(np.float32) for g in rng]
+                    ref = xs[0] + xs[1]
+                    for a in xs[2:]:
+                        ref = ref + a
+                    root = count % n
+                    before = reads[r]
+                    out = np.full(count, np.nan, np.float32)
+                    if coll == "allreduce":
+                        c.allreduce(xs[r], out, algorithm="direct")
+                        y = xs[r].copy()
+                        c.allreduce(y, algorithm="direct")  # in place
+                        assert y.tobytes() == ref.tobytes(), (r, count, "in place")
+                    else:
+                        c.reduce(xs[r], out, root=root, algorithm="direct")
+                    if coll == "allreduce" or r == root:
+                        assert out.tobytes() == ref.tobytes(), (coll, r, count)
+                    assert (reads[r] > before) == by_address, (coll, r, count)
+
+        _on_all(comms, body)
+
+
 @pytest.mark.parametrize("cma", [True, False])
 @pytest.mark.parametrize("n", [2, 3])
 def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(

@@ -15,7 +15,8 @@ where its buffer is and the readers copy out of it with one kernel copy each
 (``read``); the collective ends when every reader said it is done, so no buffer
 is returned to its owner while a peer still reads it.  Without direct reads,
 larger messages go through the slots in rounds of a slot each (an allgather
-writes up to ``G.ahead`` rounds before it reads any).
+writes up to ``G.ahead`` rounds before it reads any); so do mid-sized
+allreduces and reduces where ranks outnumber cores (``ROUNDS_CROWDED_*``).
 
 Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
 and every element is reduced by one rank only (or by every rank identically), so
@@ -68,6 +69,33 @@ def _others(n: int, r: int) -> list[int]:
 
 def _by_address(G: Group, nbytes: int) -> bool:
     return G.cma and nbytes > G.slot_bytes
+
+
+#: Where ranks outnumber cores, an allreduce goes through the slots in rounds,
+#: not by address, while each rank's rounds reduce at most this many bytes
+#: ((n - 1) N: every rank reduces every contribution) ...
+ROUNDS_CROWDED_ALLREDUCE = 2 << 20
+#: ... and a reduce, where the root alone reduces, up to this many.  By address
+#: takes three steps that each wait for every rank, and a wait for a rank that
+#: is off its core costs a time slice; a round is one step, and a rank may run
+#: K of them ahead.  On the 2-core machine (alternating runs of ``sweep.py all
+#: -b 512K -e 2M -f 2 --algorithm direct,ring --baselines mpi -r 3``, by address
+#: against rounds, two each, in a slow spell of the VM), us a call:
+#: allreduce n = 3, 512 KiB 354-419 against 532-650 (and 378-606 against
+#: 567-797 in four more runs), 1 MiB 1018-1093 against 953-1193 (the ring's
+#: time over direct's 1.65-1.75 against 1.42); n = 4, 512 KiB 667-712 against
+#: 786-868, but 1 MiB 1344-1428 against 1136-1303.  Reduce n = 3, 512 KiB
+#: 139-185 against 512-539, 2 MiB 957-1388 against 1651-1908; n = 4, 512 KiB
+#: 172-211 against 756-801, 1 MiB 899-951 against 1100-1162, 2 MiB 1852-1997
+#: against 2025-2087.  (Reduce-scatters lost through the slots from 1 MiB.)
+ROUNDS_CROWDED_REDUCE = 4 << 20
+
+
+def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> bool:
+    """Whether a reduction of ``nbytes`` a rank goes by address (see above)."""
+    if not _by_address(G, nbytes):
+        return False
+    return not (L.crowded and (L.size - 1) * nbytes <= crowded_limit)
 
 
 #: allgather blocks of up to this many slots go through the slots in rounds, not
@@ -287,7 +315,7 @@ def _finish(L: Links, G: Group, s: int) -> None:
 @register("allreduce", "direct")
 def allreduce(L: Links, x: Any, out: Any) -> None:
     G = _group(L)
-    if not _by_address(G, x.nbytes):
+    if not _reduces_by_address(L, G, x.nbytes, ROUNDS_CROWDED_ALLREDUCE):
         _slot_reduce(L, G, x, out, None)
         return
     n, r = L.size, L.rank
@@ -384,7 +412,7 @@ def reduce_scatter(L: Links, x: Any, out: Any) -> None:
 @register("reduce", "direct")
 def reduce(L: Links, x: Any, out: Any, root: int) -> None:
     G = _group(L)
-    if not _by_address(G, x.nbytes):
+    if not _reduces_by_address(L, G, x.nbytes, ROUNDS_CROWDED_REDUCE):
         _slot_reduce(L, G, x, out, root)
         return
     n, r = L.size, L.rank
