@@ -170,6 +170,26 @@ def test_a_challenger_must_win_by_the_margin() -> None:
     assert t.choice == "direct" and t.rounds == 1
 
 
+def test_the_models_choice_comes_back_without_the_margin() -> None:
+    costs = {"direct": 2e-3, "ring": 1e-3}
+    t, _, fns, _ = tuner(costs, "broadcast")
+    decide(t, fns)
+    assert t.choice == "ring"
+    costs["direct"] = (1 - MARGIN / 2) * 1e-3  # faster again, by less than the margin
+    decide(t, fns)  # pooled with a round of direct at 2 ms
+    assert t.choice == "ring"
+    decide(t, fns)
+    assert t.choice == "direct"
+    costs["ring"] = (1 - MARGIN / 2) * costs["direct"]  # a challenger still needs the margin
+    for _ in range(3):
+        decide(t, fns)
+        assert t.choice == "direct"
+    costs["ring"] = (1 - 2 * MARGIN) * costs["direct"]
+    decide(t, fns)
+    decide(t, fns)
+    assert t.choice == "ring"
+
+
 def test_medians_and_an_untimed_first_call_keep_hiccups_out() -> None:
     clock = FakeClock()
     seen = []
