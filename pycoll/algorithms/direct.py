@@ -87,7 +87,8 @@ ROUNDS_CROWDED_ALLREDUCE = 2 << 20
 #: 786-868, but 1 MiB 1344-1428 against 1136-1303.  Reduce n = 3, 512 KiB
 #: 139-185 against 512-539, 2 MiB 957-1388 against 1651-1908; n = 4, 512 KiB
 #: 172-211 against 756-801, 1 MiB 899-951 against 1100-1162, 2 MiB 1852-1997
-#: against 2025-2087.  (Reduce-scatters lost through the slots from 1 MiB.)
+#: against 2025-2087 (the ring's time over direct's 1.37-1.61 against 1.42-1.43:
+#: no clear gain).  (Reduce-scatters lost through the slots from 1 MiB.)
 ROUNDS_CROWDED_REDUCE = 4 << 20
 
 
