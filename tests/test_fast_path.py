@@ -366,6 +366,14 @@ def _count_calls(c: pycoll.Communicator, name: str, tally: list[int]) -> None:
     setattr(c._group, name, counted)
 
 
+def _set_crowded(comms: Any, crowded: bool) -> None:
+    """Every rank's verdict on ranks outnumbering cores, before any rank starts
+    (they must agree); the links made with the old one are dropped."""
+    for c in comms:
+        c._crowded = crowded
+        c._links_cache.clear()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("crowded", [False, True])
 def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> None:
@@ -376,9 +384,7 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
     with communicators(n) as comms:
         slot = comms[0]._group.slot_bytes
         writes = [0] * n
-        for c in comms:  # before any rank starts: they must agree
-            c._crowded = crowded
-            c._links_cache.clear()
+        _set_crowded(comms, crowded)
 
         def body(c: pycoll.Communicator) -> None:
             _count_calls(c, "write", writes)
@@ -413,9 +419,7 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
     with communicators(n) as comms:
         slot = comms[0]._group.slot_bytes
         reads = [0] * n
-        for c in comms:  # before any rank starts: they must agree
-            c._crowded = crowded
-            c._links_cache.clear()
+        _set_crowded(comms, crowded)
 
         def body(c: pycoll.Communicator) -> None:
             _count_calls(c, "read", reads)
