@@ -229,6 +229,7 @@ class Tuner:
         total = self._agree(np.array(mine, np.float64))
         was = self.best
         win = int(np.argmin(total))
+        # names[0], the model's choice, needs no margin (see MARGIN)
         if win and not total[win] < (1 - MARGIN) * total[was]:
             win = was
         self.rounds += 1

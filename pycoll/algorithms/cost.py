@@ -147,9 +147,10 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, crowded: bool = 
     a = DIRECT_STEP * k.alpha
     small = nbytes <= DIRECT_SLOT_BYTES
     # Crowded, mid-sized allreduces and reduces go through the slots in rounds
-    # (direct.ROUNDS_CROWDED_*): measured faster than by address, and so counted
-    # at its cost (by these constants, fitted where reductions run from memory,
-    # the rounds' (n - 1) N reduced, which stay in cache, would cost more).
+    # (direct.ROUNDS_CROWDED_*), measured faster than by address; they are
+    # modelled as by address all the same: with these constants, fitted where
+    # reductions run from memory, the rounds' (n - 1) N bytes reduced, which
+    # stay in cache, would be modelled slower than they run.
     if collective == "allreduce":
         if small:  # one step (split, it is two steps and fewer bytes: no worse)
             return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
