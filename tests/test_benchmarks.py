@@ -154,6 +154,37 @@ def test_p2p_every_transport(tmp_path: Path) -> None:
     assert all(r["lat_us"] > 0 and r["bw_GBps"] > 0 for r in recs)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("coll", ["reduce_scatter", "broadcast"])
+def test_versus_takes_turns_and_checks_every_system(tmp_path: Path, coll: str) -> None:
+    out_json = tmp_path / "v.json"
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "versus.py"), coll, "8", "4099",
+        "--systems", "auto,ring,direct,mpi", "--rounds", "4", "--block-time", "0.001",
+        "--root", "2", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert "# auto within 10% of every other system at " in proc.stdout
+    rows = _rows(proc.stdout)
+    # size system calls time(us) xauto p10 p90 ran
+    assert [r[1] for r in rows] == ["auto", "ring", "direct", "mpi"] * 2, proc.stdout
+    assert all(r[4] == r[5] == r[6] == "1.000" for r in rows if r[1] == "auto")
+    assert all(len(r) > 7 for r in rows if r[1] == "auto")  # what auto ran
+    recs = json.loads(out_json.read_text())["records"]
+    assert len(recs) == 2 * 4 * 4 and all(r["wrong"] == 0 and r["time_us"] > 0 for r in recs)
+    assert {r["round"] for r in recs} == {0, 1, 2, 3}
+
+
+def test_versus_refuses_an_unknown_system() -> None:
+    cmd = mpiexec(2) + [sys.executable, str(BENCH / "versus.py"), "allreduce", "8",
+                        "--systems", "auto,gloo"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "'gloo' is not auto, mpi or one of" in proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(30)
 def test_traffic_model_matches_ring_counts() -> None:
     sys.path.insert(0, str(BENCH))
