@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pycoll
-from pycoll.communicator import PLAN_MAX, PLAN_MAX_BYTES
+from pycoll.communicator import PLAN_MAX, PLAN_MAX_BYTES, STEPS_MAX
 from tests.inproc import communicators, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,7 +193,47 @@ def test_recorder_closing_and_plan_bounds() -> None:
             x = np.ones(2, np.float32)
             with pytest.raises(pycoll.CommunicatorClosedError):
                 c.allreduce(x, op="max")
-            assert not c._plans and not c._weak_plans
+            assert not c._plans and not c._weak_plans and not c._steps
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
+    made: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(n)}
+    with communicators(n) as comms:
+        for c in comms:
+            make = c._make_step
+
+            def counted(*a: Any, _make: Any = make, _made: Any = made[c.rank]) -> Any:
+                _made.append(a[:2])
+                return _make(*a)
+
+            c._make_step = counted  # type: ignore[method-assign]
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            x = np.arange(7, dtype=np.float32) + r
+            exp = sum(np.arange(7, dtype=np.float32) + q for q in range(n))
+            for it in range(4):  # a fresh view each call: no plan to replay
+                out = np.full(7, -1, np.float32)
+                c.allreduce(x[:], out, algorithm="direct")
+                np.testing.assert_array_equal(out, exp)
+                b = np.full(3, r + it, np.int64) if r else np.arange(3) + it
+                c.broadcast(b[:], root=0, algorithm="ring")
+                np.testing.assert_array_equal(b, np.arange(3) + it)
+            # another count, dtype or op is another kind
+            y = np.arange(5, dtype=np.float64) + r
+            o = np.empty(5)
+            assert c.allreduce(y[:], o, op="max", algorithm="direct")[0] == n - 1
+            assert c.allreduce(y[:], o, algorithm="direct")[0] == sum(range(n))
+            for k in range(STEPS_MAX + 3):  # bounded, the oldest going first
+                c.allreduce(np.ones(k + 1, np.int32), algorithm="direct")
+            assert len(c._steps) == STEPS_MAX
+
+        _on_all(comms, body)
+    for r in range(n):  # once for the four calls of each kind, once for each kind after
+        assert made[r] == [("allreduce", "direct"), ("broadcast", "ring")] + [
+            ("allreduce", "direct")
+        ] * (2 + STEPS_MAX + 3), made[r]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
