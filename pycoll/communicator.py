@@ -1597,7 +1597,11 @@ def _same(a: Any, b: Any) -> bool:
 def _overlaps(a: Buffer, b: Buffer) -> bool:
     if a.device != b.device:
         return False
-    pa, pb = data_ptr(a.flat), data_ptr(b.flat)
+    fa, fb = a.flat, b.flat
+    if isinstance(fa, np.ndarray) and isinstance(fb, np.ndarray):
+        # the same test on the byte ranges, in C (a call's two data_ptr cost 2-3 us)
+        return bool(np.may_share_memory(fa, fb))
+    pa, pb = data_ptr(fa), data_ptr(fb)
     return pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
