@@ -7,7 +7,10 @@ import os
 import platform
 import socket
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -137,3 +140,20 @@ def host_meta() -> dict[str, object]:
     except Exception:
         pass
     return meta
+
+
+def run_or_abort(run: Callable[[Any], list[dict[str, Any]]], args: Any) -> list[dict[str, Any]]:
+    """``run(args)`` under mpiexec: an exception on any rank prints its traceback
+    and aborts the whole job (``MPI_Abort``), so no rank waits forever for one
+    that died."""
+    from mpi4py import MPI
+
+    try:
+        return run(args)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        raise

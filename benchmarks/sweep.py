@@ -50,7 +50,6 @@ import socket
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +69,7 @@ from common import (
     host_meta,
     parse_dtype,
     parse_size,
+    run_or_abort,
     size_list,
 )
 
@@ -1041,18 +1041,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from mpi4py import MPI
-
-    try:
-        records = run(args)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        return 1
+    records = run_or_abort(run, parse_args(argv))
     wrong = sum(r["wrong"] or 0 for r in records if r["system"] == "pycoll")
     return 1 if wrong else 0
 

@@ -32,7 +32,6 @@ import random
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import COLLECTIVES, OPS, geometry, host_meta, parse_dtype, parse_size
+from common import COLLECTIVES, OPS, geometry, host_meta, parse_dtype, parse_size, run_or_abort
 from sweep import (
     Case,
     Prepared,
@@ -246,18 +245,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from mpi4py import MPI
-
-    try:
-        records = run(args)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        return 1
+    records = run_or_abort(run, parse_args(argv))
     return 1 if any(r["wrong"] for r in records) else 0
 
 

@@ -1225,19 +1225,12 @@ class Communicator:
         if step is None:
             if len(self._steps) >= STEPS_MAX:
                 del self._steps[next(iter(self._steps))]
-            step = self._steps[key] = self._make_step(what, algo, dtype, op, count, root, tuner)
+            step = self._steps[key] = self._make_step(key)
         return step
 
-    def _make_step(
-        self,
-        what: str,
-        algo: str,
-        dtype: np.dtype[Any],
-        op: ReduceOp | None,
-        count: int,
-        root: int,
-        tuner: Tuner | None,
-    ) -> Callable[[Any, Any], None]:
+    def _make_step(self, key: tuple[Any, ...]) -> Callable[[Any, Any], None]:
+        """The step of ``key``, ``_step``'s arguments and the calling thread."""
+        what, algo, dtype, op, count, root, tuner, _ = key
         if tuner is not None:
             return tuner.over([self._step(what, a, dtype, op, count, root) for a in tuner.names])
         L = self._links(dtype, op)

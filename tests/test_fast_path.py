@@ -203,9 +203,9 @@ def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
         for c in comms:
             make = c._make_step
 
-            def counted(*a: Any, _make: Any = make, _made: Any = made[c.rank]) -> Any:
-                _made.append(a[:2])
-                return _make(*a)
+            def counted(key: Any, _make: Any = make, _made: Any = made[c.rank]) -> Any:
+                _made.append(key[:2])
+                return _make(key)
 
             c._make_step = counted  # type: ignore[method-assign]
 
