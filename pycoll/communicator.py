@@ -1127,6 +1127,7 @@ class Communicator:
         self._failed = exc
         self._plans.clear()
         self._weak_plans.clear()
+        self._steps.clear()  # they hold views of the group segment too
         # The finished frames below us may hold views of shared segments (a slot
         # the collective was reading); the error outlives them in the Request, in
         # _failed and in the caller's hands, so drop their locals (the traceback's

@@ -236,6 +236,19 @@ def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
         ] * (2 + STEPS_MAX + 3), made[r]
 
 
+def test_a_failed_collective_drops_plans_and_steps() -> None:
+    with communicators(2, timeout=0.5) as comms:
+        x = [np.ones(3, np.float32) for _ in comms]
+        _on_all(comms, lambda c: [c.allreduce(x[c.rank]) for _ in range(2)])
+        c = comms[0]
+        assert c._plans and c._steps
+        with pytest.raises(pycoll.CollectiveTimeout):
+            c.allreduce(x[0])  # alone: rank 1 never joins
+        assert not c._plans and not c._weak_plans and not c._steps
+        with pytest.raises(pycoll.CommunicatorClosedError, match="earlier failure"):
+            c.allreduce(x[0])  # unusable from now on, not replayed
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_large_arrays_replay_weak_plans(n: int) -> None:
     """Arrays over PLAN_MAX_BYTES get plans that hold them by weak references:
