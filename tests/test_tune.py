@@ -223,6 +223,20 @@ def test_a_kind_of_call_made_a_few_times_is_left_to_the_model() -> None:
         assert ran[: window(k)] == ["direct"] * window(k)
 
 
+def test_the_function_over_the_contenders_keeps_the_schedule_of_run() -> None:
+    costs = {"direct": 2e-3, "ring": 1e-3, "oneshot": 3e-3}
+    a, _, fns_a, ran_a = tuner(costs)
+    b, _, fns_b, ran_b = tuner(costs)
+    tuned = b.over(fns_b)
+    for i in range(3000):  # through several rounds and a change of choice
+        if i == 1500:
+            costs["direct"] = 0.5e-3
+        a.run(fns_a)
+        tuned()
+    assert ran_a == ran_b and a.calls == b.calls and a.rounds == b.rounds > 3
+    assert a.choice == b.choice == "direct" and "ring" in ran_a[:1500][-200:]
+
+
 def test_a_tuner_needs_contenders() -> None:
     with pytest.raises(ValueError):
         Tuner("x", ["ring"], lambda v: v)
