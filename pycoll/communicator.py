@@ -145,6 +145,8 @@ TUNERS_MAX = 256
 #: 280 KB allreduced in turn at n = 1 took 10.6 us a call with room for 32
 #: plans, 4.4 without plans for them, 2.9 with room for all.)
 WEAK_PLAN_MAX = 256
+#: Kinds of call (see _Kind) kept, the oldest going first.
+KINDS_MAX = 64
 
 
 class _Plan:
@@ -173,6 +175,9 @@ class _Plan:
     Device arrays (CuPy's and torch's) that ``auto`` sends through the host get
     plans too: there the data pointer is part of what must not change, since a
     torch tensor's storage can be swapped under the same object.
+
+    Calls on NumPy arrays with no plan of their own run by their kind of call
+    (:class:`_Kind`) where one was made.
     """
 
     __slots__ = (
@@ -261,6 +266,47 @@ class _Plan:
         return self.o is None or (self.o() is o and data_ptr(o) == self.optr)
 
 
+class _Kind:
+    """A validated blocking host collective on NumPy arrays of one kind, run on
+    whatever arrays of that kind come next.
+
+    Where a :class:`_Plan` is for the very arrays it was made with, a kind is for
+    every NumPy array of the same dtype, shape and strides (and output of the
+    same), with the same other arguments: a call on a fresh view or a new array
+    each step (``tensor.numpy()`` in a training loop) finds no plan, but its
+    kind.  Every check of the slow path depends on those attributes alone but
+    three, which the kind redoes each call (:meth:`Communicator._known_kind`):
+    that the arrays written are writeable, that input and output do not share
+    memory, and the thread.  So a call on a kind raises nothing the slow path
+    would have raised, and anything else (an in-place call by the same array,
+    an overlap, a device array) goes the slow path.
+
+    ``run(sendbuf, recvbuf)`` runs the collective on the caller's arrays and
+    returns its result.  A kind holds no array.  ``last``: a weak reference to
+    the ``sendbuf`` of its last call; the same array once more makes a plan, which
+    replays faster.
+    """
+
+    __slots__ = ("algo", "count", "dtype", "last", "op", "ow", "root", "run", "tid", "what", "xw")
+
+    def __init__(
+        self,
+        what: str,
+        run: Callable[[Any, Any], Any],
+        x: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+        xw: bool,
+        ow: bool,
+    ) -> None:
+        self.what, self.run, self.op, self.root, self.algo = what, run, op, root, algo
+        self.count, self.dtype = x.count, x.dtype
+        self.xw, self.ow = xw, ow  # sendbuf, recvbuf written (ow: and must not overlap)
+        self.tid = get_ident()
+        self.last: weakref.ref[Any] | None = None
+
+
 class _Held:
     """What a weak plan returns in place of the caller's sendbuf or recvbuf (it
     holds neither): :meth:`Communicator._replay` hands back the object passed."""
@@ -344,6 +390,7 @@ class Communicator:
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._weak_plans: dict[tuple[Any, ...], _Plan] = {}  # of large arrays (_Plan)
         self._steps: dict[tuple[Any, ...], Callable[[Any, Any], None]] = {}  # (_step)
+        self._kinds_made: dict[tuple[Any, ...], _Kind] = {}  # calls on new arrays (_Kind)
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
@@ -405,6 +452,9 @@ class Communicator:
                 p = None
             if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
                 return self._replay(p, sendbuf, recvbuf)
+            kd = self._known_kind(("allreduce", op, algorithm), sendbuf, recvbuf)
+            if kd is not None:
+                return self._replay(kd, sendbuf, recvbuf)
         what = "allreduce"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -422,6 +472,12 @@ class Communicator:
         if self._plannable(async_op, stream, x, out):
             key = (what, id(sendbuf), id(recvbuf), op, algorithm)
             p = self._plan_allreduce(key, sendbuf, recvbuf, x, out, rop, algo, tuner)
+            self._add_kind(
+                (what, op, algorithm),
+                sendbuf,
+                recvbuf,
+                lambda: self._kind_allreduce(recvbuf, x, rop, algo, tuner),
+            )
             return self._replay(p, sendbuf, recvbuf)
 
         def run() -> Any:
@@ -467,6 +523,9 @@ class Communicator:
                 p = None
             if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
                 return self._replay(p, sendbuf, recvbuf)
+            kd = self._known_kind(("allgather", algorithm), sendbuf, recvbuf)
+            if kd is not None:
+                return self._replay(kd, sendbuf, recvbuf)
         what = "allgather"
         self._check_open(what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
@@ -486,6 +545,12 @@ class Communicator:
         if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), algorithm)
             p = self._plan_allgather(key, sendbuf, given, x, out, algo, tuner)
+            self._add_kind(
+                (what, algorithm),
+                sendbuf,
+                given,
+                lambda: self._kind_allgather(given, x, algo, tuner),
+            )
             return self._replay(p, sendbuf, given)
 
         def run() -> Any:
@@ -523,6 +588,9 @@ class Communicator:
                 p = None
             if p is not None and p.fits(buf, None) and get_ident() == p.tid:
                 return self._replay(p, buf, None)
+            kd = self._known_kind(("broadcast", root, algorithm), buf, None)
+            if kd is not None:
+                return self._replay(kd, buf, None)
         what = "broadcast"
         self._check_open(what)
         self._check_root(root, what)
@@ -539,6 +607,12 @@ class Communicator:
         if type(root) is int and self._plannable(async_op, stream, b, None):
             key = (what, id(buf), root, algorithm)
             p = self._plan_broadcast(key, buf, b, root, algo, tuner)
+            self._add_kind(
+                (what, root, algorithm),
+                buf,
+                None,
+                lambda: self._kind_broadcast(b, root, algo, tuner),
+            )
             return self._replay(p, buf, None)
 
         def run() -> Any:
@@ -576,6 +650,9 @@ class Communicator:
                 p = None
             if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
                 return self._replay(p, sendbuf, recvbuf)
+            kd = self._known_kind(("reduce_scatter", op, algorithm), sendbuf, recvbuf)
+            if kd is not None:
+                return self._replay(kd, sendbuf, recvbuf)
         what = "reduce_scatter"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -604,6 +681,12 @@ class Communicator:
         if self._plannable(async_op, stream, x, out, given is None):
             key = (what, id(sendbuf), id(given), op, algorithm)
             p = self._plan_reduce_scatter(key, sendbuf, given, x, out, rop, algo, tuner)
+            self._add_kind(
+                (what, op, algorithm),
+                sendbuf,
+                given,
+                lambda: self._kind_reduce_scatter(given, x, rop, algo, tuner),
+            )
             return self._replay(p, sendbuf, given)
 
         def run() -> Any:
@@ -647,6 +730,9 @@ class Communicator:
                 p = None
             if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
                 return self._replay(p, sendbuf, recvbuf)
+            kd = self._known_kind(("reduce", root, op, algorithm), sendbuf, recvbuf)
+            if kd is not None:
+                return self._replay(kd, sendbuf, recvbuf)
         what = "reduce"
         self._check_open(what)
         self._check_root(root, what)
@@ -670,6 +756,12 @@ class Communicator:
         if type(root) is int and self._plannable(async_op, stream, x, out):
             key = (what, id(sendbuf), id(recvbuf), root, op, algorithm)
             p = self._plan_reduce(key, sendbuf, recvbuf, x, out, rop, root, algo, tuner)
+            self._add_kind(
+                (what, root, op, algorithm),
+                sendbuf,
+                recvbuf,
+                lambda: self._kind_reduce(recvbuf, x, rop, root, algo, tuner),
+            )
             return self._replay(p, sendbuf, recvbuf)
 
         def run() -> Any:
@@ -721,6 +813,7 @@ class Communicator:
         self._plans.clear()  # they hold views of the group segment
         self._weak_plans.clear()
         self._steps.clear()
+        self._kinds_made.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -739,6 +832,7 @@ class Communicator:
         self._plans.clear()
         self._weak_plans.clear()
         self._steps.clear()
+        self._kinds_made.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -1089,10 +1183,11 @@ class Communicator:
             log.log(TRACE, "done %s", rec)
         return result
 
-    def _replay(self, p: _Plan, sendbuf: Any, recvbuf: Any) -> Any:
-        """Run a plan (the fast path): what :meth:`_execute` does, minus the checks
-        that its making already did.  ``sendbuf`` and ``recvbuf``: what the caller
-        passed (a weak plan returns them by reference, see :class:`_Held`)."""
+    def _replay(self, p: _Plan | _Kind, sendbuf: Any, recvbuf: Any) -> Any:
+        """Run a plan or a kind of call (the fast path): what :meth:`_execute`
+        does, minus the checks that its making already did.  ``sendbuf`` and
+        ``recvbuf``: what the caller passed (a weak plan returns them by
+        reference, see :class:`_Held`; a kind runs on them)."""
         self._seq = seq = self._seq + 1
         rec = Record(seq, p.what, p.count, p.dtype, p.op, p.root, p.algo, monotonic())
         self._recent.append(rec)
@@ -1100,7 +1195,8 @@ class Communicator:
         if trace:
             log.log(TRACE, "start %s", rec)
         try:
-            result = p.run()
+            run: Any = p.run  # a plan's takes no arguments, a kind's the caller's arrays
+            result = run() if type(p) is _Plan else run(sendbuf, recvbuf)
         except BaseException as exc:
             self._fail(rec, exc)
         rec.ended = monotonic()
@@ -1128,6 +1224,7 @@ class Communicator:
         self._plans.clear()
         self._weak_plans.clear()
         self._steps.clear()  # they hold views of the group segment too
+        self._kinds_made.clear()  # ... and so do the kinds' steps
         # The finished frames below us may hold views of shared segments (a slot
         # the collective was reading); the error outlives them in the Request, in
         # _failed and in the caller's hands, so drop their locals (the traceback's
@@ -1203,6 +1300,157 @@ class Communicator:
                 p.o = weakref.ref(p.o, forget)
         plans[key] = p
         return p
+
+    def _known_kind(self, head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> _Kind | None:
+        """The kind of call (:class:`_Kind`) ``head`` on these arrays, or None
+        where there is none or these arrays may not use it."""
+        try:
+            k = self._kinds_made.get(_kind_key(head, sendbuf, recvbuf))  # type: ignore[arg-type]
+        except TypeError:  # an unhashable op or algorithm: the slow path says why
+            return None
+        if k is None or k.tid != get_ident():
+            return None
+        if k.xw and not sendbuf.flags.writeable:
+            return None
+        if k.ow and (not recvbuf.flags.writeable or np.may_share_memory(sendbuf, recvbuf)):
+            return None
+        last = k.last
+        if last is not None and last() is sendbuf:
+            return None  # the same array twice in a row: the slow path makes it a plan
+        k.last = weakref.ref(sendbuf)
+        return k
+
+    def _add_kind(
+        self, head: tuple[Any, ...], sendbuf: Any, recvbuf: Any, make: Callable[[], _Kind]
+    ) -> None:
+        """Keep the kind of call ``head`` on NumPy arrays like these (``make()``
+        makes it), unless there is one: the slow path calls it with each plan."""
+        key = _kind_key(head, sendbuf, recvbuf)
+        kinds = self._kinds_made
+        if key is None or key in kinds:
+            return
+        if len(kinds) >= KINDS_MAX:
+            del kinds[next(iter(kinds))]
+        kinds[key] = make()
+
+    def _kind_allreduce(
+        self,
+        recvbuf: Any,
+        x: Buffer,
+        rop: ReduceOp,
+        algo: str,
+        tuner: Tuner | None,
+    ) -> _Kind:
+        n, avg = self.size, rop is ReduceOp.AVG
+        step = self._step("allreduce", algo, x.dtype, rop, x.count, 0, tuner) if n > 1 else None
+
+        def run(s: Any, o: Any) -> Any:
+            xa = s.reshape(-1)
+            oa = xa if o is None else o.reshape(-1)
+            if step is not None:
+                step(xa, oa)
+            elif o is not None:
+                oa[...] = xa
+            if avg:
+                finish_avg(oa, n)
+            return s if o is None else o
+
+        return _Kind("allreduce", run, x, rop, 0, algo, recvbuf is None, recvbuf is not None)
+
+    def _kind_allgather(
+        self,
+        recvbuf: Any,
+        x: Buffer,
+        algo: str,
+        tuner: Tuner | None,
+    ) -> _Kind:
+        n, r, c = self.size, self.rank, x.count
+        step = self._step("allgather", algo, x.dtype, None, c, 0, tuner) if n > 1 and c else None
+        shape, dtype = (n, *np.shape(x.obj)), x.dtype
+
+        def run(s: Any, o: Any) -> Any:
+            xa = s.reshape(-1)
+            if o is None:
+                o = np.empty(shape, dtype)
+            oa = o.reshape(-1)
+            oa[r * c : (r + 1) * c] = xa
+            if step is not None:
+                step(xa, oa)
+            return o
+
+        return _Kind("allgather", run, x, None, 0, algo, False, recvbuf is not None)
+
+    def _kind_broadcast(self, b: Buffer, root: int, algo: str, tuner: Tuner | None) -> _Kind:
+        step = None
+        if self.size > 1 and b.count:
+            step = self._step("broadcast", algo, b.dtype, None, b.count, root, tuner)
+
+        def run(s: Any, _: Any) -> Any:
+            if step is not None:
+                step(s.reshape(-1), None)
+            return s
+
+        return _Kind("broadcast", run, b, None, root, algo, self.rank != root, False)
+
+    def _kind_reduce_scatter(
+        self,
+        recvbuf: Any,
+        x: Buffer,
+        rop: ReduceOp,
+        algo: str,
+        tuner: Tuner | None,
+    ) -> _Kind:
+        n, avg, dtype = self.size, rop is ReduceOp.AVG, x.dtype
+        c = x.count // n
+        step = None
+        if n > 1 and c:
+            step = self._step("reduce_scatter", algo, dtype, rop, x.count, 0, tuner)
+
+        def run(s: Any, o: Any) -> Any:
+            if o is None:
+                o = np.empty((c,), dtype)
+            oa = o.reshape(-1)
+            if step is not None:
+                step(s.reshape(-1), oa)
+            elif n == 1:
+                oa[...] = s.reshape(-1)
+            if avg:
+                finish_avg(oa, n)
+            return o
+
+        return _Kind("reduce_scatter", run, x, rop, 0, algo, False, recvbuf is not None)
+
+    def _kind_reduce(
+        self,
+        recvbuf: Any,
+        x: Buffer,
+        rop: ReduceOp,
+        root: int,
+        algo: str,
+        tuner: Tuner | None,
+    ) -> _Kind:
+        n, is_root = self.size, self.rank == root
+        avg = rop is ReduceOp.AVG and is_root
+        step = None
+        if n > 1 and x.count:
+            step = self._step("reduce", algo, x.dtype, rop, x.count, root, tuner)
+
+        def run(s: Any, o: Any) -> Any:
+            xa = s.reshape(-1)
+            if not is_root:  # the output is scratch
+                oa = np.empty_like(xa)
+            else:
+                oa = xa if o is None else o.reshape(-1)
+            if step is not None:
+                step(xa, oa)
+            elif n == 1 and o is not None:
+                oa[...] = xa
+            if avg:
+                finish_avg(oa, n)
+            return (s if o is None else o) if is_root else None
+
+        w = is_root and recvbuf is None
+        return _Kind("reduce", run, x, rop, root, algo, w, is_root and recvbuf is not None)
 
     def _step(
         self,
@@ -1551,6 +1799,19 @@ def _waiting_policy(crowded: bool) -> Backoff:
     if crowded:
         return Backoff(spins=0, yields=20000)
     return Backoff()
+
+
+def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, ...] | None:
+    """What a call ``head`` on ``sendbuf`` and ``recvbuf`` is checked by: their
+    dtypes, shapes and strides (:class:`_Kind`); None unless both are NumPy arrays."""
+    if type(sendbuf) is not np.ndarray:
+        return None
+    x = (head, sendbuf.dtype, sendbuf.shape, sendbuf.strides)
+    if recvbuf is None:
+        return x
+    if type(recvbuf) is not np.ndarray:
+        return None
+    return (*x, recvbuf.dtype, recvbuf.shape, recvbuf.strides)
 
 
 def _algo_id(name: str) -> int:

@@ -236,15 +236,97 @@ def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
         ] * (2 + STEPS_MAX + 3), made[r]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
+    """A call on arrays with no plan (a fresh view, a new array each call) runs by
+    the kind of call made by the first such call (_Kind): slow-path results and
+    returned objects, no new plan; read-only or overlapping arrays still take the
+    slow path and its error; the same array twice in a row makes a plan."""
+    with communicators(n) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            plans = None
+            for it in range(5):
+                if it == 2:  # the first call of each kind made a plan; no more from now
+                    plans = len(c._plans)
+                x = np.arange(7, dtype=np.float32) * (r + 1) + it
+                exp = sum(np.arange(7, dtype=np.float32) * (q + 1) + it for q in range(n))
+                out = np.full(7, np.nan, np.float32)
+                assert c.allreduce(x[:], out) is out
+                np.testing.assert_array_equal(out, exp)
+                y = x.copy()
+                assert c.allreduce(y, op="avg") is y
+                np.testing.assert_allclose(y, exp / n, rtol=1e-6)
+                blocks = [
+                    np.arange(6, dtype=np.int8).reshape(2, 3) + 10 * q + it for q in range(n)
+                ]
+                g = c.allgather(blocks[r].copy()[:])
+                assert g.shape == (n, 2, 3)
+                np.testing.assert_array_equal(g, np.stack(blocks))
+                go = np.full(6 * n, -1, np.int8)
+                assert c.allgather(blocks[r].reshape(-1).copy(), go) is go
+                np.testing.assert_array_equal(go, np.stack(blocks).reshape(-1))
+                b = np.arange(5, dtype=np.int32) + r * 10 + it
+                assert c.broadcast(b[:], root=n - 1) is not b
+                np.testing.assert_array_equal(b, np.arange(5) + (n - 1) * 10 + it)
+                src = np.arange(3 * n, dtype=np.float64) * (r + 1) + it
+                tot = sum(np.arange(3 * n, dtype=np.float64) * (q + 1) + it for q in range(n))
+                rs = c.reduce_scatter(src[:], op="max")
+                assert rs.shape == (3,)
+                np.testing.assert_array_equal(rs, np.arange(3 * r, 3 * r + 3) * n + it)
+                ro = np.full(3, np.nan)
+                assert c.reduce_scatter(src.copy(), ro) is ro
+                np.testing.assert_array_equal(ro, tot[3 * r : 3 * r + 3])
+                red = np.full(7, np.nan, np.float32)
+                got = c.reduce(x[:], red if r == 0 else None, root=0, op="min")
+                if r == 0:
+                    assert got is red
+                    np.testing.assert_array_equal(red, x)  # rank 0 holds the least
+                else:
+                    assert got is None
+            assert plans is not None and len(c._plans) == plans
+            assert c._kinds_made
+            # what the kind does not cover goes the slow path, with its errors
+            ro_x = np.ones(7, np.float32)
+            ro_x.flags.writeable = False
+            with pytest.raises(pycoll.InvalidArgumentError, match="sendbuf is read-only"):
+                c.allreduce(ro_x, op="avg")
+            ro_out = np.empty(7, np.float32)
+            ro_out.flags.writeable = False
+            with pytest.raises(pycoll.InvalidArgumentError, match="recvbuf is read-only"):
+                c.allreduce(np.ones(7, np.float32), ro_out)
+            both = np.ones(6 * n + 3, np.float64)
+            with pytest.raises(pycoll.InvalidArgumentError, match="overlaps"):
+                c.reduce_scatter(both[: 3 * n], both[3 * n - 1 : 3 * n + 2])
+            # in place by the same array: the slow path allows it
+            z = np.full(7, 1, np.float32)
+            assert c.allreduce(z, z) is z
+            np.testing.assert_array_equal(z, np.full(7, n, np.float32))
+            # the same array twice in a row: a plan, then replays
+            keep = np.ones(7, np.float32)
+            before = len(c._plans)
+            for _ in range(3):
+                c.allreduce(keep, out)
+            assert len(c._plans) == before + 1
+            np.testing.assert_array_equal(out, np.full(7, n, np.float32))
+            c.barrier()
+
+        _on_all(comms, body)
+        for c in comms:
+            c.close()
+            assert not c._kinds_made
+
+
 def test_a_failed_collective_drops_plans_and_steps() -> None:
     with communicators(2, timeout=0.5) as comms:
         x = [np.ones(3, np.float32) for _ in comms]
         _on_all(comms, lambda c: [c.allreduce(x[c.rank]) for _ in range(2)])
         c = comms[0]
-        assert c._plans and c._steps
+        assert c._plans and c._steps and c._kinds_made
         with pytest.raises(pycoll.CollectiveTimeout):
             c.allreduce(x[0])  # alone: rank 1 never joins
-        assert not c._plans and not c._weak_plans and not c._steps
+        assert not c._plans and not c._weak_plans and not c._steps and not c._kinds_made
         with pytest.raises(pycoll.CommunicatorClosedError, match="earlier failure"):
             c.allreduce(x[0])  # unusable from now on, not replayed
 
