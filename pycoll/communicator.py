@@ -275,9 +275,10 @@ class _Kind:
     same), with the same other arguments: a call on a fresh view or a new array
     each step (``tensor.numpy()`` in a training loop) finds no plan, but its
     kind.  Every check of the slow path depends on those attributes alone but
-    three, which the kind redoes each call (:meth:`Communicator._known_kind`):
-    that the arrays written are writeable, that input and output do not share
-    memory, and the thread.  So a call on a kind raises nothing the slow path
+    two, which the kind redoes each call (:meth:`Communicator._known_kind`):
+    that the arrays written are writeable, and that input and output do not
+    share memory.  Each thread has its own kinds, as it has its own plans and
+    steps (its waiting policy).  So a call on a kind raises nothing the slow path
     would have raised, and anything else (an in-place call by the same array,
     an overlap, a device array) goes the slow path.
 
@@ -287,7 +288,7 @@ class _Kind:
     replays faster.
     """
 
-    __slots__ = ("algo", "count", "dtype", "last", "op", "ow", "root", "run", "tid", "what", "xw")
+    __slots__ = ("algo", "count", "dtype", "last", "op", "ow", "root", "run", "what", "xw")
 
     def __init__(
         self,
@@ -303,7 +304,6 @@ class _Kind:
         self.what, self.run, self.op, self.root, self.algo = what, run, op, root, algo
         self.count, self.dtype = x.count, x.dtype
         self.xw, self.ow = xw, ow  # sendbuf, recvbuf written (ow: and must not overlap)
-        self.tid = get_ident()
         self.last: weakref.ref[Any] | None = None
 
 
@@ -1308,7 +1308,7 @@ class Communicator:
             k = self._kinds_made.get(_kind_key(head, sendbuf, recvbuf))  # type: ignore[arg-type]
         except TypeError:  # an unhashable op or algorithm: the slow path says why
             return None
-        if k is None or k.tid != get_ident():
+        if k is None:
             return None
         if k.xw and not sendbuf.flags.writeable:
             return None
@@ -1802,11 +1802,12 @@ def _waiting_policy(crowded: bool) -> Backoff:
 
 
 def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, ...] | None:
-    """What a call ``head`` on ``sendbuf`` and ``recvbuf`` is checked by: their
-    dtypes, shapes and strides (:class:`_Kind`); None unless both are NumPy arrays."""
+    """What a call ``head`` on ``sendbuf`` and ``recvbuf`` from this thread is
+    checked by: their dtypes, shapes and strides (:class:`_Kind`); None unless
+    both are NumPy arrays."""
     if type(sendbuf) is not np.ndarray:
         return None
-    x = (head, sendbuf.dtype, sendbuf.shape, sendbuf.strides)
+    x = (head, get_ident(), sendbuf.dtype, sendbuf.shape, sendbuf.strides)
     if recvbuf is None:
         return x
     if type(recvbuf) is not np.ndarray:

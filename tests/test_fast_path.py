@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -258,9 +259,7 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
                 y = x.copy()
                 assert c.allreduce(y, op="avg") is y
                 np.testing.assert_allclose(y, exp / n, rtol=1e-6)
-                blocks = [
-                    np.arange(6, dtype=np.int8).reshape(2, 3) + 10 * q + it for q in range(n)
-                ]
+                blocks = [np.arange(6, dtype=np.int8).reshape(2, 3) + 10 * q + it for q in range(n)]
                 g = c.allgather(blocks[r].copy()[:])
                 assert g.shape == (n, 2, 3)
                 np.testing.assert_array_equal(g, np.stack(blocks))
@@ -310,6 +309,14 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
                 c.allreduce(keep, out)
             assert len(c._plans) == before + 1
             np.testing.assert_array_equal(out, np.full(7, n, np.float32))
+            # another thread: its own kinds (as its own plans and steps)
+            kinds = len(c._kinds_made)
+            other = ThreadPoolExecutor(1)
+            for _ in range(3):
+                other.submit(c.allreduce, x[:], out).result()
+                np.testing.assert_array_equal(out, exp)
+            other.shutdown()
+            assert len(c._kinds_made) == kinds + 1
             c.barrier()
 
         _on_all(comms, body)
