@@ -476,7 +476,7 @@ class Communicator:
                 (what, op, algorithm),
                 sendbuf,
                 recvbuf,
-                lambda: self._kind_allreduce(recvbuf, x, rop, algo, tuner),
+                lambda: self._kind(what, x, recvbuf is not None, rop, 0, algo, tuner),
             )
             return self._replay(p, sendbuf, recvbuf)
 
@@ -549,7 +549,7 @@ class Communicator:
                 (what, algorithm),
                 sendbuf,
                 given,
-                lambda: self._kind_allgather(given, x, algo, tuner),
+                lambda: self._kind(what, x, given is not None, None, 0, algo, tuner),
             )
             return self._replay(p, sendbuf, given)
 
@@ -611,7 +611,7 @@ class Communicator:
                 (what, root, algorithm),
                 buf,
                 None,
-                lambda: self._kind_broadcast(b, root, algo, tuner),
+                lambda: self._kind(what, b, False, None, root, algo, tuner),
             )
             return self._replay(p, buf, None)
 
@@ -685,7 +685,7 @@ class Communicator:
                 (what, op, algorithm),
                 sendbuf,
                 given,
-                lambda: self._kind_reduce_scatter(given, x, rop, algo, tuner),
+                lambda: self._kind(what, x, given is not None, rop, 0, algo, tuner),
             )
             return self._replay(p, sendbuf, given)
 
@@ -760,7 +760,7 @@ class Communicator:
                 (what, root, op, algorithm),
                 sendbuf,
                 recvbuf,
-                lambda: self._kind_reduce(recvbuf, x, rop, root, algo, tuner),
+                lambda: self._kind(what, x, recvbuf is not None, rop, root, algo, tuner),
             )
             return self._replay(p, sendbuf, recvbuf)
 
@@ -1333,124 +1333,59 @@ class Communicator:
             del kinds[next(iter(kinds))]
         kinds[key] = make()
 
-    def _kind_allreduce(
+    def _kind(
         self,
-        recvbuf: Any,
+        what: str,
         x: Buffer,
-        rop: ReduceOp,
-        algo: str,
-        tuner: Tuner | None,
+        given: bool,
+        rop: ReduceOp | None = None,
+        root: int = 0,
+        algo: str = "auto",
+        tuner: Tuner | None = None,
     ) -> _Kind:
-        n, avg = self.size, rop is ReduceOp.AVG
-        step = self._step("allreduce", algo, x.dtype, rop, x.count, 0, tuner) if n > 1 else None
+        """The kind of call (:class:`_Kind`) ``what`` on arrays like ``x``, with an
+        output given (``given``) or not.  It takes the steps its plan would take
+        (:meth:`_plan_allreduce` and the others), so ranks may mix the two."""
+        n, r, c, dtype = self.size, self.rank, x.count, x.dtype
+        is_root = r == root
+        # an allreduce of nothing still steps with its peers, as its plan does
+        moves = n > 1 and (c > 0 or what == "allreduce")
+        step = self._step(what, algo, dtype, rop, c, root, tuner) if moves else None
+        avg = rop is ReduceOp.AVG and (what != "reduce" or is_root)
+        shape = (n, *np.shape(x.obj)) if what == "allgather" else (c // n,)
 
         def run(s: Any, o: Any) -> Any:
             xa = s.reshape(-1)
-            oa = xa if o is None else o.reshape(-1)
-            if step is not None:
-                step(xa, oa)
-            elif o is not None:
-                oa[...] = xa
-            if avg:
-                finish_avg(oa, n)
-            return s if o is None else o
-
-        return _Kind("allreduce", run, x, rop, 0, algo, recvbuf is None, recvbuf is not None)
-
-    def _kind_allgather(
-        self,
-        recvbuf: Any,
-        x: Buffer,
-        algo: str,
-        tuner: Tuner | None,
-    ) -> _Kind:
-        n, r, c = self.size, self.rank, x.count
-        step = self._step("allgather", algo, x.dtype, None, c, 0, tuner) if n > 1 and c else None
-        shape, dtype = (n, *np.shape(x.obj)), x.dtype
-
-        def run(s: Any, o: Any) -> Any:
-            xa = s.reshape(-1)
-            if o is None:
+            if what == "broadcast":
+                if step is not None:
+                    step(xa, None)
+                return s
+            if what == "reduce" and not is_root:
+                o, oa = None, np.empty_like(xa)  # scratch
+            elif o is None and what in ("allgather", "reduce_scatter"):
                 o = np.empty(shape, dtype)
-            oa = o.reshape(-1)
-            oa[r * c : (r + 1) * c] = xa
-            if step is not None:
-                step(xa, oa)
-            return o
-
-        return _Kind("allgather", run, x, None, 0, algo, False, recvbuf is not None)
-
-    def _kind_broadcast(self, b: Buffer, root: int, algo: str, tuner: Tuner | None) -> _Kind:
-        step = None
-        if self.size > 1 and b.count:
-            step = self._step("broadcast", algo, b.dtype, None, b.count, root, tuner)
-
-        def run(s: Any, _: Any) -> Any:
-            if step is not None:
-                step(s.reshape(-1), None)
-            return s
-
-        return _Kind("broadcast", run, b, None, root, algo, self.rank != root, False)
-
-    def _kind_reduce_scatter(
-        self,
-        recvbuf: Any,
-        x: Buffer,
-        rop: ReduceOp,
-        algo: str,
-        tuner: Tuner | None,
-    ) -> _Kind:
-        n, avg, dtype = self.size, rop is ReduceOp.AVG, x.dtype
-        c = x.count // n
-        step = None
-        if n > 1 and c:
-            step = self._step("reduce_scatter", algo, dtype, rop, x.count, 0, tuner)
-
-        def run(s: Any, o: Any) -> Any:
-            if o is None:
-                o = np.empty((c,), dtype)
-            oa = o.reshape(-1)
-            if step is not None:
-                step(s.reshape(-1), oa)
-            elif n == 1:
-                oa[...] = s.reshape(-1)
-            if avg:
-                finish_avg(oa, n)
-            return o
-
-        return _Kind("reduce_scatter", run, x, rop, 0, algo, False, recvbuf is not None)
-
-    def _kind_reduce(
-        self,
-        recvbuf: Any,
-        x: Buffer,
-        rop: ReduceOp,
-        root: int,
-        algo: str,
-        tuner: Tuner | None,
-    ) -> _Kind:
-        n, is_root = self.size, self.rank == root
-        avg = rop is ReduceOp.AVG and is_root
-        step = None
-        if n > 1 and x.count:
-            step = self._step("reduce", algo, x.dtype, rop, x.count, root, tuner)
-
-        def run(s: Any, o: Any) -> Any:
-            xa = s.reshape(-1)
-            if not is_root:  # the output is scratch
-                oa = np.empty_like(xa)
+                oa = o.reshape(-1)
             else:
                 oa = xa if o is None else o.reshape(-1)
+            if what == "allgather":
+                oa[r * c : (r + 1) * c] = xa
             if step is not None:
                 step(xa, oa)
-            elif n == 1 and o is not None:
+            elif n == 1 and oa is not xa and what != "allgather":
                 oa[...] = xa
             if avg:
                 finish_avg(oa, n)
-            return (s if o is None else o) if is_root else None
+            if what == "reduce" and not is_root:
+                return None
+            return s if o is None else o
 
-        w = is_root and recvbuf is None
-        return _Kind("reduce", run, x, rop, root, algo, w, is_root and recvbuf is not None)
+        # written: sendbuf in place, or an output that must not overlap sendbuf
+        if what == "broadcast":
+            xw = not is_root
+        else:
+            xw = not given and (what == "allreduce" or (what == "reduce" and is_root))
+        ow = given and (what != "reduce" or is_root)
+        return _Kind(what, run, x, rop, root, algo, xw, ow)
 
     def _step(
         self,
