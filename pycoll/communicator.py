@@ -145,7 +145,8 @@ TUNERS_MAX = 256
 #: 280 KB allreduced in turn at n = 1 took 10.6 us a call with room for 32
 #: plans, 4.4 without plans for them, 2.9 with room for all.)
 WEAK_PLAN_MAX = 256
-#: Kinds of call (see _Kind) kept, the oldest going first.
+#: Kinds of call (see _Kind) kept, the oldest going first (each holds a step,
+#: which plans share, and no array).
 KINDS_MAX = 64
 
 
@@ -283,8 +284,8 @@ class _Kind:
     an overlap, a device array) goes the slow path.
 
     ``run(sendbuf, recvbuf)`` runs the collective on the caller's arrays and
-    returns its result.  A kind holds no array.  ``last``: a weak reference to
-    the ``sendbuf`` of its last call; the same array once more makes a plan, which
+    returns its result.  A kind holds no array.  ``last``: weak references to
+    the arrays of its last call; the same arrays once more make a plan, which
     replays faster.
     """
 
@@ -304,7 +305,7 @@ class _Kind:
         self.what, self.run, self.op, self.root, self.algo = what, run, op, root, algo
         self.count, self.dtype = x.count, x.dtype
         self.xw, self.ow = xw, ow  # sendbuf, recvbuf written (ow: and must not overlap)
-        self.last: weakref.ref[Any] | None = None
+        self.last: tuple[weakref.ref[Any], weakref.ref[Any] | None] | None = None
 
 
 class _Held:
@@ -1315,9 +1316,9 @@ class Communicator:
         if k.ow and (not recvbuf.flags.writeable or np.may_share_memory(sendbuf, recvbuf)):
             return None
         last = k.last
-        if last is not None and last() is sendbuf:
-            return None  # the same array twice in a row: the slow path makes it a plan
-        k.last = weakref.ref(sendbuf)
+        if last is not None and last[0]() is sendbuf and (last[1] is None or last[1]() is recvbuf):
+            return None  # the same arrays twice in a row: the slow path makes them a plan
+        k.last = (weakref.ref(sendbuf), None if recvbuf is None else weakref.ref(recvbuf))
         return k
 
     def _add_kind(

@@ -309,6 +309,13 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
                 c.allreduce(keep, out)
             assert len(c._plans) == before + 1
             np.testing.assert_array_equal(out, np.full(7, n, np.float32))
+            # the same sendbuf into a new recvbuf each call: the kind still
+            before = len(c._plans)
+            for _ in range(3):
+                o2 = np.full(7, np.nan, np.float32)
+                assert c.allreduce(keep, o2) is o2
+                np.testing.assert_array_equal(o2, np.full(7, n, np.float32))
+            assert len(c._plans) == before
             # another thread: its own kinds (as its own plans and steps)
             kinds = len(c._kinds_made)
             other = ThreadPoolExecutor(1)
