@@ -1339,10 +1339,10 @@ class Communicator:
         what: str,
         x: Buffer,
         given: bool,
-        rop: ReduceOp | None = None,
-        root: int = 0,
-        algo: str = "auto",
-        tuner: Tuner | None = None,
+        rop: ReduceOp | None,
+        root: int,
+        algo: str,
+        tuner: Tuner | None,
     ) -> _Kind:
         """The kind of call (:class:`_Kind`) ``what`` on arrays like ``x``, with an
         output given (``given``) or not.  It takes the steps its plan would take
@@ -1353,35 +1353,41 @@ class Communicator:
         moves = n > 1 and (c > 0 or what == "allreduce")
         step = self._step(what, algo, dtype, rop, c, root, tuner) if moves else None
         avg = rop is ReduceOp.AVG and (what != "reduce" or is_root)
-        shape = (n, *np.shape(x.obj)) if what == "allgather" else (c // n,)
+        # what each call does besides the step, settled here rather than per call
+        bcast = what == "broadcast"
+        scratch = what == "reduce" and not is_root  # the output is scratch, None returned
+        gather = what == "allgather"
+        fresh = not given and what in ("allgather", "reduce_scatter")  # a new output a call
+        shape = (n, *np.shape(x.obj)) if gather else (c // n,)
+        copy = n == 1 and not gather  # alone: out of place, the output is the input
 
         def run(s: Any, o: Any) -> Any:
             xa = s.reshape(-1)
-            if what == "broadcast":
+            if bcast:
                 if step is not None:
                     step(xa, None)
                 return s
-            if what == "reduce" and not is_root:
-                o, oa = None, np.empty_like(xa)  # scratch
-            elif o is None and what in ("allgather", "reduce_scatter"):
+            if scratch:
+                oa = np.empty_like(xa)
+            elif fresh:
                 o = np.empty(shape, dtype)
                 oa = o.reshape(-1)
             else:
                 oa = xa if o is None else o.reshape(-1)
-            if what == "allgather":
+            if gather:
                 oa[r * c : (r + 1) * c] = xa
             if step is not None:
                 step(xa, oa)
-            elif n == 1 and oa is not xa and what != "allgather":
+            elif copy and oa is not xa:
                 oa[...] = xa
             if avg:
                 finish_avg(oa, n)
-            if what == "reduce" and not is_root:
+            if scratch:
                 return None
             return s if o is None else o
 
         # written: sendbuf in place, or an output that must not overlap sendbuf
-        if what == "broadcast":
+        if bcast:
             xw = not is_root
         else:
             xw = not given and (what == "allreduce" or (what == "reduce" and is_root))
