@@ -1287,8 +1287,7 @@ class Communicator:
 
     def _keep(self, key: tuple[Any, ...], p: _Plan) -> _Plan:
         plans = self._weak_plans if p.weak else self._plans
-        if len(plans) >= (WEAK_PLAN_MAX if p.weak else PLAN_MAX):
-            del plans[next(iter(plans))]
+        _make_room(plans, WEAK_PLAN_MAX if p.weak else PLAN_MAX)
         if p.weak:
 
             def forget(ref: weakref.ref[Any]) -> None:  # an array of the plan is gone
@@ -1330,8 +1329,7 @@ class Communicator:
         kinds = self._kinds_made
         if key is None or key in kinds:
             return
-        if len(kinds) >= KINDS_MAX:
-            del kinds[next(iter(kinds))]
+        _make_room(kinds, KINDS_MAX)
         kinds[key] = make()
 
     def _kind(
@@ -1414,8 +1412,7 @@ class Communicator:
         key = (what, algo, dtype, op, count, root, tuner, get_ident())
         step = self._steps.get(key)
         if step is None:
-            if len(self._steps) >= STEPS_MAX:
-                del self._steps[next(iter(self._steps))]
+            _make_room(self._steps, STEPS_MAX)
             step = self._steps[key] = self._make_step(key)
         return step
 
@@ -1741,6 +1738,13 @@ def _waiting_policy(crowded: bool) -> Backoff:
     if crowded:
         return Backoff(spins=0, yields=20000)
     return Backoff()
+
+
+def _make_room(cache: dict[Any, Any], limit: int) -> None:
+    """Drop the oldest entry of ``cache`` (dicts keep insertion order) if one more
+    would pass ``limit``: how plans, steps and kinds stay bounded."""
+    if len(cache) >= limit:
+        del cache[next(iter(cache))]
 
 
 def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, ...] | None:
