@@ -294,9 +294,15 @@ class ShmGroup:
         if need <= 0:
             return
         known = self._known_done
+        done = self._done
         for j in range(self.size):
             if known[j] < need and j != self.rank:
-                self._wait(self._done, j, need, deadline, backoff)
+                # keep what we saw: a peer well ahead lets the next claims skip it
+                v = done[j].load()
+                if v >= need:
+                    known[j] = v
+                else:
+                    self._wait(done, j, need, deadline, backoff)
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
@@ -397,7 +403,7 @@ class ShmGroup:
         bo.reset()
         spins = bo.spins
         try:
-            while c.load() < seq:
+            while (v := c.load()) < seq:
                 bo.pause()
                 n = bo._n
                 if n > spins and n % 64 == 0:
@@ -406,7 +412,7 @@ class ShmGroup:
             self._check_open(j)
             raise
         if counters is self._done:
-            self._known_done[j] = seq
+            self._known_done[j] = v
 
     def _check_open(self, j: int) -> None:
         if self._closed:
