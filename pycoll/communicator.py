@@ -456,6 +456,21 @@ class Communicator:
             kd = self._known_kind(("allreduce", op, algorithm), sendbuf, recvbuf)
             if kd is not None:
                 return self._replay(kd, sendbuf, recvbuf)
+        return self._allreduce_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
+
+    def _allreduce_slow(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: str | ReduceOp,
+        algorithm: str,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """allreduce without a plan or kind to replay: check, pick, plan or run.
+
+        Apart from the fast path above so that the closures made here cost
+        nothing to a replayed call (their cells are made on entry)."""
         what = "allreduce"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -527,6 +542,20 @@ class Communicator:
             kd = self._known_kind(("allgather", algorithm), sendbuf, recvbuf)
             if kd is not None:
                 return self._replay(kd, sendbuf, recvbuf)
+        return self._allgather_slow(sendbuf, recvbuf, algorithm, async_op, stream)
+
+    def _allgather_slow(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        algorithm: str,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """allgather without a plan or kind to replay: check, pick, plan or run.
+
+        Apart from the fast path above so that the closures made here cost
+        nothing to a replayed call (their cells are made on entry)."""
         what = "allgather"
         self._check_open(what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
@@ -592,6 +621,20 @@ class Communicator:
             kd = self._known_kind(("broadcast", root, algorithm), buf, None)
             if kd is not None:
                 return self._replay(kd, buf, None)
+        return self._broadcast_slow(buf, root, algorithm, async_op, stream)
+
+    def _broadcast_slow(
+        self,
+        buf: Any,
+        root: int,
+        algorithm: str,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """broadcast without a plan or kind to replay: check, pick, plan or run.
+
+        Apart from the fast path above so that the closures made here cost
+        nothing to a replayed call (their cells are made on entry)."""
         what = "broadcast"
         self._check_open(what)
         self._check_root(root, what)
@@ -654,6 +697,21 @@ class Communicator:
             kd = self._known_kind(("reduce_scatter", op, algorithm), sendbuf, recvbuf)
             if kd is not None:
                 return self._replay(kd, sendbuf, recvbuf)
+        return self._reduce_scatter_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
+
+    def _reduce_scatter_slow(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: str | ReduceOp,
+        algorithm: str,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """reduce_scatter without a plan or kind to replay: check, pick, plan or run.
+
+        Apart from the fast path above so that the closures made here cost
+        nothing to a replayed call (their cells are made on entry)."""
         what = "reduce_scatter"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -734,6 +792,22 @@ class Communicator:
             kd = self._known_kind(("reduce", root, op, algorithm), sendbuf, recvbuf)
             if kd is not None:
                 return self._replay(kd, sendbuf, recvbuf)
+        return self._reduce_slow(sendbuf, recvbuf, root, op, algorithm, async_op, stream)
+
+    def _reduce_slow(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        root: int,
+        op: str | ReduceOp,
+        algorithm: str,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """reduce without a plan or kind to replay: check, pick, plan or run.
+
+        Apart from the fast path above so that the closures made here cost
+        nothing to a replayed call (their cells are made on entry)."""
         what = "reduce"
         self._check_open(what)
         self._check_root(root, what)
