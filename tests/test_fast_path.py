@@ -477,6 +477,50 @@ def test_split_slot_allreduce_on_both_paths(n: int) -> None:
                 assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_direct_slot_reduce_gives_the_rank_order_bits_at_every_root(n: int) -> None:
+    """A root of rank 0 or 1 reduces its own input where it lies (not from its
+    slot); every root, in place or not, on the plan and its replays (fresh
+    contents each call), gets ``((x0 OP x1) OP x2) ...`` bit for bit."""
+    with communicators(n) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            for root, inplace, op, count in [
+                (root, inplace, op, count)
+                for root in range(n)
+                for inplace in (False, True)
+                for op in ("sum", "prod", "max")
+                for count in (1, 7, 1000)
+            ]:
+                x = np.empty(count, np.float32)
+                out = np.empty(count, np.float32)
+                for it in range(3):  # the plan, then replays
+                    xs = [
+                        np.random.default_rng([q, root, count, it]).standard_normal(count)
+                        for q in range(n)
+                    ]
+                    xs = [a.astype(np.float32) for a in xs]
+                    f = {"sum": np.add, "prod": np.multiply, "max": np.maximum}[op]
+                    ref = f(xs[0], xs[1])
+                    for a in xs[2:]:
+                        ref = f(ref, a)
+                    x[...] = xs[r]
+                    out[...] = np.nan
+                    got = c.reduce(x, None if inplace else out, root=root, op=op)
+                    if r != root:
+                        assert got is None
+                        np.testing.assert_array_equal(x, xs[r])  # a leaf's input is untouched
+                        continue
+                    assert got is (x if inplace else out)
+                    what = f"root {root} {op} count {count} inplace {inplace} call {it}"
+                    assert got.tobytes() == ref.tobytes(), what
+                    if not inplace:
+                        np.testing.assert_array_equal(x, xs[r], err_msg=what)
+
+        _on_all(comms, body)
+
+
 @pytest.mark.parametrize(
     ("cpus", "crowded"),
     [

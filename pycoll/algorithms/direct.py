@@ -502,6 +502,28 @@ def prepare(
 
         return run_split
 
+    if collective == "reduce" and r == root and r <= 1:
+        assert f is not None
+        # Nobody reads the root's slot, so a root that is rank 0 or 1 reduces its
+        # own input where it lies: as rows[r] it is an operand of the first
+        # f(rows[0], rows[1], out=out), read before ``out`` (which may be the
+        # input itself) is written.  It neither claims nor fills its slot.
+        rows = tuple(list(v) for v in views)
+
+        def run_reduce_root(x: Any, out: Any) -> None:
+            dl.at = monotonic() + timeout
+            s = G.seq = G.seq + 1
+            post(s)
+            wait(others, s, dl, bo)
+            i = s % K
+            rw = rows[i]
+            rw[r] = x
+            reduce_rows(f, rw, out)
+            rw[r] = mine[i]  # hold no caller's array
+            done(s)
+
+        return run_reduce_root
+
     if collective in ("allreduce", "reduce"):
         assert f is not None
         reader = collective == "allreduce" or r == root
