@@ -469,8 +469,9 @@ class Communicator:
     ) -> Any:
         """allreduce without a plan or kind to replay: check, pick, plan or run.
 
-        Apart from the fast path above so that the closures made here cost
-        nothing to a replayed call (their cells are made on entry)."""
+        Each collective's slow path is a method of its own, apart from the fast
+        path, so that the closures made here cost a replayed call nothing: CPython
+        makes a function's cells, those closures' variables, on every entry."""
         what = "allreduce"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -552,10 +553,7 @@ class Communicator:
         async_op: bool,
         stream: Any,
     ) -> Any:
-        """allgather without a plan or kind to replay: check, pick, plan or run.
-
-        Apart from the fast path above so that the closures made here cost
-        nothing to a replayed call (their cells are made on entry)."""
+        """allgather without a plan or kind to replay (see :meth:`_allreduce_slow`)."""
         what = "allgather"
         self._check_open(what)
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
@@ -631,10 +629,7 @@ class Communicator:
         async_op: bool,
         stream: Any,
     ) -> Any:
-        """broadcast without a plan or kind to replay: check, pick, plan or run.
-
-        Apart from the fast path above so that the closures made here cost
-        nothing to a replayed call (their cells are made on entry)."""
+        """broadcast without a plan or kind to replay (see :meth:`_allreduce_slow`)."""
         what = "broadcast"
         self._check_open(what)
         self._check_root(root, what)
@@ -708,10 +703,7 @@ class Communicator:
         async_op: bool,
         stream: Any,
     ) -> Any:
-        """reduce_scatter without a plan or kind to replay: check, pick, plan or run.
-
-        Apart from the fast path above so that the closures made here cost
-        nothing to a replayed call (their cells are made on entry)."""
+        """reduce_scatter without a plan or kind to replay (see :meth:`_allreduce_slow`)."""
         what = "reduce_scatter"
         self._check_open(what)
         rop = parse_op(op, self.rank, what)
@@ -804,10 +796,7 @@ class Communicator:
         async_op: bool,
         stream: Any,
     ) -> Any:
-        """reduce without a plan or kind to replay: check, pick, plan or run.
-
-        Apart from the fast path above so that the closures made here cost
-        nothing to a replayed call (their cells are made on entry)."""
+        """reduce without a plan or kind to replay (see :meth:`_allreduce_slow`)."""
         what = "reduce"
         self._check_open(what)
         self._check_root(root, what)
