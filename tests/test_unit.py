@@ -282,7 +282,13 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
     import secrets
     import subprocess
 
-    from transports.base import Backoff, Deadline, PeerClosedError, TransportTimeout
+    from transports.base import (
+        Backoff,
+        Deadline,
+        PeerClosedError,
+        TransportError,
+        TransportTimeout,
+    )
     from transports.shm_group import ShmGroup
 
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
@@ -306,6 +312,8 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
         b.close()
         with pytest.raises(PeerClosedError, match="closed"):
             a.wait([1], 2, Deadline.after(5), quick)
+        with pytest.raises(TransportError, match="segment is closed"):
+            b.claim(b.slots + 1, Deadline.after(5), quick)  # its own segment, closed
     finally:
         b.close()
         a.close()

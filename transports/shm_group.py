@@ -298,7 +298,11 @@ class ShmGroup:
         for j in range(self.size):
             if known[j] < need and j != self.rank:
                 # keep what we saw: a peer well ahead lets the next claims skip it
-                v = done[j].load()
+                try:
+                    v = done[j].load()
+                except ValueError:  # the counters' memory went under us (close)
+                    self._check_open(j)
+                    raise
                 if v >= need:
                     known[j] = v
                 else:
