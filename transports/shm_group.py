@@ -294,19 +294,9 @@ class ShmGroup:
         if need <= 0:
             return
         known = self._known_done
-        done = self._done
         for j in range(self.size):
             if known[j] < need and j != self.rank:
-                # keep what we saw: a peer well ahead lets the next claims skip it
-                try:
-                    v = done[j].load()
-                except ValueError:  # the counters' memory went under us (close)
-                    self._check_open(j)
-                    raise
-                if v >= need:
-                    known[j] = v
-                else:
-                    self._wait(done, j, need, deadline, backoff)
+                self._wait(self._done, j, need, deadline, backoff)
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
@@ -415,7 +405,7 @@ class ShmGroup:
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
-        if counters is self._done:
+        if counters is self._done:  # what it saw: a peer well ahead lets later claims skip it
             self._known_done[j] = v
 
     def _check_open(self, j: int) -> None:
