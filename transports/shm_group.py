@@ -132,8 +132,11 @@ class ShmGroup:
         self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + _CLOSED) for j in range(n)]
         self._my_posted = self._posted[rank].store
         self._my_done = self._done[rank].store
-        # what we know for sure of each rank's "done", to skip loads
+        # what we know for sure of each rank's "done", to skip loads, and the
+        # least of it over the peers as last computed (it only grows)
         self._known_done = [0] * n
+        self._peers = [j for j in range(n) if j != rank]
+        self._done_floor = 0
         self._pids = [0] * n
         self._data0 = _data0(n, self.slots)
         self._views: dict[tuple[Any, int], list[list[Any]]] = {}
@@ -291,12 +294,13 @@ class ShmGroup:
         That is, until every peer is done with step ``seq - slots`` (the same slot).
         """
         need = seq - self.slots
-        if need <= 0:
+        if need <= self._done_floor:  # most calls: 0.1 us, against 0.3 for the loop
             return
         known = self._known_done
-        for j in range(self.size):
-            if known[j] < need and j != self.rank:
+        for j in self._peers:
+            if known[j] < need:
                 self._wait(self._done, j, need, deadline, backoff)
+        self._done_floor = min([known[j] for j in self._peers], default=need)
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
@@ -322,11 +326,12 @@ class ShmGroup:
         """Wait until every rank of ``peers`` posted step ``seq``."""
         posted = self._posted
         known = self._known_done
-        ahead = self.ahead
+        sure = seq - self.ahead  # what a peer that posted ``seq`` has consumed
         for j in peers:
             if posted[j].load() < seq:
                 self._wait(posted, j, seq, deadline, backoff)
-            known[j] = max(known[j], seq - ahead)
+            if known[j] < sure:  # noqa: PLR1730 (max() costs 0.15 us, this 0.03)
+                known[j] = sure
 
     def wait_done(
         self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
