@@ -87,7 +87,7 @@ def _bf16_div_kernel() -> Any:
 
 
 def reducer(op: ReduceOp, dtype: np.dtype[Any]) -> Callable[..., Any]:
-    """``f(a, b, out=c)``: ``c = a OP b`` on device for the logical ``dtype``."""
+    """``f(a, b, c)``: ``c = a OP b`` on device for the logical ``dtype``."""
     cp = _cupy()
     if dtype == BF16:
         k = _bf16_kernel(op)
