@@ -506,7 +506,7 @@ def prepare(
         assert f is not None
         # Nobody reads the root's slot, so a root that is rank 0 or 1 reduces its
         # own input where it lies: as rows[r] it is an operand of the first
-        # f(rows[0], rows[1], out=out), read before ``out`` (which may be the
+        # f(rows[0], rows[1], out), read before ``out`` (which may be the
         # input itself) is written.  It neither claims nor fills its slot.
         rows = tuple(list(v) for v in views)
 

@@ -1,6 +1,6 @@
 """Local reductions on device (CuPy), the GPU side of :mod:`pycoll.reduce`.
 
-``reducer(op, dtype)`` gives ``f(a, b, out=c)`` computing ``c = a OP b``
+``reducer(op, dtype)`` gives ``f(a, b, out=c)`` (or ``f(a, b, c)``) computing ``c = a OP b``
 elementwise on CuPy arrays, enqueued on the current CuPy stream.  Standard
 dtypes use CuPy's ufuncs.  bfloat16 travels as ``uint16`` (CuPy has no bfloat16
 type): an ElementwiseKernel widens both operands to float32 (exact), applies
@@ -87,7 +87,8 @@ def _bf16_div_kernel() -> Any:
 
 
 def reducer(op: ReduceOp, dtype: np.dtype[Any]) -> Callable[..., Any]:
-    """``f(a, b, c)``: ``c = a OP b`` on device for the logical ``dtype``."""
+    """``f(a, b, c)`` or ``f(a, b, out=c)``: ``c = a OP b`` on device for the
+    logical ``dtype``."""
     cp = _cupy()
     if dtype == BF16:
         k = _bf16_kernel(op)
