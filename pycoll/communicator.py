@@ -1015,9 +1015,7 @@ class Communicator:
         if name == "auto":
             name = self.config.algorithm_for(what) or "auto"
         if name == "auto":
-            return cost.choose(
-                what, avail, self.size, nbytes, self.config.chunk_bytes, self._crowded
-            )
+            return cost.choose(what, avail, self.size, nbytes, self.config.chunk_bytes)
         if name not in avail:
             if name in algorithms.names(what):
                 raise InvalidArgumentError(
@@ -1073,7 +1071,6 @@ class Communicator:
                 self.size,
                 nbytes,
                 self.config.chunk_bytes,
-                self._crowded,
             )
             if len(names) > 1:
                 label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
@@ -1104,7 +1101,6 @@ class Communicator:
             self.size,
             v.nbytes,
             self.config.chunk_bytes,
-            self._crowded,
         )
         algorithms.get("allreduce", a)(self._links(v.dtype, ReduceOp.SUM), v, out)
         return out

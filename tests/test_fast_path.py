@@ -683,70 +683,47 @@ def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
 @pytest.mark.parametrize("n", [2, 3])
 def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     """Blocks of up to three slots go through the slots in rounds; larger ones by
-    address (the peers' buffers read in place).  Every rank gets every block, on
-    both sides of the threshold, in place and out of place."""
+    address: each rank writes its block into its place in every peer's output,
+    and reads nothing.  Every rank gets every block, on both sides of the
+    threshold, in place and out of place, crowded or not."""
     from pycoll.algorithms.direct import ALLGATHER_SLOT_ROUNDS
 
     with communicators(n) as comms:
         slot = comms[0]._group.slot_bytes
+        top = ALLGATHER_SLOT_ROUNDS * slot
         reads = [0] * n
+        writes: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+
+        def spy_on(c: pycoll.Communicator) -> None:
+            _count_calls(c, "read", reads)
+            G = c._group
+            assert G is not None
+            write = G.write
+
+            def spy(j: int, seq: int, offset: int, src: Any) -> None:
+                writes[c.rank].append((j, offset, src.nbytes))
+                write(j, seq, offset, src)
+
+            setattr(G, "write", spy)
 
         def body(c: pycoll.Communicator) -> None:
-            _count_calls(c, "read", reads)
-            top = ALLGATHER_SLOT_ROUNDS * slot
             for nbytes, by_address in [(slot + 8, False), (top, False), (top + 8, True)]:
                 k = nbytes // 8
                 xs = [np.random.default_rng([k, r]).random(k) for r in range(n)]
-                before = reads[c.rank]
-                out = c.allgather(xs[c.rank], np.full(n * k, np.nan), algorithm="direct")
-                assert np.array_equal(out, np.concatenate(xs)), (c.rank, nbytes)
-                buf = np.full(n * k, np.nan)
-                buf[c.rank * k : (c.rank + 1) * k] = xs[c.rank]
-                c.allgather(buf[c.rank * k : (c.rank + 1) * k], buf, algorithm="direct")
-                assert np.array_equal(buf, np.concatenate(xs)), (c.rank, nbytes, "in place")
-                assert (reads[c.rank] > before) == by_address, (c.rank, nbytes)
-
-        _on_all(comms, body)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_direct_allgather_reads_large_blocks_from_the_outputs(n: int) -> None:
-    """By address, blocks from ALLGATHER_READ_OUTPUT_BYTES up (from
-    ALLGATHER_READ_OUTPUT_CROWDED where ranks outnumber cores) are read out of
-    block j of rank j's output, smaller ones out of its input: every rank gets
-    every block either way, in place and out of place."""
-    from pycoll.algorithms import direct
-
-    with communicators(n) as comms:
-        crowded = comms[0]._crowded
-        big = (
-            direct.ALLGATHER_READ_OUTPUT_CROWDED if crowded else direct.ALLGATHER_READ_OUTPUT_BYTES
-        )
-        offsets: list[list[int]] = [[] for _ in range(n)]
-
-        def body(c: pycoll.Communicator) -> None:
-            G = c._group
-            assert G is not None and G.cma
-            read = G.read
-
-            def spy(j: int, seq: int, offset: int, out: Any) -> None:
-                offsets[c.rank].append(offset)
-                read(j, seq, offset, out)
-
-            setattr(G, "read", spy)
-            for nbytes, from_out in [(big - 8, False), (big + 8, True)]:
-                k = nbytes // 8
-                xs = [np.random.default_rng([k, r]).random(k) for r in range(n)]
                 want = np.concatenate(xs)
-                del offsets[c.rank][:]
+                del writes[c.rank][:]
                 out = c.allgather(xs[c.rank], np.full(n * k, np.nan), algorithm="direct")
                 assert np.array_equal(out, want), (c.rank, nbytes)
-                # the peers' blocks were read at their place in the output, or from 0
-                peers = [(c.rank + d) % n for d in range(1, n)]
-                assert offsets[c.rank] == [j * k * 8 if from_out else 0 for j in peers]
                 buf = np.full(n * k, np.nan)
                 buf[c.rank * k : (c.rank + 1) * k] = xs[c.rank]
                 c.allgather(buf[c.rank * k : (c.rank + 1) * k], buf, algorithm="direct")
                 assert np.array_equal(buf, want), (c.rank, nbytes, "in place")
+                peers = [(c.rank + d) % n for d in range(1, n)]
+                mine = [(j, c.rank * k * 8, k * 8) for j in peers]
+                assert writes[c.rank] == (2 * mine if by_address else []), (c.rank, nbytes)
+            assert reads[c.rank] == 0, c.rank
 
-        _on_all(comms, body)
+        _on_all(comms, spy_on)
+        for crowded in (False, True):
+            _set_crowded(comms, crowded)
+            _on_all(comms, body)

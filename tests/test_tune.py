@@ -258,15 +258,11 @@ def test_contenders_are_the_models_choice_then_those_close_to_it() -> None:
     chunk = 1 << 20
     for nbytes in (8, 1 << 10, 512 << 10, 8 << 20, 64 << 20):
         for n in (2, 3, 4):
-            for crowded in (False, True):
-                got = cost.contenders("allreduce", avail, n, nbytes, chunk, crowded)
-                assert got[0] == cost.choose("allreduce", avail, n, nbytes, chunk, crowded)
-                assert len(set(got)) == len(got) and set(got) <= set(avail)
-                t = [
-                    cost.estimate("allreduce", a, n, nbytes, chunk, crowded=crowded, capped=n > 2)
-                    for a in got
-                ]
-                assert all(x <= cost.TUNE_SPAN * t[0] for x in t[1:])
+            got = cost.contenders("allreduce", avail, n, nbytes, chunk)
+            assert got[0] == cost.choose("allreduce", avail, n, nbytes, chunk)
+            assert len(set(got)) == len(got) and set(got) <= set(avail)
+            t = [cost.estimate("allreduce", a, n, nbytes, chunk, capped=n > 2) for a in got]
+            assert all(x <= cost.TUNE_SPAN * t[0] for x in t[1:])
     # 8 bytes: direct through the slots is far ahead of everything, nothing to time
     assert cost.contenders("allreduce", avail, 2, 8, chunk) == ("direct",)
     # between two ranks one-shot holds no scratch, so it contends above its cap
@@ -380,11 +376,7 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
     with communicators(n) as comms:
         avail = comms[0]._candidates_for("allgather")
         close = {
-            b: len(
-                cost.contenders(
-                    "allgather", avail, n, b, comms[0].config.chunk_bytes, comms[0]._crowded
-                )
-            )
+            b: len(cost.contenders("allgather", avail, n, b, comms[0].config.chunk_bytes))
             for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
         }
         block = next(b for b, m in close.items() if m > 1)

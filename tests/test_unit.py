@@ -245,18 +245,17 @@ def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:
         assert cost.choose(coll, names(coll), 4, 1 << 20, 1 << 20) in names(coll)
 
 
-def test_cost_model_on_a_crowded_host() -> None:
-    """Ranks outnumbering cores: allgather leaves direct reads for the ring from
-    8 MiB blocks (2 MiB otherwise); broadcast stays direct."""
+def test_cost_model_allgather_leaves_direct_for_the_ring_at_large_blocks() -> None:
+    """By address, allgather leaves direct for the ring from DIRECT_ALLGATHER_BIG
+    blocks, at every n; broadcast stays direct."""
     ag, bc = names("allgather"), names("broadcast")
-    for n in (3, 4):
-        assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, True) == "direct"
-        assert cost.choose("allgather", ag, n, 5592404, 1 << 20, True) == "direct"
-        assert cost.choose("allgather", ag, n, (8 << 20) - 4, 1 << 20, True) == "direct"
-        assert cost.choose("allgather", ag, n, 8 << 20, 1 << 20, True) == "ring"
-        assert cost.choose("allgather", ag, n, 2 << 20, 1 << 20, False) == "ring"
+    big = cost.DIRECT_ALLGATHER_BIG
+    for n in (2, 3, 4):
+        for size in (2 << 20, 5592404, big - 4):
+            assert cost.choose("allgather", ag, n, size, 1 << 20) == "direct", (n, size)
+        assert cost.choose("allgather", ag, n, big, 1 << 20) == "ring"
         for size in (8, cost.DIRECT_SLOT_BYTES, 2 << 20, 1 << 28):
-            assert cost.choose("broadcast", bc, n, size, 1 << 20, True) == "direct"
+            assert cost.choose("broadcast", bc, n, size, 1 << 20) == "direct"
 
 
 @pytest.mark.parametrize(
@@ -269,11 +268,11 @@ def test_cost_model_prefers_direct_on_one_host(coll: str) -> None:
         for size in (8, 4096, 1 << 16, (1 << 16) + 4, 1 << 18, (1 << 18) + 4, 1 << 20, 1 << 26):
             want = "ring" if coll == "allgather" and size >= 1 << 26 else "direct"
             assert cost.choose(coll, names(coll), n, size, 1 << 20) == want, (n, size)
-    if coll == "allgather":  # per-rank blocks: below 2 MiB direct, from 2 MiB the ring
-        assert cost.choose(coll, names(coll), 2, 3 << 19, 1 << 20) == "direct"
-        assert cost.choose(coll, names(coll), 2, 2 << 20, 1 << 20) == "ring"
+    if coll == "allgather":  # per-rank blocks: direct below DIRECT_ALLGATHER_BIG
+        assert cost.choose(coll, names(coll), 2, 2 << 20, 1 << 20) == "direct"
+        assert cost.choose(coll, names(coll), 2, cost.DIRECT_ALLGATHER_BIG, 1 << 20) == "ring"
         assert cost.choose(coll, names(coll), 4, 1 << 20, 1 << 20) == "direct"
-        assert cost.choose(coll, names(coll), 4, 8 << 20, 1 << 20) == "ring"
+        assert cost.choose(coll, names(coll), 4, 8 << 20, 1 << 20) == "direct"
 
 
 def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:

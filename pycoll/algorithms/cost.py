@@ -34,30 +34,19 @@ DIRECT_STEP = 0.25
 #: Up to this many bytes a direct algorithm goes through the group's slots (one step);
 #: above it, by address (two or three steps).  The group's default slot size.
 DIRECT_SLOT_BYTES = 256 << 10
-#: By address, allgather's readers all copy out of every peer at once; from blocks
-#: of this size up the ring's pipelined copies win, below it direct does: its
-#: bytes then count DIRECT_ALLGATHER_BYTES times.  On the 2-core machine at n = 2,
-#: 2 MiB blocks (4 MiB allgathers) went to the ring in four sweeps of five, by
-#: 3-14% (it lost the fifth by 3%), and the ring ran at 0.83-0.87 of MPI's time in
-#: all five against 0.51-0.90 for direct; 1 MiB blocks went to direct in three of
-#: three, by 11-15%.  Cross-memory reads by both ranks at once sometimes ran at a
-#: third of one read alone (4 MiB: 5 against 15 GB/s), where copies through the
-#: shared slots stay in cache.
-DIRECT_ALLGATHER_BIG = 2 << 20
+#: By address, allgather's writers all copy into every peer at once; from blocks
+#: of this size up the ring's pipelined copies may win, below it direct does: its
+#: bytes then count DIRECT_ALLGATHER_BYTES times.  Since direct writes into the
+#: peers' outputs (see ``direct.allgather``), on the 2-core machine
+#: (``versus.py allgather 2M 4M 8M 16M 32M 64M --systems direct,ring,mpi``, two
+#: runs at n = 2, one or two at n = 3 and 4) the ring took 1.05-1.15x direct's
+#: time at n = 2 with 1-4 MiB blocks, 0.97-1.40x with 8 MiB, 0.94-1.31x with 16
+#: MiB and 0.99x with 32 MiB; at n = 3 and 4, 1.10-2.7x with blocks up to 5.6 MB,
+#: 1.01-1.23x with 8-11 MB and 0.99-1.01x with 16-21 MB.  (When direct read its
+#: peers' inputs, the ring won from 2 MiB blocks at n = 2 in four sweeps of five,
+#: and from 8 MiB where ranks outnumber cores.)
+DIRECT_ALLGATHER_BIG = 16 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
-#: ... and from blocks of this size where ranks outnumber cores.  On the 2-core
-#: machine, with the code of 2026-11-29 (``sweep.py allgather -b 4M -e 32M -f 2
-#: --algorithm direct,ring -r 2``, two runs each at n = 3 and 4): direct took
-#: 0.53-0.56 of the ring's time at n = 3 with 2.8 MB blocks and 0.60-0.67 at n = 4
-#: with 2 MiB blocks, the ring 0.65-0.79 of direct's at n = 3 with 5.6 MB blocks
-#: and at n = 4 with 4 MiB blocks; the full sweeps of that day agree at 2.8 MB
-#: (direct 1.13-1.43x faster in three of three).  Earlier code had the ring ahead
-#: at 2.8 MB in three runs of four.  Since direct reads large blocks out of the
-#: peers' outputs (``ALLGATHER_READ_OUTPUT_CROWDED``), direct took 3187 against
-#: 3327 us at n = 3 with 5.6 MB blocks and 3841 against 4601 at n = 4 with 4 MiB
-#: blocks; with 8 MiB blocks and up they were within 10% either way (n = 4:
-#: 7581 against 8456 us; n = 3, 11 MB: 7581 against 7290), so 8 MiB.
-DIRECT_ALLGATHER_BIG_CROWDED = 8 << 20
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N
@@ -80,12 +69,11 @@ def estimate(
     nbytes: int,
     chunk: int,
     k: Constants = DEFAULT,
-    crowded: bool = False,
     capped: bool = True,
 ) -> float:
     """Modelled seconds for one call; ``nbytes`` is the per-rank input size;
-    ``crowded``: the host runs more ranks than it has cores; ``capped``: one-shot
-    costs infinity above :data:`ONESHOT_MAX_BYTES` (what ``auto`` picks by)."""
+    ``capped``: one-shot costs infinity above :data:`ONESHOT_MAX_BYTES` (what
+    ``auto`` picks by)."""
     if n <= 1:
         return 0.0
     lg = math.ceil(math.log2(n))
@@ -93,7 +81,7 @@ def estimate(
     chunks = max(1, math.ceil(nbytes / chunk))
     f = (n - 1) / n
     if algorithm == "direct":
-        return _direct(collective, n, nbytes, k, crowded)
+        return _direct(collective, n, nbytes, k)
     if collective == "allreduce":
         if algorithm == "oneshot":
             if capped and nbytes > ONESHOT_MAX_BYTES:
@@ -136,7 +124,7 @@ def estimate(
     return math.inf
 
 
-def _direct(collective: str, n: int, nbytes: int, k: Constants, crowded: bool = False) -> float:
+def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
     """Direct algorithms (ranks on one host): every rank reads from every other.
 
     Through the slots: one step, the input copied in once, and each reader
@@ -162,8 +150,7 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, crowded: bool = 
     if collective == "allgather":  # nbytes: one rank's block
         if small:
             return a + n * nbytes * k.beta
-        big = DIRECT_ALLGATHER_BIG_CROWDED if crowded else DIRECT_ALLGATHER_BIG
-        w = DIRECT_ALLGATHER_BYTES if nbytes >= big else 1.0
+        w = DIRECT_ALLGATHER_BYTES if nbytes >= DIRECT_ALLGATHER_BIG else 1.0
         return 2 * a + w * (n - 1) * nbytes * k.beta
     if collective == "broadcast":
         return (1 if small else 2) * a + (2 if small else 1) * nbytes * k.beta
@@ -181,10 +168,9 @@ def choose(
     n: int,
     nbytes: int,
     chunk: int,
-    crowded: bool = False,
 ) -> str:
     """The cheapest of ``candidates`` by the model (ties go to the first); cached."""
-    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk, crowded=crowded))
+    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk))
 
 
 #: The model's runners-up that ``auto`` times while it runs (:mod:`pycoll.tune`):
@@ -204,16 +190,12 @@ def contenders(
     n: int,
     nbytes: int,
     chunk: int,
-    crowded: bool = False,
 ) -> tuple[str, ...]:
     """The model's choice, then the other ``candidates`` modelled within
     :data:`TUNE_SPAN` of it, cheapest first.  One-shot counts uncapped at n = 2,
     where it needs no scratch (its cap is for the n - 1 rows it holds above)."""
-    best = choose(collective, candidates, n, nbytes, chunk, crowded)
-    t = {
-        a: estimate(collective, a, n, nbytes, chunk, crowded=crowded, capped=n > 2)
-        for a in candidates
-    }
+    best = choose(collective, candidates, n, nbytes, chunk)
+    t = {a: estimate(collective, a, n, nbytes, chunk, capped=n > 2) for a in candidates}
     limit = TUNE_SPAN * t[best]
     rest = sorted((a for a in candidates if a != best and t[a] <= limit), key=t.__getitem__)
     return (best, *rest)

@@ -107,23 +107,6 @@ def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> 
 #: and 700 KB blocks, 344-377 against 486-553 us at n = 4 with 512 KiB blocks; at
 #: 1 MiB blocks they were no faster (n = 4: 1011-1148 against 915-1029 us).
 ALLGATHER_SLOT_ROUNDS = 3
-#: By address, blocks of this size and up (..._CROWDED where ranks outnumber
-#: cores) are read out of the peers' outputs (block j of rank j's, which rank j
-#: has just written) rather than out of their inputs.  On the 2-core machine a
-#: cross-memory read of a block its owner had just written ran at 17-20 GB/s
-#: against 12 for its input (2.8 MB, two processes), but the owner's next write
-#: of memory another process had read took longer (2.8 MB: 97 against 65 us),
-#: at times far longer (1 MiB: 420 against 24 us): small blocks come from the
-#: input.  Alternating runs of ``sweep.py allgather -b 2M -e 32M -f 2
-#: --algorithm direct``, these thresholds against reading inputs only: n = 2,
-#: 16 and 32 MiB (8 and 16 MiB blocks) 1465-1742 against 2056-2071 us and
-#: 2953-3015 against 5343-6092; n = 3, 8 and 32 MiB 1358-1574 against 1896-2077
-#: and 7094-8428 against 10574-10805; n = 4, 8 and 32 MiB 1695-1820 against
-#: 2258-2791 and 7443-9060 against 11001-11437.  Smaller blocks from the
-#: outputs lost: 806-1942 against 856-948 us at n = 3 with 1.4 MB blocks;
-#: 632-660 against 144-148 us at n = 2 with 1 MiB blocks in a slow phase.
-ALLGATHER_READ_OUTPUT_BYTES = 8 << 20
-ALLGATHER_READ_OUTPUT_CROWDED = 2 << 20
 
 
 def _step(G: Group) -> int:
@@ -132,7 +115,8 @@ def _step(G: Group) -> int:
 
 
 def _post_buffer(L: Links, G: Group, a: Any) -> int:
-    """Take the next step, claim it and post where ``a`` lies for the peers to read."""
+    """Take the next step, claim it and post where ``a`` lies for the peers to read
+    (or write)."""
     s = _step(G)
     G.claim(s, L.deadline, L.backoff)
     G.post(s, _addr(a), a.nbytes)
@@ -337,22 +321,33 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
 @register("allgather", "direct")
 def allgather(L: Links, x: Any, out: Any) -> None:
     """Through the slots in rounds up to ALLGATHER_SLOT_ROUNDS of them, else by
-    address: each rank reads every peer's block, out of the peer's input, or
-    from ALLGATHER_READ_OUTPUT_BYTES (..._CROWDED) up out of its output."""
+    address: each rank writes its block into every peer's output.
+
+    A cross-memory copy pins the peer's pages, and pins 2 MiB huge pages far
+    faster than 4 KiB ones, so it runs at the speed of the peer's side.  The
+    output, n blocks long, is the likelier of the two to be on huge pages (NumPy
+    asks for them from 4 MiB), so the ranks write into the outputs instead of
+    reading the inputs.  On the 2-core machine (``process_vm_readv`` and
+    ``_writev`` of a 2 MiB block by both ranks at once) the copy ran at 17-19
+    GB/s with the peer's side on huge pages and 7-9 GB/s on 4 KiB pages, whatever
+    our side's pages were.  Reading the peers' just-written outputs instead was
+    as fast in some runs and in others 1.5x slower than reading their inputs (a
+    dirty line in another core's cache costs more to read than a clean one; MPI,
+    which reads the outputs, slowed down with it); a write leaves no such line.
+    Alternating runs of ``sweep.py``-like blocks, writes against reads of the
+    inputs (reads of the outputs from 8 MiB blocks), n = 2: 4 MiB 0.53-0.59x
+    the time, 8 MiB 0.81-0.85x, 16 MiB 0.77-0.80x, 1-2 MiB and 32 MiB within
+    5%; n = 3 and 4 (reads of the outputs from 2 MiB blocks): 0.67-1.05x."""
     G = _group(L)
     if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
         _slot_allgather(L, G, x, out)
         return
     dl, bo = L.deadline, L.backoff
-    k = x.size
-    # our block of out holds x already (the caller placed it)
-    from_out = x.nbytes >= (
-        ALLGATHER_READ_OUTPUT_CROWDED if L.crowded else ALLGATHER_READ_OUTPUT_BYTES
-    )
-    s = _post_buffer(L, G, out if from_out else x)
+    s = _post_buffer(L, G, out)
+    at = L.rank * x.nbytes
     for j in _others(L.size, L.rank):
         G.wait((j,), s, dl, bo)
-        G.read(j, s, j * k * x.itemsize if from_out else 0, out[j * k : (j + 1) * k])
+        G.write(j, s, at, x)
     _finish(L, G, s)
 
 
