@@ -605,7 +605,8 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
     n: int, crowded: bool
 ) -> None:
     """Above the slot size a direct allreduce or reduce reads the peers' buffers
-    by address; where ranks outnumber cores it goes through the slots in rounds
+    by address (and writes the finished segments into the outputs); where ranks
+    outnumber cores it goes through the slots in rounds
     while a rank's (n - 1) N stays within ROUNDS_CROWDED_*.  Either way every
     rank (the root, for reduce) gets the rank-order reduction, bit for bit, in
     place and out of place."""
@@ -642,6 +643,10 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
                         assert y.tobytes() == ref.tobytes(), (r, count, "in place")
                     else:
                         c.reduce(xs[r], out, root=root, algorithm="direct")
+                        y = xs[r].copy()
+                        c.reduce(y, root=root, algorithm="direct")  # in place on the root
+                        assert r != root or y.tobytes() == ref.tobytes(), (r, count, "in place")
+                        assert r == root or y.tobytes() == xs[r].tobytes(), (r, count)
                     if coll == "allreduce" or r == root:
                         assert out.tobytes() == ref.tobytes(), (coll, r, count)
                     assert (reads[r] > before) == by_address, (coll, r, count)

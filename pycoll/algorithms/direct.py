@@ -311,10 +311,12 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
     s = _post_buffer(L, G, x)
     G.wait(others, s, dl, bo)
     _reduce_range(L, G, s, x, b[r], b[r + 1], out[b[r] : b[r + 1]])
+    # our finished segment goes into every peer's output (see allgather)
     t = _post_buffer(L, G, out)
+    seg = out[b[r] : b[r + 1]]
     for j in others:
         G.wait((j,), t, dl, bo)
-        G.read(j, t, b[j] * isz, out[b[j] : b[j + 1]])
+        G.write(j, t, b[r] * isz, seg)
     _finish(L, G, t)
 
 
@@ -419,11 +421,15 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
     G.wait(others, s, dl, bo)
     mine = out[b[r] : b[r + 1]] if r == root else np.empty(b[r + 1] - b[r], x.dtype)
     _reduce_range(L, G, s, x, b[r], b[r + 1], mine)
-    t = _post_buffer(L, G, mine)
+    # each finished segment goes into the root's output (see allgather)
     if r == root:
-        for j in others:
-            G.wait((j,), t, dl, bo)
-            G.read(j, t, 0, out[b[j] : b[j + 1]])
+        t = _post_buffer(L, G, out)
+    else:
+        t = _step(G)
+        G.claim(t, dl, bo)
+        G.post(t)
+        G.wait((root,), t, dl, bo)
+        G.write(root, t, b[r] * x.itemsize, mine)
     _finish(L, G, t)
 
 
