@@ -4,6 +4,9 @@ Run under mpiexec; rank 0 prints::
 
     mpiexec -n 3 python benchmarks/versus.py reduce 512K 2M --systems auto,direct,tree
     mpiexec -n 2 python benchmarks/versus.py allreduce 2M --systems auto,direct,oneshot,mpi
+    git show REV:pycoll/algorithms/direct.py > /tmp/direct_rev.py
+    mpiexec -n 2 python benchmarks/versus.py allgather 4M --systems direct,direct@direct_rev,mpi \
+        --algorithms-from /tmp/direct_rev.py
 
 ``sweep.py`` times each system for up to ``--max-time`` seconds in turn.  On a
 shared VM the machine's state moves over such spans (and, where ranks outnumber
@@ -74,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transport", default=None, help="pycoll transports, e.g. shm")
     ap.add_argument("--hugepages", default="numpy", choices=("numpy", "on", "off"))
     ap.add_argument("--json", default=None, help="write one record per system, size and round")
+    ap.add_argument(
+        "--algorithms-from",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an algorithm module of another version (git show REV:pycoll/algorithms/"
+        "direct.py > direct_REV.py); its algorithms join as NAME@STEM (direct@direct_rev)",
+    )
     a = ap.parse_args(argv)
     a.sizes = [parse_size(s) for s in a.sizes]
     a.systems = [s.strip().lower() for s in a.systems.split(",") if s.strip()]
@@ -97,6 +108,29 @@ def _check(w: Any, p: Prepared, ref: np.ndarray | None, case: Case) -> int:
     return int(w.allreduce(count_wrong(p.output(), ref, case), op=MPI.SUM))
 
 
+def load_algorithms(path: str) -> None:
+    """Register the algorithms that module file ``path`` registers, each as
+    ``name@stem`` beside the current ones, to time two versions in one job.
+
+    Only the module is another version; what it imports is the current code.
+    Such names are not the communicator's ``direct``, so small calls do not
+    take its prepared fast path: compare them above the slot size."""
+    import importlib.util
+
+    from pycoll.algorithms import registry
+
+    stem = Path(path).stem.lower()
+    spec = importlib.util.spec_from_file_location(f"pycoll.algorithms._{stem}", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--algorithms-from: cannot load {path!r}")
+    real = registry.register
+    registry.register = lambda c, name: real(c, f"{name}@{stem}")  # type: ignore[assignment]
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    finally:
+        registry.register = real
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from mpi4py import MPI
 
@@ -111,6 +145,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(msg, flush=True)
 
     coll = args.collective
+    for path in args.algorithms_from:
+        load_algorithms(path)
     reg = algorithms.names(coll)
     if "all" in args.systems:  # auto and every algorithm, where "all" stands
         i = args.systems.index("all")
@@ -129,6 +165,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     runner = Runner(args, w, comm, np)
     systems = [System("mpi") if s == "mpi" else System("pycoll", s) for s in args.systems]
     first = systems[0].label
+    wide = max(10, *(len(s) for s in args.systems))
     short = first.removeprefix("pycoll:")
     meta = host_meta()
     say(
@@ -139,7 +176,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     say(f"# time: median over rounds of the per-call mean on the slowest rank; x{short}:")
     say(f"# that time over {short}'s in the same round (median, 10th and 90th percentile)")
     say(
-        f"#{'size':>11} {'system':>10} {'calls':>6} {'time(us)':>10} "
+        f"#{'size':>11} {'system':>{wide}} {'calls':>6} {'time(us)':>10} "
         f"{'x' + short:>8} {'p10':>6} {'p90':>6}  ran"
     )
     records: list[dict[str, Any]] = []
@@ -205,7 +242,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if wrong[lab]:
                 what += f"  #wrong {wrong[lab]}"
             row = (
-                f"{case.size:>12} {lab.removeprefix('pycoll:'):>10} {calls[lab]:>6} "
+                f"{case.size:>12} {lab.removeprefix('pycoll:'):>{wide}} {calls[lab]:>6} "
                 f"{statistics.median(times[lab]):>10.2f} {med:>8.3f} "
                 f"{_pct(ratio, 10):>6.3f} {_pct(ratio, 90):>6.3f}  {what}"
             )

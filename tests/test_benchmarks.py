@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,53 @@ def test_versus_takes_turns_and_checks_every_system(tmp_path: Path, coll: str) -
     recs = json.loads(out_json.read_text())["records"]
     assert len(recs) == 2 * 4 * 4 and all(r["wrong"] == 0 and r["time_us"] > 0 for r in recs)
     assert {r["round"] for r in recs} == {0, 1, 2, 3}
+
+
+@pytest.mark.timeout(90)
+def test_versus_times_another_version_of_an_algorithm_module(tmp_path: Path) -> None:
+    """--algorithms-from: a module file's algorithms join as NAME@STEM and are timed
+    and checked like the others; a wrong one is counted wrong (exit status 1)."""
+    shutil.copy(ROOT / "pycoll" / "algorithms" / "direct.py", tmp_path / "direct_copy.py")
+    (tmp_path / "broken.py").write_text(
+        "from pycoll.algorithms.registry import register\n\n\n"
+        "@register('allgather', 'ring')\n"
+        "def allgather(L, x, out):\n"
+        "    out[...] = 0\n"
+    )
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "versus.py"), "allgather", "8", "2M",
+        "--systems", "direct,direct@direct_copy", "--rounds", "2", "--block-time", "0.001",
+        "--algorithms-from", str(tmp_path / "direct_copy.py"),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert [r[1] for r in _rows(proc.stdout)] == ["direct", "direct@direct_copy"] * 2
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "versus.py"), "allgather", "4099",
+        "--systems", "ring,ring@broken", "--rounds", "2", "--block-time", "0.001",
+        "--algorithms-from", str(tmp_path / "broken.py"),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_cma_pages_times_every_mix_of_page_kinds() -> None:
+    cmd = mpiexec(2) + [sys.executable, str(BENCH / "cma_pages.py"), "2M",
+                        "--reps", "2", "--warm", "1"]  # fmt: skip
+    rows = _rows(_run(cmd, 50).stdout)
+    # call from to copiers bytes us GB/s (...)
+    assert len(rows) == 2 * 2 * 2 * 2, rows
+    assert {(r[0], r[1], r[2], r[3]) for r in rows} == {
+        (c, f, t, k)
+        for c in ("read", "write")
+        for f in ("off", "on")
+        for t in ("off", "on")
+        for k in ("one", "both")
+    }
+    assert all(int(r[4]) == 2 << 20 and float(r[5]) > 0 for r in rows)
 
 
 def test_versus_refuses_an_unknown_system() -> None:

@@ -1,4 +1,4 @@
-"""Direct algorithms: every rank reads what it needs straight from every other.
+"""Direct algorithms: every rank copies straight from (or to) every other.
 
 For ranks that all share one host: they use the communicator's shared
 :class:`~pycoll.algorithms.links.Group` instead of point-to-point connections.
@@ -10,10 +10,13 @@ copies its contribution into its slot and publishes the step; readers reduce or
 copy straight out of the peers' slots.  One step, one copy in, whatever n.  Each
 rank has K slots (``G.slots``), step ``s`` uses slot ``s % K``, so a rank may run
 K steps ahead of the slowest peer before it waits.
-Larger ones, when the group allows direct reads, go by address: a rank posts
-where its buffer is and the readers copy out of it with one kernel copy each
-(``read``); the collective ends when every reader said it is done, so no buffer
-is returned to its owner while a peer still reads it.  Without direct reads,
+Larger ones, when the group allows cross-memory copies, go by address: a rank
+posts where its buffer is and the peers copy out of it (``read``) or into it
+(``write``) with one kernel copy each; the collective ends when every peer said
+it is done, so no buffer is returned to its owner while a peer still uses it.
+Where there is a choice, a rank writes its part into the peers' outputs rather
+than have them read it: the kernel pins the other process's pages, and outputs
+are the likelier to be on huge pages (see :func:`allgather`).  Without direct reads,
 larger messages go through the slots in rounds of a slot each (an allgather
 writes up to ``G.ahead`` rounds before it reads any); so do mid-sized
 allreduces and reduces where ranks outnumber cores (``ROUNDS_CROWDED_*``).
@@ -24,12 +27,14 @@ all ranks hold the same bits.
 
 allreduce: slots: everyone reduces every contribution.  By address: rank r
     reduces segment r of every rank's input into its output (a reduce-scatter),
-    posts its output, then reads every other finished segment (an allgather).
-    Per rank (n-1)/n N read and reduced, (n-1)/n N read.
-allgather: rank r reads every peer's block into its output; (n-1) k read.
+    then writes it into every peer's output (an allgather).  Per rank (n-1)/n N
+    read and reduced, (n-1)/n N written.
+allgather: slots: rank r copies every peer's block out of the slots.  By
+    address: rank r writes its block into every peer's output; (n-1) k.
 broadcast: every non-root reads the root's buffer; N read.
 reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
-reduce: a reduce-scatter into segments, then the root reads every segment.
+reduce: a reduce-scatter into segments, then every rank writes its segment
+    into the root's output.
 barrier: every rank publishes a step and waits for everyone's.
 """
 
