@@ -125,7 +125,7 @@ def estimate(
 
 
 def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
-    """Direct algorithms (ranks on one host): every rank reads from every other.
+    """Direct algorithms (ranks on one host): every rank copies from (or to) every other.
 
     Through the slots: one step, the input copied in once, and each reader
     copies (or reduces) every contribution it needs.  By address: a step to

@@ -16,10 +16,11 @@ posts where its buffer is and the peers copy out of it (``read``) or into it
 it is done, so no buffer is returned to its owner while a peer still uses it.
 Where there is a choice, a rank writes its part into the peers' outputs rather
 than have them read it: the kernel pins the other process's pages, and outputs
-are the likelier to be on huge pages (see :func:`allgather`).  Without direct reads,
-larger messages go through the slots in rounds of a slot each (an allgather
-writes up to ``G.ahead`` rounds before it reads any); so do mid-sized
-allreduces and reduces where ranks outnumber cores (``ROUNDS_CROWDED_*``).
+are the likelier to be on huge pages (see :func:`allgather`).  Without
+cross-memory copies, larger messages go through the slots in rounds of a slot
+each (an allgather writes up to ``G.ahead`` rounds before it reads any); so do
+mid-sized allreduces and reduces where ranks outnumber cores
+(``ROUNDS_CROWDED_*``).
 
 Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
 and every element is reduced by one rank only (or by every rank identically), so
@@ -341,10 +342,12 @@ def allgather(L: Links, x: Any, out: Any) -> None:
     as fast in some runs and in others 1.5x slower than reading their inputs (a
     dirty line in another core's cache costs more to read than a clean one; MPI,
     which reads the outputs, slowed down with it); a write leaves no such line.
-    Alternating runs of ``sweep.py``-like blocks, writes against reads of the
-    inputs (reads of the outputs from 8 MiB blocks), n = 2: 4 MiB 0.53-0.59x
-    the time, 8 MiB 0.81-0.85x, 16 MiB 0.77-0.80x, 1-2 MiB and 32 MiB within
-    5%; n = 3 and 4 (reads of the outputs from 2 MiB blocks): 0.67-1.05x."""
+    In alternating blocks against the reads (``versus.py --algorithms-from``
+    with 2d3aa7c's module; benchmarks/RESULTS.md, "Writes instead of reads"),
+    the reads took 1.08-1.19x the time at n = 2 (2-32 MiB), 1.01-1.50x at
+    n = 3, and on a 16-core host 1.00-1.38x at n = 2 and 4 (one point 0.95x);
+    at n = 4 on two cores the runs disagreed (0.93-0.96x in one, 0.96-1.49x
+    in two others)."""
     G = _group(L)
     if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
         _slot_allgather(L, G, x, out)
