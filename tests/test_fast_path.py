@@ -615,10 +615,12 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
     with communicators(n) as comms:
         slot = comms[0]._group.slot_bytes
         reads = [0] * n
+        writes = [0] * n
         _set_crowded(comms, crowded)
 
         def body(c: pycoll.Communicator) -> None:
             _count_calls(c, "read", reads)
+            _count_calls(c, "write", writes)
             r = c.rank
             for coll, limit in [
                 ("allreduce", direct.ROUNDS_CROWDED_ALLREDUCE),
@@ -634,7 +636,7 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
                     for a in xs[2:]:
                         ref = ref + a
                     root = count % n
-                    before = reads[r]
+                    before, wrote = reads[r], writes[r]
                     out = np.full(count, np.nan, np.float32)
                     if coll == "allreduce":
                         c.allreduce(xs[r], out, algorithm="direct")
@@ -650,6 +652,9 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
                     if coll == "allreduce" or r == root:
                         assert out.tobytes() == ref.tobytes(), (coll, r, count)
                     assert (reads[r] > before) == by_address, (coll, r, count)
+                    # by address the finished segments are written (reduce: by the leaves)
+                    writer = coll == "allreduce" or r != root
+                    assert (writes[r] > wrote) == (by_address and writer), (coll, r, count)
 
         _on_all(comms, body)
 
