@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hostmem
-from common import parse_size
+from common import parse_size  # (puts the repository on sys.path)
 
 from transports import _cma
 
