@@ -63,11 +63,17 @@ def init(mpi_comm: Any = None, **config: Any) -> Communicator:
         The communicator; close it (or use it as a context manager) when done.
 
     Raises:
-        InvalidArgumentError: a PYCOLL_* variable or override is invalid.
+        InvalidArgumentError: a PYCOLL_* variable or override is invalid (or an
+            override is not a :class:`Config` field); the message names it and
+            this rank.
         ConnectError: some pair of ranks could not be connected.
     """
     if mpi_comm is None:
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD
-    return Communicator(mpi_comm, Config.from_env(**config))
+    try:
+        cfg = Config.from_env(**config)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"rank {mpi_comm.Get_rank()}: {exc}") from None
+    return Communicator(mpi_comm, cfg)

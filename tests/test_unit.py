@@ -124,7 +124,13 @@ def test_config_from_env() -> None:
         ("PYCOLL_TIMEOUT", "soon"),
         ("PYCOLL_DEBUG", "LOUD"),
         ("PYCOLL_ALGO", "gather:ring"),
+        ("PYCOLL_ALGO", "allgather:oneshot"),
+        ("PYCOLL_ALGO", "rnig"),
         ("PYCOLL_TUNE", "maybe"),
+        ("PYCOLL_CHECK", "perhaps"),
+        ("PYCOLL_RDMA_SOFT_CAPS", "magic"),
+        ("PYCOLL_DEVICE_TRANSPORT", "nvlink"),
+        ("PYCOLL_GROUP_SLOT_BYTES", "-1"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_variable(var: str, val: str) -> None:
@@ -138,6 +144,54 @@ def test_parse_algo() -> None:
         "allreduce": "ring",
         "broadcast": "tree",
     }
+    # "*" forces the collectives that have the algorithm; the others stay on auto
+    c = Config(algo=parse_algo("oneshot,broadcast:Tree"))
+    assert c.algorithm_for("allreduce") == "oneshot" and c.algorithm_for("allgather") is None
+    assert c.algorithm_for("broadcast") == "tree"
+    assert Config(algo={"*": "auto"}).algorithm_for("reduce") is None
+
+
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("timeout", -1, "positive"),
+        ("timeout", "10", "positive"),
+        ("chunk_bytes", 8, "at least 64"),
+        ("chunk_bytes", 1.5e6, "int"),
+        ("transports", ("tcp", "carrier-pigeon"), "choose from"),
+        ("transports", (), "choose from"),
+        ("rdma_memory", "magic", "choose from"),
+        ("algo", {"allgather": "oneshot"}, "not one of"),
+        ("algo", {"gather": "ring"}, "unknown collective"),
+        ("check", "yes", "True or False"),
+        ("debug", "loud", "choose from"),
+        ("device_host_bytes", -1, "at least 0"),
+        ("group_slot_bytes", None, "int"),
+    ],
+)
+def test_config_checks_every_field(field: str, value: object, says: str) -> None:
+    """What init's overrides set is checked as its environment variable would be."""
+    with pytest.raises(InvalidArgumentError, match=says):
+        Config(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_normalises_and_names_unknown_settings() -> None:
+    c = Config(transports=["TCP"], debug="warning", rdma_provider="Soft")  # type: ignore[arg-type]
+    assert c.transports == ("tcp",) and c.debug == "WARN" and c.rdma_provider == "soft"
+    assert Config(device_transports=()).device_transports == ()
+    with pytest.raises(InvalidArgumentError, match=r"unknown setting\(s\) \['chunk'\]"):
+        Config.from_env({}, chunk=4096)
+
+
+def test_init_names_the_rank_of_a_bad_setting() -> None:
+    class World:
+        def Get_rank(self) -> int:
+            return 3
+
+    with pytest.raises(InvalidArgumentError, match="rank 3: config timeout=0"):
+        pycoll.init(World(), timeout=0)
+    with pytest.raises(InvalidArgumentError, match="rank 3: unknown setting"):
+        pycoll.init(World(), chunk_size=1)
 
 
 def test_buffers() -> None:
