@@ -105,7 +105,8 @@ def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> tuple[Any, np.dtype[An
     except ImportError as exc:
         raise UnsupportedError(
             f"rank {rank}: {what}: {arg} is a CUDA array, but CuPy is not installed "
-            "(pip install 'pycoll-collectives[gpu]')"
+            "(pip install 'pycoll-collectives[gpu]')",
+            rank=rank,
         ) from exc
     if _is_torch(obj):
         t = obj.detach()

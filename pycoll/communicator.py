@@ -63,22 +63,26 @@ class Request:
     error, if any, once finished.
     """
 
-    def __init__(self, future: Future[Any], what: str) -> None:
+    def __init__(self, future: Future[Any], what: str, rank: int) -> None:
         self._future = future
         self._what = what
+        self._rank = rank
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the output array.
 
         Raises:
             CollectiveTimeout: still running after ``timeout`` seconds (the
-                collective itself goes on, bounded by PYCOLL_TIMEOUT).
+                collective itself goes on, bounded by PYCOLL_TIMEOUT; its
+                ``missing`` is empty, for no rank is known to be late).
         """
         try:
             return self._future.result(timeout)
         except TimeoutError:
             raise CollectiveTimeout(
-                f"{self._what} still running after wait(timeout={timeout})"
+                f"rank {self._rank}: {self._what} still running after wait(timeout={timeout}); "
+                "it goes on (PYCOLL_TIMEOUT bounds it)",
+                rank=self._rank,
             ) from None
 
     def test(self) -> bool:
@@ -445,7 +449,9 @@ class Communicator:
             sendbuf: contiguous array; with ``recvbuf=None`` the result lands in it.
             recvbuf: output of the same size and dtype, or None for in place.
             op: "sum", "prod", "min", "max", "avg" or a :class:`ReduceOp`.
-            algorithm: "auto", "ring" or "tree".
+            algorithm: "auto" (the cost model's pick, see :mod:`pycoll.tune`), or
+                "ring", "tree", "direct" (every rank on one host) or "oneshot";
+                the other collectives take the same but "oneshot".
             async_op: return a :class:`Request` instead of waiting.
             stream: device buffers only: the CUDA stream the collective is ordered
                 on (CuPy or torch stream, or a ``cudaStream_t`` int); default the
@@ -541,6 +547,7 @@ class Communicator:
                 ``recvbuf`` itself, for in place).
             recvbuf: output of ``size * k`` elements; None allocates one of shape
                 ``(size, *sendbuf.shape)``.
+            algorithm, async_op, stream: as for :meth:`allreduce`.
 
         Returns:
             The output array (or a Request).
@@ -618,6 +625,8 @@ class Communicator:
     ) -> Any:
         """Copy ``buf`` from ``root`` to every rank, in place.
 
+        ``algorithm``, ``async_op`` and ``stream`` are as for :meth:`allreduce`.
+
         Returns:
             ``buf`` (or a Request).
         """
@@ -690,6 +699,8 @@ class Communicator:
         stream: Any = None,
     ) -> Any:
         """Reduce ``sendbuf`` (``size * k`` elements); rank r gets reduced block r.
+
+        ``op``, ``algorithm``, ``async_op`` and ``stream`` are as for :meth:`allreduce`.
 
         Returns:
             The k-element output (or a Request); a new 1-D array if ``recvbuf`` is None.
@@ -781,7 +792,8 @@ class Communicator:
         """Reduce ``sendbuf`` across ranks into ``recvbuf`` on ``root``.
 
         On the root, ``recvbuf=None`` means in place (into ``sendbuf``); other
-        ranks ignore ``recvbuf``.
+        ranks ignore ``recvbuf``.  ``op``, ``algorithm``, ``async_op`` and
+        ``stream`` are as for :meth:`allreduce`.
 
         Returns:
             The output on the root, None elsewhere (or a Request).
@@ -1215,7 +1227,7 @@ class Communicator:
                 self._inflight += 1
                 fut = self._executor.submit(self._execute, what, run, x, op, root, algo)
             fut.add_done_callback(self._done)
-            return Request(fut, what)
+            return Request(fut, what, self.rank)
         with self._lock:
             queued = self._inflight > 0
             if queued:

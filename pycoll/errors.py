@@ -40,7 +40,25 @@ class InvalidArgumentError(PycollError, ValueError):
 
 
 class UnsupportedError(PycollError):
-    """A valid request that this installation or machine cannot serve."""
+    """A valid request that this installation or machine cannot serve.
+
+    Attributes:
+        rank, peer, transport: where known (None otherwise), as for
+            :class:`TransportError`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        peer: int | None = None,
+        transport: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.transport = transport
 
 
 class CommunicatorClosedError(PycollError):
@@ -48,12 +66,22 @@ class CommunicatorClosedError(PycollError):
 
 
 class CollectiveMismatchError(PycollError):
-    """Ranks called different collectives, counts, dtypes, ops or roots."""
+    """Ranks called different collectives, counts, dtypes, ops or roots.
+
+    Attributes:
+        rank: this rank.
+        ranks: every rank whose call differs from this rank's.
+        peer: the first of them (None if none differs from this rank's call).
+        transport: None; the mismatch is found over the group's bootstrap, not a
+            connection.
+    """
 
     def __init__(self, message: str, *, rank: int | None = None, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.rank = rank
         self.ranks = tuple(ranks)
+        self.peer = self.ranks[0] if self.ranks else None
+        self.transport: str | None = None
 
 
 class TransportError(PycollError):

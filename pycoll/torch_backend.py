@@ -89,7 +89,7 @@ class _Staged:
     non-contiguous and CUDA tensors go through a contiguous host copy.
     """
 
-    def __init__(self, t: torch.Tensor, *, as_bytes: bool, copy_in: bool = True) -> None:
+    def __init__(self, t: torch.Tensor, rank: int, *, as_bytes: bool, copy_in: bool = True) -> None:
         self.tensor = t
         src = t.detach()
         self.copied = src.device.type != "cpu" or not src.is_contiguous()
@@ -102,42 +102,44 @@ class _Staged:
         else:
             host = src
         self.host = host
-        self.array = _numpy_view(host.reshape(-1), as_bytes)
+        self.array = _numpy_view(host.reshape(-1), as_bytes, rank)
 
     def finish(self) -> None:
         if self.copied:
             self.tensor.detach().copy_(self.host)
 
 
-def _numpy_view(flat: torch.Tensor, as_bytes: bool) -> np.ndarray:
+def _numpy_view(flat: torch.Tensor, as_bytes: bool, rank: int) -> np.ndarray:
     if as_bytes:
         return flat.view(torch.uint8).numpy()
     if flat.dtype is torch.bfloat16:
         return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     if flat.dtype not in _NUMPY_DTYPES:
         raise InvalidArgumentError(
-            f"pycoll backend: reductions on {flat.dtype} tensors are not supported; "
+            f"pycoll backend, rank {rank}: reductions on {flat.dtype} tensors are not supported; "
             f"use one of bfloat16, {', '.join(str(d) for d in _NUMPY_DTYPES)}"
         )
     return flat.numpy()
 
 
-def _op(opts: Any) -> str:
+def _op(opts: Any, rank: int) -> str:
     op = opts.reduceOp
     for key, name in _OPS.items():
         if op == key:
             return name
     raise UnsupportedError(
-        f"pycoll backend: reduce op {op} is not supported; use SUM, AVG, MIN, MAX or PRODUCT"
+        f"pycoll backend, rank {rank}: reduce op {op} is not supported; use SUM, AVG, MIN, MAX or PRODUCT",
+        rank=rank,
     )
 
 
-def _check_same(tensors: Sequence[torch.Tensor], what: str) -> None:
+def _check_same(tensors: Sequence[torch.Tensor], what: str, rank: int) -> None:
     if len(tensors) != 1:
         # c10d's multi-device-per-process form (one tensor per local GPU) is gone
         # from DDP; every current caller passes a list of one.
         raise UnsupportedError(
-            f"pycoll backend: {what} takes a list of exactly one tensor, got {len(tensors)}"
+            f"pycoll backend, rank {rank}: {what} takes a list of exactly one tensor, got {len(tensors)}",
+            rank=rank,
         )
 
 
@@ -233,12 +235,12 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # --- collectives
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        _check_same(tensors, "allreduce")
+        _check_same(tensors, "allreduce", self._rank)
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts) if opts is not None else "sum"
-        staged = [_Staged(t, as_bytes=False) for t in tensors]
+        op = _op(opts, self._rank) if opts is not None else "sum"
+        staged = [_Staged(t, self._rank, as_bytes=False) for t in tensors]
 
         def run() -> list[torch.Tensor]:
             for s in staged:
@@ -249,9 +251,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._enqueue(run)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        _check_same(tensors, "broadcast")
+        _check_same(tensors, "broadcast", self._rank)
         root = int(opts.rootRank) if opts is not None else 0
-        s = _Staged(tensors[0], as_bytes=True, copy_in=self._rank == root)
+        s = _Staged(tensors[0], self._rank, as_bytes=True, copy_in=self._rank == root)
 
         def run() -> list[torch.Tensor]:
             self._comm.broadcast(s.array, root=root)
@@ -262,10 +264,10 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._enqueue(run)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        _check_same(tensors, "reduce")
-        op = _op(opts) if opts is not None else "sum"
+        _check_same(tensors, "reduce", self._rank)
+        op = _op(opts, self._rank) if opts is not None else "sum"
         root = int(opts.rootRank) if opts is not None else 0
-        s = _Staged(tensors[0], as_bytes=False)
+        s = _Staged(tensors[0], self._rank, as_bytes=False)
 
         def run() -> list[torch.Tensor]:
             self._comm.reduce(s.array, root=root, op=op)
@@ -281,21 +283,21 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> Any:
-        _check_same(input_tensors, "allgather")
+        _check_same(input_tensors, "allgather", self._rank)
         outs = output_tensors[0]
         if len(outs) != self._size:
             raise InvalidArgumentError(
-                f"pycoll backend: allgather needs {self._size} output tensors, got {len(outs)}"
+                f"pycoll backend, rank {self._rank}: allgather needs {self._size} output tensors, got {len(outs)}"
             )
-        x = _Staged(input_tensors[0], as_bytes=True)
+        x = _Staged(input_tensors[0], self._rank, as_bytes=True)
         k = x.array.size
         for o in outs:
             if o.numel() * o.element_size() != k:
                 raise InvalidArgumentError(
-                    f"pycoll backend: allgather output tensor of {o.numel()} x {o.dtype} "
+                    f"pycoll backend, rank {self._rank}: allgather output tensor of {o.numel()} x {o.dtype} "
                     f"does not match the input's {input_tensors[0].numel()} x {input_tensors[0].dtype}"
                 )
-        staged = [_Staged(o, as_bytes=True, copy_in=False) for o in outs]
+        staged = [_Staged(o, self._rank, as_bytes=True, copy_in=False) for o in outs]
 
         def run() -> list[list[torch.Tensor]]:
             gathered = self._comm.allgather(x.array).reshape(self._size, k)
@@ -319,10 +321,15 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         for o, i in zip(outputs, inputs, strict=True):
             if o.numel() * o.element_size() != self._size * i.numel() * i.element_size():
                 raise InvalidArgumentError(
-                    f"pycoll backend: allgather output has {o.numel()} elements, expected "
+                    f"pycoll backend, rank {self._rank}: allgather output has {o.numel()} elements, expected "
                     f"{self._size} x {i.numel()}"
                 )
-            pairs.append((_Staged(i, as_bytes=True), _Staged(o, as_bytes=True, copy_in=False)))
+            pairs.append(
+                (
+                    _Staged(i, self._rank, as_bytes=True),
+                    _Staged(o, self._rank, as_bytes=True, copy_in=False),
+                )
+            )
 
         def run() -> list[torch.Tensor]:
             for x, out in pairs:
@@ -343,11 +350,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> Any:
-        _check_same(output_tensors, "reduce_scatter")
+        _check_same(output_tensors, "reduce_scatter", self._rank)
         ins = input_tensors[0]
         if len(ins) != self._size:
             raise InvalidArgumentError(
-                f"pycoll backend: reduce_scatter needs {self._size} input tensors, got {len(ins)}"
+                f"pycoll backend, rank {self._rank}: reduce_scatter needs {self._size} input tensors, got {len(ins)}"
             )
         flat_in = torch.cat([t.detach().reshape(-1).to("cpu") for t in ins])
         return self._reduce_scatter([output_tensors[0]], [flat_in], opts)
@@ -375,15 +382,20 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def _reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
-        op = _op(opts) if opts is not None else "sum"
+        op = _op(opts, self._rank) if opts is not None else "sum"
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             if i.numel() != self._size * o.numel():
                 raise InvalidArgumentError(
-                    f"pycoll backend: reduce_scatter input has {i.numel()} elements, expected "
+                    f"pycoll backend, rank {self._rank}: reduce_scatter input has {i.numel()} elements, expected "
                     f"{self._size} x {o.numel()}"
                 )
-            pairs.append((_Staged(i, as_bytes=False), _Staged(o, as_bytes=False, copy_in=False)))
+            pairs.append(
+                (
+                    _Staged(i, self._rank, as_bytes=False),
+                    _Staged(o, self._rank, as_bytes=False, copy_in=False),
+                )
+            )
 
         def run() -> list[torch.Tensor]:
             for x, out in pairs:

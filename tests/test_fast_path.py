@@ -11,6 +11,7 @@ threads (:mod:`tests.inproc`).
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -429,6 +430,27 @@ def test_async_calls_and_queued_blocking_ones_bypass_plans() -> None:
             np.testing.assert_array_equal(out, 2 * x)
             c.allreduce(x, out)  # the plan again
             np.testing.assert_array_equal(out, 2 * x)
+
+        _on_all(comms, body)
+
+
+def test_request_wait_timeout_names_the_rank_and_the_call_goes_on() -> None:
+    with communicators(2) as comms:
+        late = threading.Event()
+
+        def body(c: pycoll.Communicator) -> None:
+            x = np.full(5, c.rank + 1, np.float32)
+            if c.rank == 1:
+                late.wait(30)  # rank 0's wait(timeout) runs out first
+            req = c.allreduce(x, async_op=True)
+            if c.rank == 0:
+                with pytest.raises(
+                    pycoll.CollectiveTimeout, match="rank 0: allreduce still running"
+                ):
+                    req.wait(0.05)
+                late.set()
+            req.wait(30)
+            np.testing.assert_array_equal(x, np.full(5, 3, np.float32))
 
         _on_all(comms, body)
 

@@ -85,6 +85,11 @@ def test_error_tree() -> None:
     assert issubclass(pycoll.CollectiveTimeout, pycoll.TransportError)
     e = pycoll.TransportError("x", rank=1, peer=2, transport="tcp", errno=5)
     assert (e.rank, e.peer, e.transport, e.errno) == (1, 2, "tcp", 5)
+    # every system error carries rank, peer and transport (None where there is none)
+    m = pycoll.CollectiveMismatchError("x", rank=0, ranks=[3, 1])
+    assert (m.rank, m.ranks, m.peer, m.transport) == (0, (3, 1), 3, None)
+    u = pycoll.UnsupportedError("x", rank=2)
+    assert (u.rank, u.peer, u.transport) == (2, None, None)
 
 
 def test_config_from_env() -> None:
