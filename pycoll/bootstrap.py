@@ -85,27 +85,55 @@ def _options(
     )
 
 
+#: The tag of :func:`_arrive`'s messages on the caller's communicator (MPI
+#: promises tags up to at least 32767).
+ARRIVE_TAG = 32_123
+
+
 def _arrive(mpi_comm: Any, timeout: float, rank: int) -> None:
     """Wait, at most ``timeout`` seconds, until every rank has entered ``pycoll.init``.
 
-    MPI's own collectives wait forever; a non-blocking barrier polled against
-    the deadline keeps a rank that never calls ``init`` from hanging the others.
+    MPI's own collectives wait forever, and a barrier cannot tell who is late;
+    so each rank sends every other a byte and waits, polling against the
+    deadline, until it has one from each.  A rank that never calls ``init``
+    neither hangs the others nor goes unnamed.
 
     Raises:
-        ConnectError: not every rank arrived in time.
+        ConnectError: not every rank arrived in time; it names those that did not.
     """
-    req = mpi_comm.Ibarrier()
+    peers = [p for p in range(mpi_comm.Get_size()) if p != rank]
+    token = bytearray(1)
+    inbox = bytearray(len(peers))
+    sends = [mpi_comm.Isend(token, dest=p, tag=ARRIVE_TAG) for p in peers]
+    waiting = {
+        p: mpi_comm.Irecv(memoryview(inbox)[i : i + 1], source=p, tag=ARRIVE_TAG)
+        for i, p in enumerate(peers)
+    }
     deadline = time.monotonic() + timeout
     nap = 1e-4
-    while not req.Test():
+    while True:
+        for p in [p for p, req in waiting.items() if req.Test()]:
+            del waiting[p]
+        if not waiting:
+            break
         if time.monotonic() > deadline:
+            late = sorted(waiting)
+            for req in waiting.values():
+                req.Cancel()
+                req.Wait()
+            for req in sends:
+                if not req.Test():
+                    req.Free()  # to a late rank: let MPI finish or drop it
             raise ConnectError(
-                f"rank {rank}: pycoll.init: not every rank of the {mpi_comm.Get_size()} "
-                f"called init within {timeout:g} s (PYCOLL_TIMEOUT)",
+                f"rank {rank}: pycoll.init: rank(s) {late} of the {mpi_comm.Get_size()} "
+                f"did not call init within {timeout:g} s (PYCOLL_TIMEOUT)",
                 rank=rank,
+                peer=late[0],
             )
         time.sleep(nap)
         nap = min(2 * nap, 0.01)
+    for req in sends:
+        req.Wait()
 
 
 def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:

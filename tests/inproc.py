@@ -1,7 +1,8 @@
 """Communicators of several ranks inside one process, one thread per rank.
 
 :class:`ThreadComm` stands in for the few mpi4py calls the bootstrap makes
-(``bcast``, ``allgather``, ``allreduce``, ``Barrier``), so tests can build real
+(``bcast``, ``allgather``, ``allreduce``, ``Barrier``, and ``Isend`` and
+``Irecv`` of the arrival bytes), so tests can build real
 communicators over real transports without a launcher.
 """
 
@@ -21,6 +22,8 @@ class _Group:
         self.n = n
         self.barrier = threading.Barrier(n, timeout=60)
         self.slots: list[Any] = [None] * n
+        self.lock = threading.Lock()
+        self.mail: set[tuple[int, int, int]] = set()  # (source, dest, tag) sent, unreceived
 
 
 class ThreadComm:
@@ -53,15 +56,45 @@ class ThreadComm:
     def Barrier(self) -> None:
         self._g.barrier.wait()
 
-    def Ibarrier(self) -> _DoneBarrier:
-        """A barrier that completes before it returns (the ranks are threads)."""
-        self._g.barrier.wait()
-        return _DoneBarrier()
+    def Isend(self, buf: Any, dest: int, tag: int) -> _Request:
+        """Post a message (its bytes are not kept: only arrival bytes are sent)."""
+        with self._g.lock:
+            self._g.mail.add((self._rank, dest, tag))
+        return _Request(lambda: True)
+
+    def Irecv(self, buf: Any, source: int, tag: int) -> _Request:
+        key = (source, self._rank, tag)
+
+        def test() -> bool:
+            with self._g.lock:
+                if key in self._g.mail:
+                    self._g.mail.discard(key)
+                    return True
+            return False
+
+        return _Request(test)
 
 
-class _DoneBarrier:
+class _Request:
+    """The part of ``MPI.Request`` that the bootstrap uses."""
+
+    def __init__(self, test: Callable[[], bool]) -> None:
+        self._test = test
+        self._done = False
+
     def Test(self) -> bool:
-        return True
+        self._done = self._done or self._test()
+        return self._done
+
+    def Wait(self) -> None:
+        while not self.Test():
+            threading.Event().wait(1e-4)
+
+    def Cancel(self) -> None:
+        self._done = True
+
+    def Free(self) -> None:
+        self._done = True
 
 
 def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:

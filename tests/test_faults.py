@@ -147,9 +147,10 @@ def test_check_mismatches_raise_on_every_rank(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
-    """A rank that never calls init: the others raise ConnectError after PYCOLL_TIMEOUT."""
+    """A rank that never calls init: the others raise ConnectError after PYCOLL_TIMEOUT,
+    naming it."""
     root = Path(__file__).resolve().parent.parent
-    cmd = mpiexec(2) + [sys.executable, str(root / "tests" / "faults" / "late_init.py"), "6", "1.5"]
+    cmd = mpiexec(3) + [sys.executable, str(root / "tests" / "faults" / "late_init.py"), "6", "1.5"]
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -159,7 +160,9 @@ def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
         timeout=100,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
-    assert "RAISED" in proc.stdout and "called init within 1.5 s" in proc.stdout, (
-        proc.stdout + proc.stderr
-    )
+    raised = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("RAISED"))
+    assert len(raised) == 2, proc.stdout + proc.stderr
+    for r, line in zip((0, 2), raised, strict=True):
+        assert f"RAISED {r} rank {r}: pycoll.init: rank(s) [1] of the 3 did not" in line, line
+        assert "within 1.5 s" in line and "peer 1" in line, line
     assert time.monotonic() - t0 < 60

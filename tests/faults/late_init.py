@@ -1,4 +1,5 @@
-"""Rank 1 calls pycoll.init long after PYCOLL_TIMEOUT: rank 0 must not hang."""
+"""Rank 1 calls pycoll.init long after PYCOLL_TIMEOUT: the others must not hang,
+and must name it."""
 
 import sys
 import time
@@ -13,6 +14,6 @@ if MPI.COMM_WORLD.Get_rank() == 1:
 try:
     pycoll.init(timeout=float(sys.argv[2]))
 except pycoll.ConnectError as exc:
-    print(f"RAISED {exc}", flush=True)
+    print(f"RAISED {MPI.COMM_WORLD.Get_rank()} {exc} (peer {exc.peer})", flush=True)
     sys.exit(0)
 print("NOT RAISED", flush=True)
