@@ -43,7 +43,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
 
 #: The only addresses the harness assigns (besides loopback): 198.18.0.0/24,
 #: inside the benchmarking range 198.18.0.0/15.

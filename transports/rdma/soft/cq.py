@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 from transports.rdma.soft import enums as e
 from transports.rdma.soft.pyverbs_error import PyverbsRDMAError
 
 if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
+
     from transports.rdma.soft.device import Context
 
 

@@ -13,11 +13,14 @@ import ipaddress
 import itertools
 import weakref
 from collections.abc import Iterable
-from typing import Self
+from typing import TYPE_CHECKING
 
 from transports.rdma.soft import enums as e
 from transports.rdma.soft.addr import GID
 from transports.rdma.soft.pyverbs_error import PyverbsRDMAError, PyverbsUserError
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
 
 DEVICE_NAME = "soft0"
 

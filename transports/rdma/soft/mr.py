@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from transports.rdma.soft import enums as e
 from transports.rdma.soft.memory import (
@@ -23,6 +23,9 @@ from transports.rdma.soft.memory import (
 )
 from transports.rdma.soft.pd import PD
 from transports.rdma.soft.pyverbs_error import PyverbsError, PyverbsRDMAError
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
 
 EINVAL = 22
 EFAULT = 14

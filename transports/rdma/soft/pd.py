@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
+
     from transports.rdma.soft.device import Context
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 from transports.rdma.soft import enums as e
 from transports.rdma.soft.addr import AHAttr
@@ -23,6 +23,8 @@ from transports.rdma.soft.pyverbs_error import PyverbsRDMAError, PyverbsUserErro
 from transports.rdma.soft.wr import RecvWR, SendWR
 
 if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 has none)
+
     from transports.rdma.soft.engine import Link
     from transports.rdma.soft.pd import PD
     from transports.rdma.soft.rc import Requester, Responder
