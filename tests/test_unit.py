@@ -310,7 +310,7 @@ def test_cost_model_allgather_leaves_direct_for_the_ring_at_large_blocks() -> No
     ag, bc = names("allgather"), names("broadcast")
     big = cost.DIRECT_ALLGATHER_BIG
     for n in (2, 3, 4):
-        for size in (2 << 20, 5592404, big - 4):
+        for size in (2 << 20, 5592404, 16 << 20, big - 4):
             assert cost.choose("allgather", ag, n, size, 1 << 20) == "direct", (n, size)
         assert cost.choose("allgather", ag, n, big, 1 << 20) == "ring"
         for size in (8, cost.DIRECT_SLOT_BYTES, 2 << 20, 1 << 28):

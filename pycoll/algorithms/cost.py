@@ -42,10 +42,17 @@ DIRECT_SLOT_BYTES = 256 << 10
 #: runs at n = 2, one or two at n = 3 and 4) the ring took 1.05-1.15x direct's
 #: time at n = 2 with 1-4 MiB blocks, 0.97-1.40x with 8 MiB, 0.94-1.31x with 16
 #: MiB and 0.99x with 32 MiB; at n = 3 and 4, 1.10-2.7x with blocks up to 5.6 MB,
-#: 1.01-1.23x with 8-11 MB and 0.99-1.01x with 16-21 MB.  (When direct read its
-#: peers' inputs, the ring won from 2 MiB blocks at n = 2 in four sweeps of five,
-#: and from 8 MiB where ranks outnumber cores.)
-DIRECT_ALLGATHER_BIG = 16 << 20
+#: 1.01-1.23x with 8-11 MB and 0.99-1.01x with 16-21 MB.  Three more runs on
+#: 2026-12-01 (``versus.py allgather 16M 32M 64M --systems direct,ring`` at
+#: n = 2, ``32M 64M 128M`` at n = 4, and the head-to-head of ``auto``): with
+#: 16 MiB blocks the ring took 1.09x and 1.13x direct's time at n = 2 (where
+#: ``auto``, then picking the ring, took 1.18x direct's) and 0.93x at n = 4;
+#: with 32 MiB blocks 1.05x and 1.03x.  So from 16 MiB blocks the two are close
+#: (the tuner times both, see :mod:`pycoll.tune`) and the model stays with direct
+#: up to 32 MiB.  (When direct read its peers' inputs, the ring won from 2 MiB
+#: blocks at n = 2 in four sweeps of five, and from 8 MiB where ranks outnumber
+#: cores.)
+DIRECT_ALLGATHER_BIG = 32 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
