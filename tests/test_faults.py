@@ -160,9 +160,11 @@ def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
         timeout=100,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
-    raised = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("RAISED"))
-    assert len(raised) == 2, proc.stdout + proc.stderr
-    for r, line in zip((0, 2), raised, strict=True):
-        assert f"RAISED {r} rank {r}: pycoll.init: rank(s) [1] of the 3 did not" in line, line
-        assert "within 1.5 s" in line and "peer 1" in line, line
+    # (the launcher may join the two ranks' lines)
+    for r in (0, 2):
+        said = (
+            f"RAISED {r} rank {r}: pycoll.init: rank(s) [1] of the 3 did not call init within 1.5 s"
+        )
+        assert said in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("(peer 1)") == 2 and "NOT RAISED" not in proc.stdout, proc.stdout
     assert time.monotonic() - t0 < 60
