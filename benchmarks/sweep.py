@@ -122,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cap the timed loop near this many seconds per system and size (0: off)",
     )
     ap.add_argument(
+        "--min-time",
+        type=float,
+        default=0.0,
+        help="stretch the timed loop to about this many seconds per system and size "
+        "when -n calls take less (0: off; --max-time still caps it)",
+    )
+    ap.add_argument(
         "--settle",
         type=float,
         default=0.25,
@@ -535,6 +542,8 @@ def timed(
     machines.  On a device the per-call figures include no synchronisation and
     only the mean is meaningful.  The warm-up runs ``-w`` calls, and more in
     batches as long as that took less than ``settle`` seconds on the slowest rank.
+    The warm-up's time per call sets how many calls ``--min-time`` and
+    ``--max-time`` ask for.
     """
     from mpi4py import MPI
 
@@ -551,9 +560,12 @@ def timed(
                 call()
             sync()
             warm += batch
-    if args.max_time > 0 and warm:
-        per = mpi_comm.allreduce((time.perf_counter() - t0) / warm, op=MPI.MAX)
-        iters = max(1, min(iters, int(args.max_time / max(per, 1e-9))))
+    if (args.max_time > 0 or args.min_time > 0) and warm:
+        per = max(mpi_comm.allreduce((time.perf_counter() - t0) / warm, op=MPI.MAX), 1e-9)
+        if args.min_time > 0:
+            iters = max(iters, int(args.min_time / per))
+        if args.max_time > 0:
+            iters = max(1, min(iters, int(args.max_time / per)))
     ts = np.empty(iters)
     clock = time.perf_counter
     mpi_comm.Barrier()

@@ -107,6 +107,48 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
     ]
 
 
+def test_sweep_min_and_max_time_set_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--min-time stretches a quick system's turn, --max-time caps a slow one's;
+    the warm-up's time per call decides how many calls either asks for."""
+    import types
+
+    class Comm:  # one rank: MPI's reductions return what they are given
+        def allreduce(self, v: float, op: object = None) -> float:
+            return v
+
+        def Barrier(self) -> None:
+            pass
+
+        def Allreduce(self, a: np.ndarray, out: np.ndarray, op: object = None) -> None:
+            out[...] = a
+
+    monkeypatch.setitem(
+        sys.modules, "mpi4py", types.SimpleNamespace(MPI=types.SimpleNamespace(MAX=None))
+    )
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+
+    calls = []
+    clock = iter(np.arange(0, 1e6, 1e-3))  # every clock read moves 1 ms ...
+    monkeypatch.setattr(sweep.time, "perf_counter", lambda: float(next(clock)))
+
+    def call() -> None:  # ... and so does every call: 1.25 ms a call in the warm-up
+        calls.append(sweep.time.perf_counter())
+
+    def turn(*argv: str) -> int:
+        calls.clear()
+        args = sweep.parse_args(["allreduce", "-n", "10", "-w", "4", *argv])
+        _, iters, _, _ = sweep.timed(call, args, Comm(), lambda: None)
+        assert len(calls) == 4 + iters
+        return iters
+
+    assert turn() == 10
+    assert turn("--min-time", "0.1") in (79, 80)  # 0.1 s / 1.25 ms, give or take rounding
+    assert turn("--min-time", "0.001") == 10  # -n calls take longer already
+    assert turn("--max-time", "0.005") in (3, 4)
+    assert turn("--min-time", "1", "--max-time", "0.02") in (15, 16)  # the cap wins
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
 def test_host_buffers_follow_their_hugepage_policy() -> None:
     sys.path.insert(0, str(BENCH))
