@@ -12,7 +12,8 @@
         ├── PeerAbortedError                     a peer exited or aborted
         └── CollectiveTimeout                    ranks did not arrive within PYCOLL_TIMEOUT
 
-System errors keep the transport's own exception as ``__cause__``
+System errors carry ``rank``, ``peer`` and ``transport`` (None where there is
+none) and keep the transport's own exception as ``__cause__``
 (:func:`translate` does the mapping at the boundary).
 """
 
@@ -39,13 +40,8 @@ class InvalidArgumentError(PycollError, ValueError):
     """A bad argument; raised on the calling rank before any byte moves."""
 
 
-class UnsupportedError(PycollError):
-    """A valid request that this installation or machine cannot serve.
-
-    Attributes:
-        rank, peer, transport: where known (None otherwise), as for
-            :class:`TransportError`.
-    """
+class _Located(PycollError):
+    """An error that says where: this rank, and the peer and transport if any."""
 
     def __init__(
         self,
@@ -61,11 +57,16 @@ class UnsupportedError(PycollError):
         self.transport = transport
 
 
+class UnsupportedError(_Located):
+    """A valid request that this installation or machine cannot serve; ``rank``,
+    ``peer`` and ``transport`` where known (None otherwise)."""
+
+
 class CommunicatorClosedError(PycollError):
     """The communicator was closed, or a failed collective left it unusable."""
 
 
-class CollectiveMismatchError(PycollError):
+class CollectiveMismatchError(_Located):
     """Ranks called different collectives, counts, dtypes, ops or roots.
 
     Attributes:
@@ -77,14 +78,11 @@ class CollectiveMismatchError(PycollError):
     """
 
     def __init__(self, message: str, *, rank: int | None = None, ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.rank = rank
+        super().__init__(message, rank=rank, peer=ranks[0] if ranks else None)
         self.ranks = tuple(ranks)
-        self.peer = self.ranks[0] if self.ranks else None
-        self.transport: str | None = None
 
 
-class TransportError(PycollError):
+class TransportError(_Located):
     """A failure on a connection; names this rank, the peer and the transport."""
 
     def __init__(
@@ -96,10 +94,7 @@ class TransportError(PycollError):
         transport: str | None = None,
         errno: int | None = None,
     ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.peer = peer
-        self.transport = transport
+        super().__init__(message, rank=rank, peer=peer, transport=transport)
         self.errno = errno
 
 
