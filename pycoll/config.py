@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pycoll import algorithms
@@ -120,8 +120,8 @@ class Config:
     tune: bool = True
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> InvalidArgumentError:
-            return InvalidArgumentError(f"config {name}={getattr(self, name)!r}: {why}")
+        def bad(name: str, why: str) -> _BadSetting:
+            return _BadSetting(name, getattr(self, name), why)
 
         def names(name: str, allowed: tuple[str, ...], empty: bool) -> tuple[str, ...]:
             v = getattr(self, name)
@@ -157,17 +157,25 @@ class Config:
         put(self, "device_transports", names("device_transports", DEVICE_TRANSPORTS, empty=True))
         put(self, "rdma_memory", one_of("rdma_memory", RDMA_MEMORY))
         put(self, "rdma_provider", one_of("rdma_provider", RDMA_PROVIDERS))
-        if not isinstance(self.rdma_soft_caps, str) or any(
-            x.strip() not in SOFT_CAPS for x in self.rdma_soft_caps.split(",") if x.strip()
-        ):
+        raw = self.rdma_soft_caps
+        caps = (
+            [x.strip().lower() for x in raw.split(",") if x.strip()]
+            if isinstance(raw, str)
+            else [""]
+        )
+        if any(x not in SOFT_CAPS for x in caps):
             raise bad("rdma_soft_caps", f"a comma list of {', '.join(SOFT_CAPS)}")
+        put(self, "rdma_soft_caps", ",".join(caps))
         if self.socket_ifname is not None and not (
             isinstance(self.socket_ifname, str) and self.socket_ifname.strip()
         ):
             raise bad("socket_ifname", "an interface name or address, or None")
         if not isinstance(self.algo, Mapping):
             raise bad("algo", 'a mapping of collective (or "*") to algorithm')
-        put(self, "algo", check_algo(self.algo, "config algo"))
+        try:
+            put(self, "algo", check_algo(self.algo))
+        except InvalidArgumentError as exc:
+            raise bad("algo", str(exc)) from None
         size("chunk_bytes", 64)
         size("device_chunk_bytes", 64)
         size("device_host_bytes", 0, none=True)
@@ -193,111 +201,87 @@ class Config:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
         """Read ``PYCOLL_*`` from ``env`` (default ``os.environ``); overrides win.
 
+        Here the variables are parsed; :meth:`__post_init__` checks the values
+        (a value from a variable is blamed on the variable).
+
         Raises:
             InvalidArgumentError: a variable has a value pycoll does not understand.
         """
         e = os.environ if env is None else env
         kw: dict[str, object] = {}
+        var_of: dict[str, str] = {}  # field -> the variable it was read from
 
         def bad(var: str, why: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"{var}={e.get(var)!r}: {why}")
 
-        if v := e.get("PYCOLL_TRANSPORT", "").strip():
-            if v.lower() != "auto":
-                names = tuple(x.strip().lower() for x in v.split(",") if x.strip())
-                unknown = [x for x in names if x not in KNOWN_TRANSPORTS]
-                if unknown or not names:
-                    raise bad(
-                        "PYCOLL_TRANSPORT",
-                        f"unknown transport(s) {unknown}; "
-                        f"choose from {', '.join(KNOWN_TRANSPORTS)}",
-                    )
-                kw["transports"] = names
-        for var, key, allowed in (
-            ("PYCOLL_RDMA_MEMORY", "rdma_memory", RDMA_MEMORY),
-            ("PYCOLL_RDMA_PROVIDER", "rdma_provider", RDMA_PROVIDERS),
+        def read(var: str, key: str, case: str = "lower") -> str:
+            v = e.get(var, "").strip()
+            if v:
+                var_of[key] = var
+            return v.upper() if case == "upper" else v.lower() if case == "lower" else v
+
+        def nbytes(var: str, key: str, example: str) -> None:
+            if v := read(var, key):
+                try:
+                    kw[key] = parse_bytes(v)
+                except ValueError:
+                    raise bad(var, f"not a size (e.g. {example})") from None
+
+        def names(v: str) -> tuple[str, ...]:
+            return tuple(x.strip() for x in v.split(",") if x.strip())
+
+        if (v := read("PYCOLL_TRANSPORT", "transports")) and v != "auto":
+            kw["transports"] = names(v)
+        for var, key in (
+            ("PYCOLL_RDMA_MEMORY", "rdma_memory"),
+            ("PYCOLL_RDMA_PROVIDER", "rdma_provider"),
+            ("PYCOLL_RDMA_SOFT_CAPS", "rdma_soft_caps"),
         ):
-            if v := e.get(var, "").strip().lower():
-                if v not in allowed:
-                    raise bad(var, f"choose from {', '.join(allowed)}")
+            if v := read(var, key):
                 kw[key] = v
-        if v := e.get("PYCOLL_RDMA_SOFT_CAPS", "").strip().lower():
-            soft_caps = [x.strip() for x in v.split(",") if x.strip()]
-            if any(x not in SOFT_CAPS for x in soft_caps):
-                raise bad("PYCOLL_RDMA_SOFT_CAPS", f"a comma list of {', '.join(SOFT_CAPS)}")
-            kw["rdma_soft_caps"] = ",".join(soft_caps)
-        if v := e.get("PYCOLL_SOCKET_IFNAME", "").strip():
+        if v := read("PYCOLL_SOCKET_IFNAME", "socket_ifname", case="keep"):
             kw["socket_ifname"] = v
-        if v := e.get("PYCOLL_ALGO", "").strip():
+        if v := read("PYCOLL_ALGO", "algo"):
             kw["algo"] = parse_algo(v)
-        if v := e.get("PYCOLL_CHUNK_BYTES", "").strip():
+        nbytes("PYCOLL_CHUNK_BYTES", "chunk_bytes", "1M, 65536")
+        if v := read("PYCOLL_TIMEOUT", "timeout"):
             try:
-                n = parse_bytes(v)
-            except ValueError:
-                raise bad("PYCOLL_CHUNK_BYTES", "not a size (e.g. 1M, 65536)") from None
-            if n < 64:
-                raise bad("PYCOLL_CHUNK_BYTES", "must be at least 64 bytes")
-            kw["chunk_bytes"] = n
-        if v := e.get("PYCOLL_TIMEOUT", "").strip():
-            try:
-                t = float(v)
+                kw["timeout"] = float(v)
             except ValueError:
                 raise bad("PYCOLL_TIMEOUT", "not a number of seconds") from None
-            if not t > 0:
-                raise bad("PYCOLL_TIMEOUT", "must be positive")
-            kw["timeout"] = t
         for var, key in (("PYCOLL_CHECK", "check"), ("PYCOLL_TUNE", "tune")):
-            if v := e.get(var, "").strip().lower():
+            if v := read(var, key):
                 if v not in ON + OFF:
                     raise bad(var, "choose from 1 (on) or 0 (off)")
                 kw[key] = v in ON
-        if v := e.get("PYCOLL_DEBUG", "").strip().upper():
-            if v == "WARNING":
-                v = "WARN"
-            if v not in LEVELS:
-                raise bad("PYCOLL_DEBUG", f"choose from {', '.join(LEVELS)}")
+        if v := read("PYCOLL_DEBUG", "debug", case="upper"):
             kw["debug"] = v
-        if v := e.get("PYCOLL_DEVICE_TRANSPORT", "").strip().lower():
+        if (v := read("PYCOLL_DEVICE_TRANSPORT", "device_transports")) and v != "auto":
             if v in ("none", "host", "staged"):
                 kw["device_transports"] = ()
-            elif v != "auto":
-                dnames = tuple(x.strip() for x in v.split(",") if x.strip())
-                if not dnames or any(x not in DEVICE_TRANSPORTS for x in dnames):
-                    raise bad(
-                        "PYCOLL_DEVICE_TRANSPORT",
-                        f"choose from auto, none, host, staged, {', '.join(DEVICE_TRANSPORTS)}",
-                    )
-                kw["device_transports"] = dnames
-        if v := e.get("PYCOLL_DEVICE_CHUNK_BYTES", "").strip():
-            try:
-                n = parse_bytes(v)
-            except ValueError:
-                raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "not a size (e.g. 4M)") from None
-            if n < 64:
-                raise bad("PYCOLL_DEVICE_CHUNK_BYTES", "must be at least 64 bytes")
-            kw["device_chunk_bytes"] = n
-        if v := e.get("PYCOLL_DEVICE_HOST_BYTES", "").strip():
-            try:
-                kw["device_host_bytes"] = parse_bytes(v)
-            except ValueError:
-                raise bad("PYCOLL_DEVICE_HOST_BYTES", "not a size (e.g. 1M, or 0)") from None
-        if v := e.get("PYCOLL_GROUP_SLOT_BYTES", "").strip():
-            try:
-                n = parse_bytes(v)
-            except ValueError:
+            elif not names(v):  # "," is no transport, not "none"
                 raise bad(
-                    "PYCOLL_GROUP_SLOT_BYTES", "not a size (e.g. 64K), or 0 for off"
-                ) from None
-            if n < 0:
-                raise bad("PYCOLL_GROUP_SLOT_BYTES", "must not be negative")
-            kw["group_slot_bytes"] = n
+                    "PYCOLL_DEVICE_TRANSPORT",
+                    "choose from auto, none, host, staged, " + ", ".join(DEVICE_TRANSPORTS),
+                )
+            else:
+                kw["device_transports"] = names(v)
+        nbytes("PYCOLL_DEVICE_CHUNK_BYTES", "device_chunk_bytes", "4M")
+        nbytes("PYCOLL_DEVICE_HOST_BYTES", "device_host_bytes", "1M, or 0")
+        nbytes("PYCOLL_GROUP_SLOT_BYTES", "group_slot_bytes", "64K, or 0 for off")
+        try:
+            cfg = cls(**kw)  # type: ignore[arg-type]
+        except _BadSetting as exc:
+            if exc.setting in var_of:
+                raise bad(var_of[exc.setting], exc.why) from None
+            raise
         known = [f.name for f in fields(cls)]
         if unknown := sorted(k for k in overrides if k not in known):
             raise InvalidArgumentError(
                 f"unknown setting(s) {unknown}; the settings are {', '.join(known)}"
             )
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)  # type: ignore[arg-type]
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(cfg, **given) if given else cfg  # type: ignore[arg-type]
 
     def algorithm_for(self, collective: str) -> str | None:
         """The algorithm forced for ``collective``, or None (``auto`` picks)."""
@@ -308,24 +292,25 @@ class Config:
 
 
 def parse_algo(text: str) -> dict[str, str]:
-    """``tree`` or ``allreduce:tree,broadcast:ring`` -> {collective or "*": algorithm}."""
+    """``tree`` or ``allreduce:tree,broadcast:ring`` -> {collective or "*": algorithm}
+    (the names are checked when a :class:`Config` holds them)."""
     out: dict[str, str] = {}
     for raw in text.split(","):
         part = raw.strip().lower()
         if part:
             coll, _, algo = part.rpartition(":")
             out[coll or "*"] = algo
-    return check_algo(out, f"PYCOLL_ALGO={text!r}")
+    return out
 
 
-def check_algo(algo: Mapping[str, Any], what: str) -> dict[str, str]:
+def check_algo(algo: Mapping[str, Any]) -> dict[str, str]:
     """``algo`` (collective or ``"*"`` -> algorithm name), its names checked and
     lower-cased; ``"*"`` takes any name some collective has."""
     out: dict[str, str] = {}
     for coll, name in algo.items():
         if coll != "*" and coll not in COLLECTIVES:
             raise InvalidArgumentError(
-                f"{what}: unknown collective {coll!r}; choose from *, {', '.join(COLLECTIVES)}"
+                f"unknown collective {coll!r}; choose from *, {', '.join(COLLECTIVES)}"
             )
         have = (
             sorted({a for c in COLLECTIVES for a in algorithms.names(c)})
@@ -334,10 +319,20 @@ def check_algo(algo: Mapping[str, Any], what: str) -> dict[str, str]:
         )
         if not isinstance(name, str) or name.lower() not in ("auto", *have):
             raise InvalidArgumentError(
-                f"{what}: {coll}: algorithm {name!r} is not one of {', '.join(('auto', *have))}"
+                f"{coll}: algorithm {name!r} is not one of {', '.join(('auto', *have))}"
             )
         out[coll] = name.lower()
     return out
+
+
+class _BadSetting(InvalidArgumentError):
+    """A field of :class:`Config` that its checks refuse (``from_env`` blames
+    the variable it came from)."""
+
+    def __init__(self, setting: str, value: object, why: str) -> None:
+        super().__init__(f"config {setting}={value!r}: {why}")
+        self.setting = setting
+        self.why = why
 
 
 _handler: logging.Handler | None = None
