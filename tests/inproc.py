@@ -9,6 +9,7 @@ communicators over real transports without a launcher.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -88,7 +89,7 @@ class _Request:
 
     def Wait(self) -> None:
         while not self.Test():
-            threading.Event().wait(1e-4)
+            time.sleep(1e-4)
 
     def Cancel(self) -> None:
         self._done = True
