@@ -1327,7 +1327,8 @@ class Communicator:
             exc.recorder = tuple(self.recent())
             if isinstance(exc, CollectiveTimeout):
                 self._explain_timeout(exc)
-            log.error("%s", exc)
+            # Raised, so not logged at ERROR too (the user would see it twice).
+            log.info("rank %d raises: %s", self.rank, exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
         raise exc
 

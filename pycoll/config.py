@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pycoll import algorithms
 from pycoll.errors import InvalidArgumentError
 
 DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")
@@ -22,22 +23,37 @@ RDMA_PROVIDERS = ("auto", "pyverbs", "soft")
 SOFT_CAPS = ("peermem", "dmabuf")
 #: PYCOLL_DEBUG's levels (WARNING is taken for WARN).
 LEVELS = ("WARN", "INFO", "DEBUG", "TRACE")
-#: The spellings of a switch in the environment: on, and off.
+#: The spellings of a switch: on, and off.
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
+#: Spellings of PYCOLL_DEVICE_TRANSPORT that stage every GPU collective through the host.
+DEVICE_NONE = ("none", "host", "staged")
+#: The group segment's slots are whole pages (transports/shm_group.py maps each
+#: rank's slots page-aligned), so PYCOLL_GROUP_SLOT_BYTES is 0 or a multiple of this.
+GROUP_SLOT_ALIGN = 4096
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
+# A library attaches no handler of its own: without PYCOLL_DEBUG, the
+# application's logging configuration decides what is shown (setup_logging).
+logging.getLogger("pycoll").addHandler(logging.NullHandler())
 
 
 def parse_bytes(text: str) -> int:
-    """``8``, ``64K``, ``256M``, ``1G`` (binary multiples, optional ``B``) -> bytes."""
-    t = text.strip().upper().removesuffix("B")
+    """``8``, ``64K``, ``1.5M``, ``1G``, ``64KiB``, ``1MB`` (binary multiples) -> bytes.
+
+    Raises:
+        ValueError: not a size, or not a whole number of bytes.
+    """
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
         if t.endswith(suffix):
             t, mult = t[:-1], m
             break
-    return int(float(t) * mult)
+    v = float(t) * mult  # ValueError when t is not a number
+    if not math.isfinite(v) or v != int(v):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(v)
 
 
 #: Per collective, the input bytes per rank up to which device buffers go through
@@ -63,6 +79,85 @@ DEVICE_HOST_BYTES = {
 SLICED_COPY_BYTES = 28 << 10
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _transports(text: str) -> tuple[str, ...]:
+    return DEFAULT_TRANSPORTS if text.strip().lower() == "auto" else _names(text)
+
+
+def _device_transports(text: str) -> tuple[str, ...]:
+    t = text.strip().lower()
+    if t == "auto":
+        return DEVICE_TRANSPORTS
+    if t in DEVICE_NONE:
+        return ()
+    if not _names(t):  # "," is no transport, not "none"
+        raise ValueError(_DEVICE_CHOICES)
+    return _names(t)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise ValueError("not a size (e.g. 1M, 64K, 65536)") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+
+
+def _switch(text: str) -> bool:
+    t = text.strip().lower()
+    if t not in ON + OFF:
+        raise ValueError(f"choose from {', '.join(ON)} (on) or {', '.join(OFF)} (off)")
+    return t in ON
+
+
+_DEVICE_CHOICES = (
+    f"choose from auto, {', '.join(DEVICE_NONE)} (no device transport: stage through "
+    f"the host), or a comma list of {', '.join(DEVICE_TRANSPORTS)}"
+)
+#: How a field given as a string is read: the spellings of its variable, so that
+#: ``init(chunk_bytes="1M")`` means what ``PYCOLL_CHUNK_BYTES=1M`` does.  Fields
+#: that are strings anyway (names, levels) are checked as they are.
+_SPELLINGS: dict[str, Callable[[str], object]] = {
+    "transports": _transports,
+    "algo": lambda text: parse_algo(text),
+    "chunk_bytes": _size,
+    "timeout": _seconds,
+    "check": _switch,
+    "device_transports": _device_transports,
+    "device_chunk_bytes": _size,
+    "device_host_bytes": _size,
+    "group_slot_bytes": _size,
+    "tune": _switch,
+}
+#: The environment variable of each field (all of Config's fields have one).
+ENV = {
+    "transports": "PYCOLL_TRANSPORT",
+    "rdma_memory": "PYCOLL_RDMA_MEMORY",
+    "rdma_provider": "PYCOLL_RDMA_PROVIDER",
+    "rdma_soft_caps": "PYCOLL_RDMA_SOFT_CAPS",
+    "socket_ifname": "PYCOLL_SOCKET_IFNAME",
+    "algo": "PYCOLL_ALGO",
+    "chunk_bytes": "PYCOLL_CHUNK_BYTES",
+    "timeout": "PYCOLL_TIMEOUT",
+    "check": "PYCOLL_CHECK",
+    "debug": "PYCOLL_DEBUG",
+    "device_transports": "PYCOLL_DEVICE_TRANSPORT",
+    "device_chunk_bytes": "PYCOLL_DEVICE_CHUNK_BYTES",
+    "device_host_bytes": "PYCOLL_DEVICE_HOST_BYTES",
+    "group_slot_bytes": "PYCOLL_GROUP_SLOT_BYTES",
+    "tune": "PYCOLL_TUNE",
+}
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings; environment first, arguments of :func:`pycoll.init` win.
@@ -81,7 +176,9 @@ class Config:
         chunk_bytes: pipeline chunk size (``PYCOLL_CHUNK_BYTES``).
         timeout: seconds before a blocked collective raises (``PYCOLL_TIMEOUT``).
         check: verify that ranks call matching collectives (``PYCOLL_CHECK``).
-        debug: logging level name (``PYCOLL_DEBUG``): WARN, INFO, DEBUG or TRACE.
+        debug: logging level name (``PYCOLL_DEBUG``): WARN, INFO, DEBUG or TRACE;
+            None (unset): pycoll attaches no handler and sets no level, so the
+            application's logging configuration decides what is shown.
         device_transports: transports for GPU buffers (``PYCOLL_DEVICE_TRANSPORT``:
             ``auto`` or ``cuda_ipc``, or ``none`` (also ``host`` or ``staged``) to
             stage every device byte through the host connections).
@@ -93,14 +190,17 @@ class Config:
             collective, :data:`DEVICE_HOST_BYTES`, the crossovers measured on an
             H200 shared by 2 and 4 ranks.
         group_slot_bytes: bytes of each rank's slots in the group segment that ranks
-            on one host share (``PYCOLL_GROUP_SLOT_BYTES``); 0 turns the segment, and
-            with it the ``direct`` algorithms, off.
+            on one host share (``PYCOLL_GROUP_SLOT_BYTES``), a multiple of
+            :data:`GROUP_SLOT_ALIGN`; 0 turns the segment, and with it the
+            ``direct`` algorithms, off.
         tune: let ``auto`` time its close contenders while it runs and keep the
             fastest, where they give identical results (``PYCOLL_TUNE``; see
             :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
 
     Every field is checked when a Config is made, so an override of
-    :func:`pycoll.init` is held to the rules its environment variable is.
+    :func:`pycoll.init` is held to the rules its environment variable is, and a
+    string is read as the variable's spellings (``chunk_bytes="1M"``,
+    ``check="on"``, ``transports="tcp,shm"``).
     """
 
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
@@ -112,7 +212,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     timeout: float = 600.0
     check: bool = False
-    debug: str = "WARN"
+    debug: str | None = None
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
     device_host_bytes: int | None = None
@@ -123,14 +223,22 @@ class Config:
         def bad(name: str, why: str) -> _BadSetting:
             return _BadSetting(name, getattr(self, name), why)
 
-        def names(name: str, allowed: tuple[str, ...], empty: bool) -> tuple[str, ...]:
+        put = object.__setattr__  # frozen: normalise the spellings once, here
+        for name, spelling in _SPELLINGS.items():
             v = getattr(self, name)
-            got = (v,) if isinstance(v, str) else v
-            if not isinstance(got, (tuple, list)) or not all(isinstance(x, str) for x in got):
+            if isinstance(v, str):
+                try:
+                    put(self, name, spelling(v))
+                except ValueError as exc:
+                    raise bad(name, str(exc)) from None
+
+        def names(name: str, allowed: tuple[str, ...], empty: bool, why: str) -> tuple[str, ...]:
+            v = getattr(self, name)
+            if not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
                 raise bad(name, "a sequence of names")
-            got = tuple(x.lower() for x in got)
+            got = tuple(x.lower() for x in v)
             if any(x not in allowed for x in got) or not (got or empty):
-                raise bad(name, f"choose from {', '.join(allowed)}")
+                raise bad(name, why)
             return got
 
         def size(name: str, least: int, none: bool = False) -> None:
@@ -138,13 +246,13 @@ class Config:
             if v is None and none:
                 return
             if isinstance(v, bool) or not isinstance(v, int):
-                raise bad(name, "a number of bytes (an int)")
+                raise bad(name, 'a number of bytes (an int, or a string such as "1M")')
             if v < least:
                 raise bad(name, f"must be at least {least}")
 
         def switch(name: str) -> None:
             if not isinstance(getattr(self, name), bool):
-                raise bad(name, "True or False")
+                raise bad(name, f"True or False (or {', '.join(ON + OFF)})")
 
         def one_of(name: str, allowed: tuple[str, ...]) -> str:
             v = getattr(self, name)
@@ -152,9 +260,21 @@ class Config:
                 raise bad(name, f"choose from {', '.join(allowed)}")
             return v.lower()
 
-        put = object.__setattr__  # frozen: normalise the spellings once, here
-        put(self, "transports", names("transports", KNOWN_TRANSPORTS, empty=False))
-        put(self, "device_transports", names("device_transports", DEVICE_TRANSPORTS, empty=True))
+        put(
+            self,
+            "transports",
+            names(
+                "transports",
+                KNOWN_TRANSPORTS,
+                empty=False,
+                why=f"choose from auto, or a comma list of {', '.join(KNOWN_TRANSPORTS)}",
+            ),
+        )
+        put(
+            self,
+            "device_transports",
+            names("device_transports", DEVICE_TRANSPORTS, empty=True, why=_DEVICE_CHOICES),
+        )
         put(self, "rdma_memory", one_of("rdma_memory", RDMA_MEMORY))
         put(self, "rdma_provider", one_of("rdma_provider", RDMA_PROVIDERS))
         raw = self.rdma_soft_caps
@@ -180,15 +300,27 @@ class Config:
         size("device_chunk_bytes", 64)
         size("device_host_bytes", 0, none=True)
         size("group_slot_bytes", 0)
+        if self.group_slot_bytes % GROUP_SLOT_ALIGN:
+            raise bad(
+                "group_slot_bytes",
+                f"0 (off) or a multiple of {GROUP_SLOT_ALIGN} (the segment's slots are "
+                "whole pages)",
+            )
         t = self.timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise bad("timeout", "a positive number of seconds")
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not t > 0
+            or not math.isfinite(t)
+        ):
+            raise bad("timeout", "a positive, finite number of seconds")
         switch("check")
         switch("tune")
-        level = self.debug.upper() if isinstance(self.debug, str) else self.debug
-        put(self, "debug", "WARN" if level == "WARNING" else level)
-        if self.debug not in LEVELS:
-            raise bad("debug", f"choose from {', '.join(LEVELS)}")
+        if self.debug is not None:
+            level = self.debug.upper() if isinstance(self.debug, str) else self.debug
+            put(self, "debug", "WARN" if level == "WARNING" else level)
+            if self.debug not in LEVELS:
+                raise bad("debug", f"choose from {', '.join(LEVELS)}")
 
     def device_host_limit(self, collective: str) -> int:
         """The input bytes per rank up to which ``auto`` sends a device collective
@@ -201,80 +333,21 @@ class Config:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
         """Read ``PYCOLL_*`` from ``env`` (default ``os.environ``); overrides win.
 
-        Here the variables are parsed; :meth:`__post_init__` checks the values
-        (a value from a variable is blamed on the variable).
+        The variables' strings are read and checked by :meth:`__post_init__`, as
+        strings given to :func:`pycoll.init` are (a bad value from a variable is
+        blamed on the variable).
 
         Raises:
-            InvalidArgumentError: a variable has a value pycoll does not understand.
+            InvalidArgumentError: a variable or an override has a value pycoll
+                does not understand, or an override is not a field.
         """
         e = os.environ if env is None else env
-        kw: dict[str, object] = {}
-        var_of: dict[str, str] = {}  # field -> the variable it was read from
-
-        def bad(var: str, why: str) -> InvalidArgumentError:
-            return InvalidArgumentError(f"{var}={e.get(var)!r}: {why}")
-
-        def read(var: str, key: str, case: str = "lower") -> str:
-            v = e.get(var, "").strip()
-            if v:
-                var_of[key] = var
-            return v.upper() if case == "upper" else v.lower() if case == "lower" else v
-
-        def nbytes(var: str, key: str, example: str) -> None:
-            if v := read(var, key):
-                try:
-                    kw[key] = parse_bytes(v)
-                except ValueError:
-                    raise bad(var, f"not a size (e.g. {example})") from None
-
-        def names(v: str) -> tuple[str, ...]:
-            return tuple(x.strip() for x in v.split(",") if x.strip())
-
-        if (v := read("PYCOLL_TRANSPORT", "transports")) and v != "auto":
-            kw["transports"] = names(v)
-        for var, key in (
-            ("PYCOLL_RDMA_MEMORY", "rdma_memory"),
-            ("PYCOLL_RDMA_PROVIDER", "rdma_provider"),
-            ("PYCOLL_RDMA_SOFT_CAPS", "rdma_soft_caps"),
-        ):
-            if v := read(var, key):
-                kw[key] = v
-        if v := read("PYCOLL_SOCKET_IFNAME", "socket_ifname", case="keep"):
-            kw["socket_ifname"] = v
-        if v := read("PYCOLL_ALGO", "algo"):
-            kw["algo"] = parse_algo(v)
-        nbytes("PYCOLL_CHUNK_BYTES", "chunk_bytes", "1M, 65536")
-        if v := read("PYCOLL_TIMEOUT", "timeout"):
-            try:
-                kw["timeout"] = float(v)
-            except ValueError:
-                raise bad("PYCOLL_TIMEOUT", "not a number of seconds") from None
-        for var, key in (("PYCOLL_CHECK", "check"), ("PYCOLL_TUNE", "tune")):
-            if v := read(var, key):
-                if v not in ON + OFF:
-                    raise bad(var, "choose from 1 (on) or 0 (off)")
-                kw[key] = v in ON
-        if v := read("PYCOLL_DEBUG", "debug", case="upper"):
-            kw["debug"] = v
-        if (v := read("PYCOLL_DEVICE_TRANSPORT", "device_transports")) and v != "auto":
-            if v in ("none", "host", "staged"):
-                kw["device_transports"] = ()
-            elif not names(v):  # "," is no transport, not "none"
-                raise bad(
-                    "PYCOLL_DEVICE_TRANSPORT",
-                    "choose from auto, none, host, staged, " + ", ".join(DEVICE_TRANSPORTS),
-                )
-            else:
-                kw["device_transports"] = names(v)
-        nbytes("PYCOLL_DEVICE_CHUNK_BYTES", "device_chunk_bytes", "4M")
-        nbytes("PYCOLL_DEVICE_HOST_BYTES", "device_host_bytes", "1M, or 0")
-        nbytes("PYCOLL_GROUP_SLOT_BYTES", "group_slot_bytes", "64K, or 0 for off")
+        kw = {key: v for key, var in ENV.items() if (v := e.get(var, "").strip())}
         try:
             cfg = cls(**kw)  # type: ignore[arg-type]
         except _BadSetting as exc:
-            if exc.setting in var_of:
-                raise bad(var_of[exc.setting], exc.why) from None
-            raise
+            var = ENV[exc.setting]
+            raise InvalidArgumentError(f"{var}={e.get(var)!r}: {exc.why}") from None
         known = [f.name for f in fields(cls)]
         if unknown := sorted(k for k in overrides if k not in known):
             raise InvalidArgumentError(
@@ -285,6 +358,8 @@ class Config:
 
     def algorithm_for(self, collective: str) -> str | None:
         """The algorithm forced for ``collective``, or None (``auto`` picks)."""
+        from pycoll import algorithms
+
         name = self.algo.get(collective)
         if name is None and self.algo.get("*") in algorithms.names(collective):
             name = self.algo["*"]
@@ -306,6 +381,8 @@ def parse_algo(text: str) -> dict[str, str]:
 def check_algo(algo: Mapping[str, Any]) -> dict[str, str]:
     """``algo`` (collective or ``"*"`` -> algorithm name), its names checked and
     lower-cased; ``"*"`` takes any name some collective has."""
+    from pycoll import algorithms  # here, not at import: config sits below the algorithms
+
     out: dict[str, str] = {}
     for coll, name in algo.items():
         if coll != "*" and coll not in COLLECTIVES:
@@ -336,22 +413,34 @@ class _BadSetting(InvalidArgumentError):
 
 
 _handler: logging.Handler | None = None
+#: PYCOLL_DEBUG's format: time, host and pid (several hosts' ranks share one
+#: terminal or file under mpirun), the rank, then the level and the module.
+LOG_FORMAT = "%(asctime)s {host}:%(process)d pycoll[{rank}] %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(level: str, rank: int) -> None:
-    """Route pycoll's and transports' logs to stderr at ``level`` (PYCOLL_DEBUG)."""
+def setup_logging(level: str | None, rank: int) -> None:
+    """Route pycoll's and transports' logs to stderr at ``level`` (PYCOLL_DEBUG).
+
+    With ``level`` None (PYCOLL_DEBUG unset) nothing is attached or changed:
+    the loggers keep their NullHandler and the application decides.  Otherwise
+    one stderr handler (shared by both loggers, and by every communicator of
+    the process) is attached, and the loggers stop propagating so that a root
+    handler does not print each line twice.
+    """
     global _handler
+    if level is None:
+        return
     lv = {"WARN": logging.WARNING, "INFO": logging.INFO, "DEBUG": logging.DEBUG, "TRACE": TRACE}[
         level
     ]
+    if _handler is None:
+        _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(
+        logging.Formatter(LOG_FORMAT.format(host=socket.gethostname(), rank=rank))
+    )
     for name in ("pycoll", "transports"):
         lg = logging.getLogger(name)
         lg.setLevel(lv)
-        if _handler is None:
-            _handler = logging.StreamHandler(sys.stderr)
-        _handler.setFormatter(
-            logging.Formatter(f"%(asctime)s pycoll[{rank}] %(levelname)s %(name)s: %(message)s")
-        )
         if _handler not in lg.handlers:
             lg.addHandler(_handler)
         lg.propagate = False

@@ -200,7 +200,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             try:
                 result = run()
             except BaseException as exc:
-                log.error("pycoll backend: %s", exc)
+                log.info("pycoll backend: %s (raised by the Work's wait)", exc)
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)

@@ -7,6 +7,8 @@ layer above exchanges.  :mod:`transports.base` holds the interface.
 
 from __future__ import annotations
 
+import logging
+
 from transports.base import (
     Backoff,
     BlobError,
@@ -42,3 +44,6 @@ __all__ = [
     "UnshareableMemoryError",
     "wait_all",
 ]
+
+# A library attaches no handler of its own (pycoll's PYCOLL_DEBUG attaches one).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
