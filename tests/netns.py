@@ -321,22 +321,38 @@ class SimulatedHosts:
         Raises:
             subprocess.TimeoutExpired: after killing the whole process group.
         """
-        full_env = dict(os.environ)
-        full_env.update(env or {})
         cmd = self.mpiexec_argv(ranks_per_host, argv, cwd)
-        proc = subprocess.Popen(
-            cmd,
-            env=full_env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # so a timeout can kill every rank at once
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return run_command(cmd, env=env, timeout=timeout, cwd=cwd)
+
+
+def run_command(
+    cmd: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (a launcher and its ranks) with ``env`` added to ours; on a
+    timeout kill its whole process group.
+
+    Raises:
+        subprocess.TimeoutExpired: after killing the whole process group.
+    """
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        cmd,
+        env=full_env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so a timeout can kill every rank at once
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -115,3 +115,51 @@ def test_rdma_soft_across_hosts(layout: list[int], tmp_path: Path) -> None:
     assert sorted(bound) == list(range(sum(layout))), bound
     for r, addr in bound.items():
         assert addr == f"{netns.SUBNET}.{_host_of(r, layout) + 1}", (r, addr)
+
+
+#: README's multi-node recipe: the lines a user types, host names aside.
+RECIPE = "PYCOLL_SOCKET_IFNAME=eth0 .venv/bin/mpiexec -f hosts -iface eth0 -n 8"
+
+
+@pytest.mark.parametrize("how", ["hostfile", "hosts"])
+def test_readme_multinode_recipe(how: str, tmp_path: Path) -> None:
+    """README's recipe on two simulated hosts, as a user runs it on two machines:
+    mpiexec on the first host starts the second's ranks through its ssh launcher
+    (here ``multihost/netns_ssh.sh``, which enters that host's namespaces), with
+    a hostfile or ``-hosts``; ranks of a host pair over shm, the others over tcp
+    on the interface PYCOLL_SOCKET_IFNAME names."""
+    netns.require()
+    readme = (ROOT / "README.md").read_text()
+    assert RECIPE in readme and "-hosts node1:4,node2:4" in readme
+    layout = [2, 2]
+    with netns.SimulatedHosts(len(layout)) as sim:
+        if how == "hostfile":
+            hostfile = tmp_path / "hosts"
+            hostfile.write_text("".join(f"{h.hostname}:{n}\n" for h, n in zip(sim.hosts, layout)))
+            where = ["-f", str(hostfile)]
+        else:
+            where = ["-hosts", ",".join(f"{h.hostname}:{n}" for h, n in zip(sim.hosts, layout))]
+        mpiexec = netns.mpiexec_path()
+        assert mpiexec is not None
+        launcher = ["-launcher", "ssh", "-launcher-exec", str(SCRIPTS / "netns_ssh.sh")]
+        argv = [mpiexec, *launcher, *where, "-iface", "eth0", "-n", str(sum(layout))]
+        argv += [sys.executable, str(ROOT / "examples" / "example.py")]
+        env = {
+            "PYTHONPATH": str(ROOT),
+            "PYCOLL_SOCKET_IFNAME": "eth0",
+            "PYCOLL_TIMEOUT": "60",
+            "PYCOLL_TEST_SIM_TAG": sim.tag,
+        }
+        try:
+            res = netns.run_command(sim.hosts[0].wrap(argv, str(ROOT)), env=env, timeout=240)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"the recipe hung:\n{str(exc.stdout or '')[-3000:]}\n{exc.stderr!s}")
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    n = sum(layout)
+    for r in range(n):
+        kinds = [
+            "self" if p == r else "shm" if _host_of(p, layout) == _host_of(r, layout) else "tcp"
+            for p in range(n)
+        ]
+        line = f"{r} {n * (n - 1) / 2} [{' '.join(map(str, range(n)))}] {kinds}\n"
+        assert line in res.stdout, (line, res.stdout)  # ranks share stdout: no anchors
