@@ -36,6 +36,7 @@ from pycoll.errors import (
     from_transport,
 )
 from pycoll.gpu import setup as gpu_setup
+from pycoll.gpu.jobs import Job
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
 from pycoll.tune import Tuner, tunable
 from transports.base import Backoff, Deadline
@@ -51,6 +52,7 @@ _COLL_IDS = {
     "reduce": 5,
     "barrier": 6,
 }
+_WORKER = "pycoll-progress"  # the name of the worker (progress) thread
 _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
 
@@ -104,6 +106,58 @@ class Request:
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"
         return f"<pycoll.Request {self._what} {state}>"
+
+
+class DeviceRequest(Request):
+    """An asynchronous device collective (``async_op=True`` on device buffers).
+
+    As NCCL's: :meth:`wait` makes the caller's current stream (torch's for torch
+    tensors, CuPy's otherwise) wait for the collective, on the device, and
+    returns at once; work queued on that stream afterwards sees the output.
+    ``wait(host=True)`` blocks the host until the output is ready for it too.
+    Until ``wait``, the caller's stream does not wait for the collective.
+    A failure raises from ``wait`` where it is already known, and otherwise from
+    the communicator's next call.
+    """
+
+    def __init__(
+        self, future: Future[Any], what: str, rank: int, job: Job, result: Any, like: Any, gpu: Any
+    ) -> None:
+        super().__init__(future, what, rank)
+        self._job = job
+        self._result = result
+        self._like = like  # the input: torch's or CuPy's current stream
+        self._gpu = gpu
+
+    def wait(self, timeout: float | None = None, *, host: bool = False) -> Any:
+        """Make the current stream wait for the collective; return its output.
+
+        Args:
+            timeout: with ``host=True``: seconds before the host wait gives up.
+            host: block the host until the output is on the device (then the host
+                may read it, as after a stream synchronize).
+
+        Raises:
+            CollectiveTimeout: ``host=True`` and not done after ``timeout``.
+        """
+        if host:
+            t0 = monotonic()
+            super().wait(timeout)
+            left = None if timeout is None else max(0.0, timeout - (monotonic() - t0))
+            self._gpu.inflight.wait(self._job, left)
+            return self._result
+        if self._future.done():
+            self._future.result()  # raises its failure
+        from pycoll.gpu.context import resolve_stream
+
+        gpu = self._gpu
+        stream = resolve_stream(None, self._like, gpu.device, self._rank, self._what)
+        gpu.inflight.stream_wait(self._job, stream)
+        return self._result
+
+    def test(self) -> bool:
+        """Whether the collective is over, on the device too."""
+        return self._future.done() and self._gpu.inflight.complete(self._job)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +438,8 @@ class Communicator:
             raise
         self._closed = False
         self._failed: BaseException | None = None
+        # a device collective failed on the progress thread and no call has raised it yet
+        self._unseen = False
         self._seq = 0
         self._recent: collections.deque[list[Any]] = collections.deque(maxlen=32)
         # More ranks on a host than cores they may run on?  The waiting policy
@@ -500,9 +556,11 @@ class Communicator:
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
-            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
-            return self._submit(what, lambda: dc.allreduce(rop, algo), async_op, x, rop, 0, algo)
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._polite, async_op)
+            return self._submit_device(
+                what, dc, lambda: dc.allreduce(rop, algo), out.obj, async_op, x, rop, 0, algo
+            )
         tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, 0)
         algo, run_algo = self._host_algorithm(what, algo, tuner)
         if self._plannable(async_op, stream, x, out):
@@ -516,20 +574,16 @@ class Communicator:
             )
             return self._replay(p, sendbuf, recvbuf)
 
-        def run() -> Any:
-            def body(xa: Any, oa: Any) -> None:
-                if self.size == 1:
-                    if oa is not xa:
-                        oa[...] = xa
-                else:
-                    run_algo(self._links(x.dtype, rop), xa, oa)
-                if rop is ReduceOp.AVG:
-                    finish_avg(oa, self.size)
+        def body(xa: Any, oa: Any) -> None:
+            if self.size == 1:
+                if oa is not xa:
+                    oa[...] = xa
+            else:
+                run_algo(self._links(x.dtype, rop), xa, oa)
+            if rop is ReduceOp.AVG:
+                finish_avg(oa, self.size)
 
-            self._staged(body, x, out, stream=stream)
-            return out.obj
-
-        return self._submit(what, run, async_op, x, rop, 0, algo)
+        return self._staged(what, body, x, out, out.obj, async_op, rop, 0, algo, stream=stream)
 
     def allgather(
         self,
@@ -585,9 +639,11 @@ class Communicator:
         algo = self._algorithm(what, algorithm, x.nbytes)
         k, r = x.count, self.rank
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
-            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
-            return self._submit(what, lambda: dc.allgather(algo), async_op, x, None, 0, algo)
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._polite, async_op)
+            return self._submit_device(
+                what, dc, lambda: dc.allgather(algo), out.obj, async_op, x, None, 0, algo
+            )
         tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, None, 0)
         algo, run_algo = self._host_algorithm(what, algo, tuner)
         if self._plannable(async_op, stream, x, out, given is None):
@@ -601,18 +657,14 @@ class Communicator:
             )
             return self._replay(p, sendbuf, given)
 
-        def run() -> Any:
-            def body(xa: Any, oa: Any) -> None:
-                mine = oa[r * k : (r + 1) * k]
-                if not _same(mine, xa):
-                    mine[...] = xa
-                if self.size > 1 and k:
-                    run_algo(self._links(x.dtype, None), xa, oa)
+        def body(xa: Any, oa: Any) -> None:
+            mine = oa[r * k : (r + 1) * k]
+            if not _same(mine, xa):
+                mine[...] = xa
+            if self.size > 1 and k:
+                run_algo(self._links(x.dtype, None), xa, oa)
 
-            self._staged(body, x, out, stream=stream)
-            return out.obj
-
-        return self._submit(what, run, async_op, x, None, 0, algo)
+        return self._staged(what, body, x, out, out.obj, async_op, None, 0, algo, stream=stream)
 
     def broadcast(
         self,
@@ -658,10 +710,10 @@ class Communicator:
         b = as_buffer(buf, self.rank, what, "buf", writable=self.rank != root)
         algo = self._algorithm(what, algorithm, b.nbytes)
         if b.is_device and self._gpu is not None and not self._via_host(what, algorithm, b.nbytes):
-            dc = self._gpu.call(what, b, None, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
-            return self._submit(
-                what, lambda: dc.broadcast(root, algo), async_op, b, None, root, algo
+            dc = self._gpu.call(what, b, None, stream, self._conns, self._polite, async_op)
+            return self._submit_device(
+                what, dc, lambda: dc.broadcast(root, algo), b.obj, async_op, b, None, root, algo
             )
         tuner = self._tuner(what, algorithm, b.nbytes, b.dtype, None, root)
         algo, run_algo = self._host_algorithm(what, algo, tuner)
@@ -676,17 +728,24 @@ class Communicator:
             )
             return self._replay(p, buf, None)
 
-        def run() -> Any:
-            def body(ba: Any, _: Any) -> None:
-                if self.size > 1 and b.count:
-                    run_algo(self._links(b.dtype, None), ba, root)
+        def body(ba: Any, _: Any) -> None:
+            if self.size > 1 and b.count:
+                run_algo(self._links(b.dtype, None), ba, root)
 
-            self._staged(
-                body, b, b, copy_in=self.rank == root, copy_out=self.rank != root, stream=stream
-            )
-            return b.obj
-
-        return self._submit(what, run, async_op, b, None, root, algo)
+        return self._staged(
+            what,
+            body,
+            b,
+            b,
+            b.obj,
+            async_op,
+            None,
+            root,
+            algo,
+            copy_in=self.rank == root,
+            copy_out=self.rank != root,
+            stream=stream,
+        )
 
     def reduce_scatter(
         self,
@@ -746,10 +805,10 @@ class Communicator:
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
-            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
-            return self._submit(
-                what, lambda: dc.reduce_scatter(rop, algo), async_op, x, rop, 0, algo
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._polite, async_op)
+            return self._submit_device(
+                what, dc, lambda: dc.reduce_scatter(rop, algo), out.obj, async_op, x, rop, 0, algo
             )
         tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, 0)
         algo, run_algo = self._host_algorithm(what, algo, tuner)
@@ -764,19 +823,15 @@ class Communicator:
             )
             return self._replay(p, sendbuf, given)
 
-        def run() -> Any:
-            def body(xa: Any, oa: Any) -> None:
-                if self.size == 1:
-                    oa[...] = xa
-                elif k:
-                    run_algo(self._links(x.dtype, rop), xa, oa)
-                if rop is ReduceOp.AVG:
-                    finish_avg(oa, self.size)
+        def body(xa: Any, oa: Any) -> None:
+            if self.size == 1:
+                oa[...] = xa
+            elif k:
+                run_algo(self._links(x.dtype, rop), xa, oa)
+            if rop is ReduceOp.AVG:
+                finish_avg(oa, self.size)
 
-            self._staged(body, x, out, stream=stream)
-            return out.obj
-
-        return self._submit(what, run, async_op, x, rop, 0, algo)
+        return self._staged(what, body, x, out, out.obj, async_op, rop, 0, algo, stream=stream)
 
     def reduce(
         self,
@@ -835,10 +890,11 @@ class Communicator:
         check_op_dtype(rop, x.dtype, self.rank, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
         if x.is_device and self._gpu is not None and not self._via_host(what, algorithm, x.nbytes):
-            dc = self._gpu.call(what, x, out, stream, self._conns, self._backoff)
             algo = self._device_algorithm(what, algorithm, algo)
-            return self._submit(
-                what, lambda: dc.reduce(rop, root, algo), async_op, x, rop, root, algo
+            dc = self._gpu.call(what, x, out, stream, self._conns, self._polite, async_op)
+            res = None if out is None else out.obj
+            return self._submit_device(
+                what, dc, lambda: dc.reduce(rop, root, algo), res, async_op, x, rop, root, algo
             )
         tuner = self._tuner(what, algorithm, x.nbytes, x.dtype, rop, root)
         algo, run_algo = self._host_algorithm(what, algo, tuner)
@@ -853,22 +909,29 @@ class Communicator:
             )
             return self._replay(p, sendbuf, recvbuf)
 
-        def run() -> Any:
-            def body(xa: Any, oa: Any) -> None:
-                if oa is None:
-                    oa = np.empty_like(xa)
-                if self.size == 1:
-                    if oa is not xa:
-                        oa[...] = xa
-                elif x.count:
-                    run_algo(self._links(x.dtype, rop), xa, oa, root)
-                if rop is ReduceOp.AVG and is_root:
-                    finish_avg(oa, self.size)
+        def body(xa: Any, oa: Any) -> None:
+            if oa is None:
+                oa = np.empty_like(xa)
+            if self.size == 1:
+                if oa is not xa:
+                    oa[...] = xa
+            elif x.count:
+                run_algo(self._links(x.dtype, rop), xa, oa, root)
+            if rop is ReduceOp.AVG and is_root:
+                finish_avg(oa, self.size)
 
-            self._staged(body, x, out, stream=stream)
-            return out.obj if out is not None else None
-
-        return self._submit(what, run, async_op, x, rop, root, algo)
+        return self._staged(
+            what,
+            body,
+            x,
+            out,
+            out.obj if out is not None else None,
+            async_op,
+            rop,
+            root,
+            algo,
+            stream=stream,
+        )
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (dissemination, log2 n rounds)."""
@@ -914,6 +977,12 @@ class Communicator:
             self._wiring = None
         self._conns = {}
         self._status.close()
+        if self._unseen:  # a device collective's output is wrong and nothing said so
+            self._unseen = False
+            raise CommunicatorClosedError(
+                f"rank {self.rank}: close: a device collective failed after its call "
+                f"returned, and no later call reported it: {self._failed}"
+            ) from self._failed
 
     def abort(self) -> None:
         """Tear down at once without waiting for peers or queued collectives."""
@@ -955,6 +1024,8 @@ class Communicator:
         if self._closed:
             raise CommunicatorClosedError(f"rank {self.rank}: {what}: communicator is closed")
         if self._failed is not None:
+            if not threading.current_thread().name.startswith(_WORKER):
+                self._unseen = False  # reported to the caller
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {what}: communicator is unusable after an earlier "
                 f"failure: {self._failed}"
@@ -1184,31 +1255,46 @@ class Communicator:
 
     def _staged(
         self,
+        what: str,
         body: Callable[[Any, Any], None],
         x: Buffer,
         out: Buffer | None,
+        result: Any,
+        async_op: bool,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
         copy_in: bool = True,
         copy_out: bool = True,
         stream: Any = None,
-    ) -> None:
-        """Run ``body`` on host arrays; device buffers go through host copies
-        (pinned and ordered on ``stream`` when this rank has a GPU context)."""
-        if not x.is_device:
-            body(x.flat, None if out is None else out.flat)
-            return
-        if self._gpu is not None:
-            self._gpu.through_host(body, x, out, stream, copy_in, copy_out, self.rank)
-            return
-        hx = x.flat.get() if copy_in else np.empty(x.count, x.dtype)
-        if out is None:
-            ho = None
-        elif out.same_memory(x):
-            ho = hx
-        else:
-            ho = np.empty(out.count, out.dtype)
-        body(hx, ho)
-        if out is not None and copy_out:
-            out.flat.set(ho)
+    ) -> Any:
+        """Submit the host collective ``body(hx, ho)``: on host arrays themselves;
+        device buffers go through pinned copies ordered on ``stream`` (a job of the
+        progress thread, :meth:`GpuContext.through_host`) when this rank has a GPU
+        context, else through plain host copies."""
+        if x.is_device and self._gpu is not None:
+            job = self._gpu.through_host(x, out, stream, copy_in, copy_out, async_op)
+            return self._submit_device(
+                what, job, lambda: job.run(body), result, async_op, x, op, root, algo
+            )
+
+        def run() -> Any:
+            if not x.is_device:
+                body(x.flat, None if out is None else out.flat)
+                return result
+            hx = x.flat.get() if copy_in else np.empty(x.count, x.dtype)
+            if out is None:
+                ho = None
+            elif out.same_memory(x):
+                ho = hx
+            else:
+                ho = np.empty(out.count, out.dtype)
+            body(hx, ho)
+            if out is not None and copy_out:
+                out.flat.set(ho)
+            return result
+
+        return self._submit(what, run, async_op, x, op, root, algo)
 
     def _submit(
         self,
@@ -1223,7 +1309,7 @@ class Communicator:
         if async_op:
             with self._lock:
                 if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="pycoll")
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=_WORKER)
                 self._inflight += 1
                 fut = self._executor.submit(self._execute, what, run, x, op, root, algo)
             fut.add_done_callback(self._done)
@@ -1236,8 +1322,71 @@ class Communicator:
                 fut = self._executor.submit(self._execute, what, run, x, op, root, algo)
         if queued:
             fut.add_done_callback(self._done)
-            return fut.result()
+            try:
+                return fut.result()
+            except CommunicatorClosedError:
+                self._unseen = False  # an earlier device failure, reported here
+                raise
         return self._execute(what, run, x, op, root, algo)
+
+    def _submit_device(
+        self,
+        what: str,
+        job: Job,
+        run: Callable[[], Any],
+        result: Any,
+        async_op: bool,
+        x: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+    ) -> Any:
+        """Hand a started device collective to the progress thread and return at
+        once: ``result`` (its output), or a :class:`DeviceRequest`.  The caller's
+        side is already enqueued (see :mod:`pycoll.gpu.jobs`)."""
+        try:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=_WORKER)
+                fut = self._executor.submit(
+                    self._execute_device, job, async_op, what, run, x, op, root, algo
+                )
+                self._inflight += 1
+        except BaseException:
+            job.settle()  # it will never run: no stream may wait for it
+            raise
+        fut.add_done_callback(self._done)
+        if async_op:
+            assert self._gpu is not None
+            return DeviceRequest(fut, what, self.rank, job, result, x.obj, self._gpu)
+        return result
+
+    def _execute_device(
+        self,
+        job: Job,
+        async_op: bool,
+        what: str,
+        run: Callable[[], Any],
+        x: Buffer,
+        op: ReduceOp | None,
+        root: int,
+        algo: str,
+    ) -> Any:
+        """:meth:`_execute` on the progress thread, for a device collective.  Its
+        gate opens whatever happens; a blocking call's failure, which no caller
+        holds a Request for, leaves the communicator unusable (also a user error
+        found this late) and is raised by the next call or by :meth:`close`."""
+        try:
+            return self._execute(what, run, x, op, root, algo)
+        except BaseException as exc:
+            if not async_op:
+                if self._failed is None:
+                    self._failed = exc
+                if self._failed is exc:
+                    self._unseen = True
+            raise
+        finally:
+            job.settle()
 
     def _done(self, _: Future[Any]) -> None:
         with self._lock:
@@ -1343,26 +1492,15 @@ class Communicator:
         of any size: the large ones make weak plans (:meth:`_detached`)."""
         if async_op or stream is not None or self.config.check or self._inflight:
             return False
-        if x.is_device:
-            return (
-                not fresh
-                and self._gpu is not None
-                and device_signature(x.obj) is not None
-                and (out is None or device_signature(out.obj) is not None)
-            )
-        return True
+        return not x.is_device  # device buffers: a job of the progress thread each call
 
     def _host_side(
         self, x: Buffer, out: Buffer | None, copy_in: bool = True, copy_out: bool = True
     ) -> tuple[Buffer, Buffer | None, Callable[[Callable[[], Any]], Callable[[], Any]]]:
-        """The host buffers a plan runs on, and the wrapper of its ``run``: the
-        arrays themselves and no wrapper for host arrays; for device arrays the
-        pinned mirrors and the copies around ``run`` (:meth:`GpuContext.planned`)."""
-        if not x.is_device:
-            x, out = self._detached(x, out)
-            return x, out, _unwrapped
-        assert self._gpu is not None
-        return self._gpu.planned(x, out, copy_in, copy_out)
+        """The host buffers a plan runs on (plans are of host arrays only), and the
+        wrapper of its ``run`` (none)."""
+        x, out = self._detached(x, out)
+        return x, out, _unwrapped
 
     @staticmethod
     def _detached(x: Buffer, out: Buffer | None) -> tuple[Buffer, Buffer | None]:

@@ -702,8 +702,9 @@ class _Window:
             conn._open_peer()
         return conn._peer_ring + conn.nslots * conn.slot_bytes
 
-    def _map(self, handle: bytes, raw: int) -> int:
-        """The base of the peer's allocation ``handle`` in our address space (cached)."""
+    def _map(self, handle: bytes, raw: int, stream: int) -> int:
+        """The base of the peer's allocation ``handle`` in our address space (cached;
+        what it uses on ``stream``, the only one that reads the windows)."""
         conn = self._conn
         if not conn._peer_ipc:
             return raw  # both ends in one process
@@ -714,7 +715,9 @@ class _Window:
         rt = self._rt
         with _on_device(conn.device):
             if len(self._maps) >= _OPEN_CACHE:
-                rt.deviceSynchronize()  # no queued kernel may still use what we unmap
+                # no queued work may still use what we unmap; not the whole device:
+                # other streams may wait for the very collective that maps this
+                rt.streamSynchronize(stream)
                 _, old = self._maps.popitem(last=False)
                 rt.ipcCloseMemHandle(old)
             base = _ipc_open(handle, conn.peer, "exposed buffer", TransportError)
@@ -735,7 +738,7 @@ class _Window:
             _W_SPAN.pack_into(
                 self._mm, off + 8 + i * _W_SPAN.size, handle, offset, sp.nbytes, sp.ptr
             )
-        _stream_write(stream, self._flags + _F_EXPOSED, seq)
+        stream_write(stream, self._flags + _F_EXPOSED, seq)
         self.exposed = seq
         self._exposed_me.store(seq)
 
@@ -750,9 +753,9 @@ class _Window:
         dev = self._conn.device
         for i in range(min(count, _W_MAX_SPANS)):
             handle, offset, nbytes, raw = _W_SPAN.unpack_from(self._mm, off + 8 + i * _W_SPAN.size)
-            ptr = self._map(handle, raw - offset) + offset if nbytes else 0
+            ptr = self._map(handle, raw - offset, stream) + offset if nbytes else 0
             spans.append(DeviceSpan(ptr, nbytes, dev, stream))
-        _stream_wait(stream, flags + _F_EXPOSED, seq)
+        stream_wait(stream, flags + _F_EXPOSED, seq)
         self.opened = seq
         return spans
 
@@ -762,7 +765,7 @@ class _Window:
             raise TransportError(
                 "cuda_ipc: release() without an open window", peer=self._conn.peer, transport=NAME
             )
-        _stream_write(stream, self._flags + _F_RELEASED, seq)
+        stream_write(stream, self._flags + _F_RELEASED, seq)
         self.released = seq
         self._released_me.store(seq)
 
@@ -774,7 +777,7 @@ class _Window:
                 peer=self._conn.peer,
                 transport=NAME,
             )
-        _stream_wait(stream, self._peer_flags() + _F_RELEASED, seq)
+        stream_wait(stream, self._peer_flags() + _F_RELEASED, seq)
         self.waited = seq
 
     def close(self) -> None:
@@ -800,14 +803,14 @@ def _ipc_open(handle: bytes, peer: int, what: str, error: type[TransportError]) 
         ) from exc
 
 
-def _stream_write(stream: int, addr: int, value: int) -> None:
+def stream_write(stream: int, addr: int, value: int) -> None:
     """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
     err = _driver().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0)
     if err:
         raise TransportError(f"cuda_ipc: cuStreamWriteValue32 failed with CUDA error {err}")
 
 
-def _stream_wait(stream: int, addr: int, value: int) -> None:
+def stream_wait(stream: int, addr: int, value: int) -> None:
     """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
     err = _driver().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
     if err:

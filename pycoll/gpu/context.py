@@ -1,34 +1,27 @@
 """Device collectives: streams, events and the per-collective bodies.
 
-Stream semantics (as NCCL's, with one honest difference):
+Stream semantics, as NCCL's (the mechanics are in :mod:`pycoll.gpu.jobs`):
 
 * A device collective is ordered after the work already queued on the
   caller's stream: the ``stream=`` argument (a CuPy stream, a torch stream or a
   raw ``cudaStream_t`` as an int), else the current stream (torch's for torch
-  tensors, CuPy's otherwise).  An event is recorded on it when the collective
-  is called.
-* Work queued on that stream after the call waits for the collective: an
-  event recorded after its last write is waited on by the stream
-  (``cudaStreamWaitEvent``).
-* ``direct`` (one-sided windows, :mod:`pycoll.gpu.direct`) does not block the
-  host: pycoll's stream waits for the start event and everything is enqueued.
-* ``ring``/``tree`` block the host: the host thread synchronizes the start event
-  before moving any byte (so the algorithms can run on pycoll's own non-blocking
-  stream) and drives every transfer by polling events, so the call returns once
-  all bytes have moved; only the last local step (the division of ``avg``, a
-  final local reduction) may still be queued, and the stream waits for it.
-* Small messages that ``auto`` sends through the host (:meth:`GpuContext.through_host`)
-  block until the input is copied out and the host collective is done; the copy
-  back is queued on the stream (work queued after it sees the result), and the
-  next such call waits for it only if it could not be ordered after it anyway.
-* With ``async_op=True`` the collective runs on pycoll's thread; its output is
-  ready for the host and for work queued on the stream once ``Request.wait()``
-  has returned (work queued before that is not ordered after it).
+  tensors, CuPy's otherwise).
+* The call enqueues its start there and hands the rest to the communicator's
+  progress thread: it returns without waiting for the GPU or the peers.
+* Work queued on that stream after a blocking call (``async_op=False``) waits
+  for the collective: the stream waits for the collective's gate.
+* Every path's host work (the handshakes of ``direct``'s one-sided windows,
+  the event polling of ``ring``/``tree`` over ``cuda_ipc`` and of staging, the
+  host collective of small messages through pinned memory) runs on the progress
+  thread, which starts each step once the CUDA events it needs have completed.
+* With ``async_op=True`` the caller's stream is not held: ``Request.wait()``
+  makes the current stream wait, ``Request.wait(host=True)`` blocks the host too.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +29,11 @@ import numpy as np
 
 from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
-from pycoll.errors import InvalidArgumentError
+from pycoll.errors import CollectiveTimeout, InvalidArgumentError
 from pycoll.gpu import direct
 from pycoll.gpu import reduce as dreduce
 from pycoll.gpu.direct import Scratch, Windows
+from pycoll.gpu.jobs import Gates, Inflight, Job
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
 from pycoll.reduce import ReduceOp
@@ -48,6 +42,7 @@ from transports.base import Backoff, Connection, Deadline
 log = logging.getLogger(__name__)
 
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
+_NOT_READY = 600  # cudaErrorNotReady
 
 
 class GpuContext:
@@ -90,10 +85,15 @@ class GpuContext:
         self.shared_device = False
         self._scratch: Scratch | None = None
         self._mirrors: dict[int, tuple[Any, np.ndarray]] = {}  # pinned copies, small messages
-        # the stream of the last copy back out of the mirrors, until it is known
-        # done; _back_event is recorded after it
+        # the stream of the last copy back out of the mirrors; _back_event is
+        # recorded after it (a call on another stream waits for it on the device)
         self._back: int | None = None
         self._back_event: Any = None
+        # made now: making them synchronizes the device, which no call may do
+        self._gates, self._gates_mem = Gates.on_device(device)
+        self._copy: Any = None  # see copy_stream
+        #: the jobs whose device work may not be over (they keep their buffers)
+        self.inflight = Inflight(self._rt(), timeout, rank)
 
     def kind(self, peer: int, host_conns: dict[int, Connection], host_kinds: dict[int, str]) -> str:
         """How device bytes reach ``peer``: "cuda_ipc", "rdma:gdr", ... or "staged:shm"."""
@@ -132,8 +132,9 @@ class GpuContext:
         stream: Any,
         host_conns: dict[int, Connection],
         backoff: Backoff,
+        async_op: bool = False,
     ) -> DeviceCall:
-        """Validate and start a device collective (records the start event).
+        """Validate and start a device collective (see :class:`DeviceCall`).
 
         Raises:
             InvalidArgumentError: a buffer on another device, or a bad ``stream``.
@@ -146,126 +147,60 @@ class GpuContext:
                     "pycoll.init)"
                 )
         user = resolve_stream(stream, x.obj, self.device, self.rank, what)
-        return DeviceCall(self, x, out, user, host_conns, backoff)
+        return DeviceCall(self, x, out, user, host_conns, backoff, async_op)
+
+    def gates(self) -> Gates:
+        assert self._gates is not None, "the context is closed"
+        return self._gates
+
+    def copy_stream(self) -> int:
+        """The stream of asynchronous calls' copies back and retire events (only
+        the caller's thread enqueues there, never the progress thread)."""
+        if self._copy is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self._copy = cupy.cuda.Stream(non_blocking=True)
+        return int(self._copy.ptr)
 
     def through_host(
         self,
-        body: Callable[[Any, Any], None],
         x: Buffer,
         out: Buffer | None,
         stream: Any,
         copy_in: bool,
         copy_out: bool,
-        rank: int,
-    ) -> None:
-        """Run the host ``body(hx, ho)`` on pinned copies of device buffers.
+        async_op: bool,
+    ) -> HostJob:
+        """Start a collective on pinned copies of device buffers (see :class:`HostJob`).
 
-        The copies are ordered on the caller's stream (``stream=`` or the current
-        one); the host waits for the copy in and runs the host collective; the
-        copy out is queued on that stream (see :meth:`_round_trip`).  The pinned
-        buffers are kept per size (one collective runs at a time).
+        The copy in, the wait for the host collective and the copy out are
+        enqueued now, on the caller's stream (``stream=`` or the current one);
+        the progress thread runs the host collective with :meth:`HostJob.run`.
         """
         import cupy
 
-        rt = cupy.cuda.runtime
-        if int(rt.getDevice()) != self.device:
+        if int(cupy.cuda.runtime.getDevice()) != self.device:
             with cupy.cuda.Device(self.device):
-                self.through_host(body, x, out, stream, copy_in, copy_out, rank)
-            return
-        user = resolve_stream(stream, x.obj, self.device, rank, "collective")
+                return self.through_host(x, out, stream, copy_in, copy_out, async_op)
+        user = resolve_stream(stream, x.obj, self.device, self.rank, "collective")
         hptr, hv, optr, ov = self._host_views(x, out)
-        self._round_trip(
-            user,
-            hptr,
-            data_ptr(x.flat),
-            x.nbytes if copy_in else 0,
-            data_ptr(out.flat) if out is not None else 0,
-            optr,
-            out.nbytes if out is not None and copy_out else 0,
-            lambda: body(hv, ov),
-        )
-
-    def _round_trip(
-        self,
-        stream: int,
-        hptr: int,
-        src: int,
-        in_bytes: int,
-        dst: int,
-        optr: int,
-        out_bytes: int,
-        run: Callable[[], Any],
-    ) -> Any:
-        """Copy ``in_bytes`` from device ``src`` to the mirror at ``hptr`` and wait
-        for it, ``run()`` on the host, then queue the copy of ``out_bytes`` from
-        the mirror at ``optr`` back to ``dst``, all on ``stream``; returns what
-        ``run`` returned.
-
-        The mirrors are reused, so first the last copy back out of them must be
-        over: a copy in on the same stream, which the host waits for, comes after
-        it; otherwise the host waits for the event recorded after it.
-        """
-        rt = self._rt()
-        back = self._back
-        if back is not None:
-            if not (in_bytes and back == stream):
-                rt.eventSynchronize(self._back_event)
-            self._back = None
-        if in_bytes:
-            rt.memcpyAsync(hptr, src, in_bytes, _D2H, stream)
-            rt.streamSynchronize(stream)
-        res = run()
-        if out_bytes:
-            rt.memcpyAsync(dst, optr, out_bytes, _H2D, stream)
-            if self._back_event is None:
-                self._back_event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
-            rt.eventRecord(self._back_event, stream)
-            self._back = stream
-        return res
-
-    def planned(
-        self, x: Buffer, out: Buffer | None, copy_in: bool, copy_out: bool
-    ) -> tuple[Buffer, Buffer | None, Callable[[Callable[[], Any]], Callable[[], Any]]]:
-        """:meth:`through_host` for the communicator's fast path (its plans).
-
-        Returns host Buffers over the pinned mirrors of ``x`` and ``out`` (their
-        ``obj`` stays the caller's device array), and ``wrap(run)``: a function
-        that runs ``run()`` (the host collective on those mirrors) through
-        :meth:`_round_trip` on the caller's current stream (CuPy's or torch's,
-        looked up each call).
-        """
-        import cupy
-
-        hptr, hv, optr, ov = self._host_views(x, out)
-        hx = Buffer(x.obj, hv, -1)
-        ho = None if out is None else hx if ov is hv else Buffer(out.obj, ov, -1)
-        dev, xn, xp = self.device, x.nbytes if copy_in else 0, data_ptr(x.flat)
-        on = out.nbytes if out is not None and copy_out else 0
-        op_ = data_ptr(out.flat) if out is not None else 0
-        if type(x.obj).__module__.split(".", 1)[0] == "torch":
-            import torch
-
-            def current() -> int:
-                return int(torch.cuda.current_stream(dev).cuda_stream)
-
-        else:
-            get = cupy.cuda.get_current_stream
-
-            def current() -> int:
-                return int(get().ptr)
-
-        get_device, round_trip = cupy.cuda.runtime.getDevice, self._round_trip
-
-        def wrap(run: Callable[[], Any]) -> Callable[[], Any]:
-            def device_run() -> Any:
-                if get_device() != dev:
-                    with cupy.cuda.Device(dev):
-                        return device_run()
-                return round_trip(current(), hptr, xp, xn, op_, optr, on, run)
-
-            return device_run
-
-        return hx, ho, wrap
+        job = HostJob(self, user, async_op, hv, ov)
+        job.keep += [x.obj, None if out is None else out.obj, *self._mirrors.values()]
+        try:
+            job.enqueue(
+                hptr,
+                data_ptr(x.flat),
+                x.nbytes if copy_in else 0,
+                data_ptr(out.flat) if out is not None else 0,
+                optr,
+                out.nbytes if out is not None and copy_out else 0,
+            )
+            self.inflight.add(job)
+        except BaseException:
+            job.settle()  # no stream may wait for a job that will not run
+            raise
+        return job
 
     def _host_views(
         self, x: Buffer, out: Buffer | None
@@ -304,15 +239,16 @@ class GpuContext:
         return cupy.cuda.runtime
 
     def close(self) -> None:
+        """Release everything; first open the gates of jobs that never ran and wait
+        (bounded by the timeout) for the device work of the others to end."""
+        self.inflight.close()
         if self._close is not None:
             self._close()
             self._close = None
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
-        if self._back is not None:  # the mirrors are freed below
-            self._rt().eventSynchronize(self._back_event)
-            self._back = None
+        self._back = None
         if self._back_event is not None:
             self._rt().eventDestroy(self._back_event)
             self._back_event = None
@@ -322,6 +258,80 @@ class GpuContext:
             self._pool.close()
             self._pool = None
         self._stream = None
+        self._copy = None
+        self._gates_mem = None
+
+
+class HostJob(Job):
+    """A device collective through pinned host memory (small messages with ``auto``).
+
+    On the caller's thread (:meth:`enqueue`), on the caller's stream: a wait for
+    the last copy out of the mirrors where that ran on another stream, the copy of
+    the input into its pinned mirror and the event ``ready``; then, on the same
+    stream (a blocking call) or on the copy stream (``async_op``, so that the
+    caller's stream runs on until ``Request.wait``): the wait for the gate, the
+    copy of the output back and the retire event.  On the progress thread
+    (:meth:`run`): wait (polling, bounded by the timeout) for ``ready``, run the
+    host collective on the mirrors, open the gate.
+
+    The mirrors are the context's, reused by the next call: its copy in is
+    queued after this call's copy out (on the same stream, or after
+    ``_back_event``), and the host collective of the next call starts only once
+    that copy in is done.
+    """
+
+    def __init__(
+        self, ctx: GpuContext, user: int, async_op: bool, hv: np.ndarray, ov: np.ndarray | None
+    ) -> None:
+        super().__init__(ctx.gates(), ctx._rt())
+        self.ctx = ctx
+        self.user = user
+        self.async_op = async_op
+        self.hv, self.ov = hv, ov
+        self.ready = 0
+
+    def enqueue(
+        self, hptr: int, src: int, in_bytes: int, dst: int, optr: int, out_bytes: int
+    ) -> None:
+        rt, ctx, user = self._rt, self.ctx, self.user
+        if ctx._back is not None and ctx._back != user:
+            rt.streamWaitEvent(user, ctx._back_event, 0)
+        if in_bytes:
+            rt.memcpyAsync(hptr, src, in_bytes, _D2H, user)
+        self.ready = self.event(user)
+        back = ctx.copy_stream() if self.async_op else user
+        self.gates.wait(back, self.seq)
+        if out_bytes:
+            rt.memcpyAsync(dst, optr, out_bytes, _H2D, back)
+        if ctx._back_event is None:
+            ctx._back_event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
+        rt.eventRecord(ctx._back_event, back)
+        ctx._back = back
+        self.retire = self.event(back)
+
+    def run(self, body: Callable[[Any, Any], None]) -> None:
+        """The progress thread's part: the host collective ``body(hx, ho)``."""
+        import cupy
+
+        rt, ctx = self._rt, self.ctx
+        with cupy.cuda.Device(ctx.device):
+            if rt.eventQuery(self.ready) == _NOT_READY:
+                at = time.monotonic() + ctx.timeout
+                bo = Backoff(spins=16, yields=64, max_sleep=100e-6)
+                while rt.eventQuery(self.ready) == _NOT_READY:
+                    if time.monotonic() >= at:
+                        raise CollectiveTimeout(
+                            f"rank {ctx.rank}: the work queued on the stream before a device "
+                            f"collective did not finish within {ctx.timeout:g} s (PYCOLL_TIMEOUT)",
+                            rank=ctx.rank,
+                        )
+                    bo.pause()
+            body(self.hv, self.ov)
+            self.gates.open_now(self.seq)
+            self.opened = True
+
+    def stream_wait(self, stream: int) -> None:
+        self._rt.streamWaitEvent(stream, self.retire, 0)
 
 
 def resolve_stream(stream: Any, obj: Any, device: int, rank: int, what: str) -> int:
@@ -354,8 +364,15 @@ def resolve_stream(stream: Any, obj: Any, device: int, rank: int, what: str) -> 
     )
 
 
-class DeviceCall:
-    """One device collective: the start event now, the body when it runs."""
+class DeviceCall(Job):
+    """One device collective through the device algorithms (see :mod:`pycoll.gpu.jobs`).
+
+    On the caller's thread (here): the start event on the caller's stream, then
+    the wait for the gate and the retire event on that stream (a blocking call)
+    or on the copy stream (``async_op``).  On the progress thread (the
+    collective bodies below): pycoll's stream waits for the start event, the
+    algorithm runs on it, and the gate opens after its last work.
+    """
 
     def __init__(
         self,
@@ -365,20 +382,29 @@ class DeviceCall:
         user: int,
         host_conns: dict[int, Connection],
         backoff: Backoff,
+        async_op: bool = False,
     ) -> None:
         import cupy
 
+        super().__init__(ctx.gates(), cupy.cuda.runtime)
         self._cp = cupy
-        self._rt = cupy.cuda.runtime
         self.ctx = ctx
         self.x = x
         self.out = out
         self.user = user
         self._conns = host_conns
         self._backoff = backoff
+        self.keep += [x.obj, None if out is None else out.obj]
         with cupy.cuda.Device(ctx.device):
-            self._start = int(self._rt.eventCreateWithFlags(0x2))
-            self._rt.eventRecord(self._start, user)
+            self._start = self.event(user)
+            after = ctx.copy_stream() if async_op else user
+            self.gates.wait(after, self.seq)
+            try:
+                self.retire = self.event(after)
+                ctx.inflight.add(self)
+            except BaseException:
+                self.settle()  # no stream may wait for a job that will not run
+                raise
 
     def links(self, op: ReduceOp | None) -> DeviceLinks:
         ctx = self.ctx
@@ -411,28 +437,15 @@ class DeviceCall:
             ctx.shared_device,
         )
 
-    def _run(self, body: Callable[[], Any], host_waits: bool = True) -> Any:
-        """Run ``body`` on pycoll's stream, after the caller's stream's earlier work.
-
-        ``host_waits``: the body drives transfers from the host, so the host first
-        waits for that work; otherwise (one-sided windows) only the stream waits.
-        """
-        rt = self._rt
+    def _run(self, body: Callable[[], Any]) -> Any:
+        """Run ``body`` on pycoll's stream, after the caller's stream's earlier work,
+        and open the gate after it (the progress thread's part)."""
         with self._cp.cuda.Device(self.ctx.device):
-            try:
-                s = self.ctx.stream()
-                if host_waits:
-                    rt.eventSynchronize(self._start)  # the stream's earlier work is done
-                else:
-                    rt.streamWaitEvent(s.ptr, self._start, 0)
-                with s:
-                    result = body()
-                end = int(rt.eventCreateWithFlags(0x2))
-                rt.eventRecord(end, s.ptr)
-                rt.streamWaitEvent(self.user, end, 0)  # later work waits for us
-                rt.eventDestroy(end)  # released once it completes
-            finally:
-                rt.eventDestroy(self._start)
+            s = self.ctx.stream()
+            self._rt.streamWaitEvent(s.ptr, self._start, 0)
+            with s:
+                result = body()
+            self.open_after(s.ptr)
         return result
 
     # ----------------------------------------------------------------- bodies
@@ -452,7 +465,7 @@ class DeviceCall:
             if op is ReduceOp.AVG:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body, algo != "direct")
+        self._run(body)
         return out.obj
 
     def allgather(self, algo: str) -> Any:
@@ -471,7 +484,7 @@ class DeviceCall:
             if n > 1 and k:
                 algorithms.get("allgather", algo)(self.links(None), xa, oa)
 
-        self._run(body, algo != "direct")
+        self._run(body)
         return out.obj
 
     def broadcast(self, root: int, algo: str) -> Any:
@@ -483,7 +496,7 @@ class DeviceCall:
             elif self.ctx.size > 1 and b.count:
                 algorithms.get("broadcast", algo)(self.links(None), b.flat, root)
 
-        self._run(body, algo != "direct")
+        self._run(body)
         return b.obj
 
     def reduce_scatter(self, op: ReduceOp, algo: str) -> Any:
@@ -501,7 +514,7 @@ class DeviceCall:
             if op is ReduceOp.AVG:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body, algo != "direct")
+        self._run(body)
         return out.obj
 
     def reduce(self, op: ReduceOp, root: int, algo: str) -> Any:
@@ -521,5 +534,5 @@ class DeviceCall:
             if op is ReduceOp.AVG and is_root:
                 dreduce.finish_avg(oa, self.ctx.size, x.dtype)
 
-        self._run(body, algo != "direct")
+        self._run(body)
         return out.obj if out is not None else None

@@ -102,7 +102,7 @@ class Windows:
             ptr, n, dev = int(a.data.ptr), int(a.nbytes), int(a.device.id)
             use = a
             if n and not self._scratch.shareable(ptr):
-                tmp = self._scratch.get(i, n)
+                tmp = self._scratch.get(i, n, self._sptr)
                 self._rt.memcpyAsync(tmp, ptr, n, _D2D, self._sptr)
                 if i < len(written) and written[i]:
                     self._copy_back.append((ptr, tmp, n))
@@ -172,11 +172,15 @@ class Scratch:
             self._verdict[base] = ok
         return ok
 
-    def get(self, slot: int, nbytes: int) -> int:
+    def get(self, slot: int, nbytes: int, stream: int) -> int:
+        """Scratch of at least ``nbytes`` for ``slot``, used on ``stream`` only (its
+        peers' reads are ordered before that stream's end, by the windows)."""
         ptr, have = self._bufs.get(slot, (0, 0))
         if have < nbytes:
             if ptr:
-                self._rt.deviceSynchronize()  # queued work may still use the old one
+                # queued work may still use the old one; not the whole device, whose
+                # callers' streams may wait for the very collective running this
+                self._rt.streamSynchronize(stream)
                 self._rt.free(ptr)
             ptr = int(self._rt.malloc(nbytes))
             self._bufs[slot] = (ptr, nbytes)

@@ -357,9 +357,9 @@ def test_auto_small_messages_through_the_host(request, which, dtype):
 
 
 def test_fast_path_through_the_host(comm_host):
-    """Repeated calls on the same device arrays replay a plan: fresh data each
+    """Repeated calls on the same device arrays through the host: fresh data each
     time, a new current stream each time (the copies must follow it), every
-    collective; a torch tensor whose storage is swapped takes the slow path."""
+    collective; a torch tensor whose storage is swapped between calls."""
     comm = comm_host
     count = 4099
     f32 = np.dtype(np.float32)
@@ -367,7 +367,6 @@ def test_fast_path_through_the_host(comm_host):
     x, out, red = cp.empty(count, cp.float32), empty_dev(count, f32), empty_dev(count, f32)
     xr, rs = cp.empty(k * SIZE, cp.float32), empty_dev(k, f32)
     ag, b = empty_dev(SIZE * count, f32), cp.empty(count, cp.float32)
-    plans = None
     for rep in range(4):
         xs = [data(r + 10 * rep, count, f32, "sum") for r in range(SIZE)]
         s = cp.cuda.Stream(non_blocking=True)
@@ -394,10 +393,6 @@ def test_fast_path_through_the_host(comm_host):
         assert np.array_equal(cp.asnumpy(got[3]), xs[0]), what + " broadcast"
         if RANK == SIZE - 1:
             assert_close(cp.asnumpy(got[4]), ref, f32, SIZE, what + " reduce")
-        if rep == 1:
-            plans = dict(comm._plans)
-    if SIZE > 1:  # replayed: no plan was made after the second round
-        assert plans and dict(comm._plans) == plans
     torch = _torch()
     if torch is None:
         return
