@@ -65,11 +65,13 @@ class Gates:
         side: int,
         write: Callable[[int, int, int], None],
         wait: Callable[[int, int, int], None],
+        device: int | None = None,
     ) -> None:
         self.base = base
         self.side = side
         self._write = write
         self._wait = wait
+        self.device = device  # made current where the thread may have no context yet
         self.issued = 0
 
     @classmethod
@@ -86,7 +88,9 @@ class Gates:
             mem = cupy.cuda.alloc(4 * GATES)
             rt.memsetAsync(int(mem.ptr), 0, 4 * GATES, side.ptr)
             rt.streamSynchronize(side.ptr)  # zeroed before any stream waits on it
-        gates = cls(int(mem.ptr), int(side.ptr), cuda_ipc.stream_write, cuda_ipc.stream_wait)
+        gates = cls(
+            int(mem.ptr), int(side.ptr), cuda_ipc.stream_write, cuda_ipc.stream_wait, device
+        )
         return gates, (mem, side)
 
     def issue(self) -> int:
@@ -105,8 +109,14 @@ class Gates:
         self._write(stream, self._addr(seq), seq)
 
     def open_now(self, seq: int) -> None:
-        """Open gate ``seq`` from the side stream (after nothing)."""
-        self._write(self.side, self._addr(seq), seq)
+        """Open gate ``seq`` from the side stream (after nothing), from any thread."""
+        if self.device is None:
+            self._write(self.side, self._addr(seq), seq)
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            self._write(self.side, self._addr(seq), seq)
 
 
 class Job:
