@@ -146,8 +146,8 @@ class DeviceRequest(Request):
             left = None if timeout is None else max(0.0, timeout - (monotonic() - t0))
             self._gpu.inflight.wait(self._job, left)
             return self._result
-        if self._future.done():
-            self._future.result()  # raises its failure
+        if self._future.done() or not self._job.gated:
+            super().wait(timeout)  # raises its failure (ungated: waits for the host part)
         from pycoll.gpu.context import resolve_stream
 
         gpu = self._gpu
@@ -1342,8 +1342,16 @@ class Communicator:
         algo: str,
     ) -> Any:
         """Hand a started device collective to the progress thread and return at
-        once: ``result`` (its output), or a :class:`DeviceRequest`.  The caller's
+        once: ``result`` (its output), or a :class:`DeviceRequest`; without eager
+        module loading a blocking one runs as a host call does (see
+        :mod:`pycoll.gpu.jobs`).  The caller's
         side is already enqueued (see :mod:`pycoll.gpu.jobs`)."""
+        if not job.gated and not async_op:  # lazy module loading: as a host call
+            try:
+                self._submit(what, run, False, x, op, root, algo)
+            finally:
+                job.settle()
+            return result
         try:
             with self._lock:
                 if self._executor is None:

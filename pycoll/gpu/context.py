@@ -1,21 +1,21 @@
 """Device collectives: streams, events and the per-collective bodies.
 
-Stream semantics, as NCCL's (the mechanics are in :mod:`pycoll.gpu.jobs`):
+Stream semantics (the mechanics are in :mod:`pycoll.gpu.jobs`):
 
 * A device collective is ordered after the work already queued on the
   caller's stream: the ``stream=`` argument (a CuPy stream, a torch stream or a
   raw ``cudaStream_t`` as an int), else the current stream (torch's for torch
-  tensors, CuPy's otherwise).
-* The call enqueues its start there and hands the rest to the communicator's
-  progress thread: it returns without waiting for the GPU or the peers.
-* Work queued on that stream after a blocking call (``async_op=False``) waits
-  for the collective: the stream waits for the collective's gate.
-* Every path's host work (the handshakes of ``direct``'s one-sided windows,
-  the event polling of ``ring``/``tree`` over ``cuda_ipc`` and of staging, the
-  host collective of small messages through pinned memory) runs on the progress
-  thread, which starts each step once the CUDA events it needs have completed.
-* With ``async_op=True`` the caller's stream is not held: ``Request.wait()``
-  makes the current stream wait, ``Request.wait(host=True)`` blocks the host too.
+  tensors, CuPy's otherwise).  pycoll's stream waits for an event recorded there.
+* Work queued on that stream after a blocking call waits for the collective.
+* A blocking call returns once its host part is done: at once for ``direct``
+  (one-sided windows: the host waits only for the peers' descriptors), once
+  every byte has moved for ``ring``/``tree``, staging and small messages through
+  pinned memory (their host drives the transfers, polling CUDA events).
+* With ``async_op=True`` the host part runs on the progress thread and the call
+  returns at once; ``Request.wait()`` waits for the host part and makes the
+  current stream wait for the device work, ``Request.wait(host=True)`` waits for
+  that too.
+* Buffers stay referenced until their device work is over.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ class GpuContext:
         self._back_event: Any = None
         # made now: making them synchronizes the device, which no call may do
         self._gates, self._gates_mem = Gates.on_device(device)
+        #: calls return at once, the caller's stream waiting for a gate (see
+        #: pycoll.gpu.jobs); off: a closed gate deadlocks with the loading of a
+        #: CUDA module (CuPy's kernels at their first use), seen on an H200
+        self.gated = False
         self._copy: Any = None  # see copy_stream
         #: the jobs whose device work may not be over (they keep their buffers)
         self.inflight = Inflight(self._rt(), timeout, rank)
@@ -274,6 +278,9 @@ class HostJob(Job):
     (:meth:`run`): wait (polling, bounded by the timeout) for ``ready``, run the
     host collective on the mirrors, open the gate.
 
+    Ungated (see :mod:`pycoll.gpu.jobs`), :meth:`run` does it all: the copy in,
+    the wait for it, the host collective and the copy out.
+
     The mirrors are the context's, reused by the next call: its copy in is
     queued after this call's copy out (on the same stream, or after
     ``_back_event``), and the host collective of the next call starts only once
@@ -283,24 +290,38 @@ class HostJob(Job):
     def __init__(
         self, ctx: GpuContext, user: int, async_op: bool, hv: np.ndarray, ov: np.ndarray | None
     ) -> None:
-        super().__init__(ctx.gates(), ctx._rt())
+        super().__init__(ctx.gates(), ctx._rt(), ctx.gated)
         self.ctx = ctx
         self.user = user
         self.async_op = async_op
         self.hv, self.ov = hv, ov
         self.ready = 0
+        self._copies = (0, 0, 0, 0, 0, 0)
 
     def enqueue(
         self, hptr: int, src: int, in_bytes: int, dst: int, optr: int, out_bytes: int
     ) -> None:
+        """The caller's side (gated; an ungated job does it all in :meth:`run`)."""
+        self._copies = (hptr, src, in_bytes, dst, optr, out_bytes)
+        if self.gated:
+            self._copy_in()
+            self._copy_out()
+
+    def _copy_in(self) -> None:
         rt, ctx, user = self._rt, self.ctx, self.user
+        hptr, src, in_bytes = self._copies[:3]
         if ctx._back is not None and ctx._back != user:
             rt.streamWaitEvent(user, ctx._back_event, 0)
         if in_bytes:
             rt.memcpyAsync(hptr, src, in_bytes, _D2H, user)
         self.ready = self.event(user)
-        back = ctx.copy_stream() if self.async_op else user
-        self.gates.wait(back, self.seq)
+
+    def _copy_out(self) -> None:
+        rt, ctx = self._rt, self.ctx
+        dst, optr, out_bytes = self._copies[3:]
+        back = ctx.copy_stream() if self.async_op else self.user
+        if self.gated:
+            self.gates.wait(back, self.seq)
         if out_bytes:
             rt.memcpyAsync(dst, optr, out_bytes, _H2D, back)
         if ctx._back_event is None:
@@ -310,11 +331,14 @@ class HostJob(Job):
         self.retire = self.event(back)
 
     def run(self, body: Callable[[Any, Any], None]) -> None:
-        """The progress thread's part: the host collective ``body(hx, ho)``."""
+        """The progress thread's part (an ungated job's whole): the host collective
+        ``body(hx, ho)``."""
         import cupy
 
         rt, ctx = self._rt, self.ctx
         with cupy.cuda.Device(ctx.device):
+            if not self.gated:
+                self._copy_in()
             if rt.eventQuery(self.ready) == _NOT_READY:
                 at = time.monotonic() + ctx.timeout
                 bo = Backoff(spins=16, yields=64, max_sleep=100e-6)
@@ -327,7 +351,10 @@ class HostJob(Job):
                         )
                     bo.pause()
             body(self.hv, self.ov)
-            self.gates.open_now(self.seq)
+            if self.gated:
+                self.gates.open_now(self.seq)
+            else:
+                self._copy_out()
             self.opened = True
 
     def stream_wait(self, stream: int) -> None:
@@ -371,7 +398,9 @@ class DeviceCall(Job):
     the wait for the gate and the retire event on that stream (a blocking call)
     or on the copy stream (``async_op``).  On the progress thread (the
     collective bodies below): pycoll's stream waits for the start event, the
-    algorithm runs on it, and the gate opens after its last work.
+    algorithm runs on it, and the gate opens after its last work.  Ungated (see
+    :mod:`pycoll.gpu.jobs`), the caller's stream waits for an event recorded
+    after that work instead (a blocking call's host part runs before it returns).
     """
 
     def __init__(
@@ -386,8 +415,9 @@ class DeviceCall(Job):
     ) -> None:
         import cupy
 
-        super().__init__(ctx.gates(), cupy.cuda.runtime)
+        super().__init__(ctx.gates(), cupy.cuda.runtime, ctx.gated)
         self._cp = cupy
+        self.async_op = async_op
         self.ctx = ctx
         self.x = x
         self.out = out
@@ -397,6 +427,9 @@ class DeviceCall(Job):
         self.keep += [x.obj, None if out is None else out.obj]
         with cupy.cuda.Device(ctx.device):
             self._start = self.event(user)
+            if not self.gated:  # see _run
+                ctx.inflight.add(self)
+                return
             after = ctx.copy_stream() if async_op else user
             self.gates.wait(after, self.seq)
             try:
@@ -445,7 +478,14 @@ class DeviceCall(Job):
             self._rt.streamWaitEvent(s.ptr, self._start, 0)
             with s:
                 result = body()
-            self.open_after(s.ptr)
+            if self.gated:
+                self.open_after(s.ptr)
+            else:  # the caller's stream waits for an event after our work
+                end = self.event(s.ptr)
+                if not self.async_op:
+                    self._rt.streamWaitEvent(self.user, end, 0)
+                self.retire = end
+                self.opened = True
         return result
 
     # ----------------------------------------------------------------- bodies

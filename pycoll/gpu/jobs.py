@@ -1,6 +1,8 @@
-"""Device collectives as jobs of the communicator's progress thread, as NCCL runs them.
+"""Device collectives as jobs: what keeps their buffers alive, how their failures
+reach the caller, and the gates that would let every call only enqueue.
 
-A device collective call does two things on the caller's thread and returns:
+Gated (NCCL's contract; off for now, see below), a device collective call does
+two things on the caller's thread and returns:
 
 1. it enqueues its start on the caller's stream (an event, or the copy of the
    input to pinned host memory) and, for a blocking call, the wait for its end
@@ -24,8 +26,21 @@ the communicator unusable: the next call (or ``Request.wait``) raises it, and so
 does ``close()`` when nothing did.  Each collective writes its own word, so a
 late write by pycoll's stream never takes a gate back.
 
+Gating is off (:attr:`GpuContext.gated <pycoll.gpu.context.GpuContext.gated>`):
+loading a CUDA module synchronizes the context, and CuPy compiles and loads
+each kernel as a module of its own at its first use.  Seen on an H200 at n = 2
+(also with ``CUDA_MODULE_LOADING=EAGER``): the progress thread, loading the
+reduction kernel of a collective whose gate the caller's stream waited for,
+never returned, nor did the peer.  Gates need every kernel the progress thread
+may launch loaded before any gate closes (as NCCL loads its kernels at init).
+So a job is *ungated*: a blocking call runs its host part on the caller's
+thread (or behind the queued ones) and orders the caller's stream after an
+event recorded at its end, and an asynchronous one runs on the progress thread,
+its ``wait`` first waiting for that host part.
+
 Buffers (and pinned mirrors) stay referenced by their job until the job's
-*retire* event, recorded after the gate's wait (and the copy back), has
+*retire* event, recorded after the gate's wait (and the copy back), or
+ungated after the collective's last work, has
 completed: :class:`Inflight` drops them as it sees that.  A job that failed
 keeps them until the communicator closes, since device work that uses them may
 still be queued.
@@ -127,9 +142,11 @@ class Job:
     job's own part is over, whatever happened to it.
     """
 
-    def __init__(self, gates: Gates, rt: Any) -> None:
+    def __init__(self, gates: Gates, rt: Any, gated: bool = True) -> None:
         self.gates = gates
         self._rt = rt
+        #: the caller's stream waits for a gate (else for an event, see the module)
+        self.gated = gated
         self.seq = gates.issue()
         self.opened = False  # the gate is (or will be, by queued work) open
         self.failed = False  # opened by settle(): the output is not to be trusted
@@ -155,14 +172,21 @@ class Job:
         if not self.opened:
             self.opened = True
             self.failed = True
-            self.gates.open_now(self.seq)
+            if self.gated:
+                self.gates.open_now(self.seq)
 
     def stream_wait(self, stream: int) -> None:
-        """Make ``stream`` wait for the job's result (``Request.wait``)."""
-        self.gates.wait(stream, self.seq)
+        """Make ``stream`` wait for the job's result (``Request.wait``); an ungated
+        job's host part is over by then (its retire event is recorded)."""
+        if self.gated:
+            self.gates.wait(stream, self.seq)
+        else:
+            self._rt.streamWaitEvent(stream, self.retire, 0)
 
     def _complete(self) -> bool:
-        return self.retired or (self.opened and self._rt.eventQuery(self.retire) != _NOT_READY)
+        return self.retired or (
+            self.opened and (not self.retire or self._rt.eventQuery(self.retire) != _NOT_READY)
+        )
 
 
 class Inflight:
