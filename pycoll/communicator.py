@@ -448,7 +448,8 @@ class Communicator:
         Args:
             sendbuf: contiguous array; with ``recvbuf=None`` the result lands in it.
             recvbuf: output of the same size and dtype, or None for in place.
-            op: "sum", "prod", "min", "max", "avg" or a :class:`ReduceOp`.
+            op: "sum", "prod", "min", "max", "avg", "band", "bor", "bxor" or a
+                :class:`ReduceOp` (which takes which dtype: :mod:`pycoll.reduce`).
             algorithm: "auto" (the cost model's pick, see :mod:`pycoll.tune`), or
                 "ring", "tree", "direct" (every rank on one host) or "oneshot";
                 the other collectives take the same but "oneshot".

@@ -18,7 +18,8 @@ world size must be the MPI ones (``RANK``/``WORLD_SIZE`` from
 ``PMI_RANK``/``PMI_SIZE``, or ``init_process_group(rank=, world_size=)``).  A
 mismatch raises at ``init_process_group``.
 
-Collectives: ``allreduce`` (SUM, AVG, MIN, MAX, PRODUCT) and its coalesced
+Collectives: ``allreduce`` (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR; which
+op takes which dtype: :mod:`pycoll.reduce`) and its coalesced
 form, ``broadcast``, ``allgather``, ``_allgather_base`` /
 ``all_gather_single`` and the coalesced form, ``reduce_scatter``,
 ``_reduce_scatter_base`` / ``reduce_scatter_single`` and the coalesced form,
@@ -33,8 +34,8 @@ with Gloo.  CPU tensors are passed to pycoll zero-copy through their NumPy
 views; CUDA tensors are staged through host memory (copied out when the
 collective is issued, copied back when it completes).  Data-movement
 collectives (broadcast, allgather) accept any dtype, moved as bytes; reductions
-need a dtype pycoll supports (float16, bfloat16, float32, float64, int8, uint8,
-int32, uint32, int64, uint64).
+need a dtype pycoll supports (bool, float16, bfloat16, float32, float64, int8,
+uint8, int16, uint16, int32, uint32, int64, uint64, complex64, complex128).
 
 torch is imported only by this module; ``import pycoll`` never imports it.
 """
@@ -66,18 +67,26 @@ _OPS = {
     dist.ReduceOp.MIN: "min",
     dist.ReduceOp.MAX: "max",
     dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
 }
 
 _NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_,
     torch.float16: np.float16,
     torch.float32: np.float32,
     torch.float64: np.float64,
     torch.int8: np.int8,
     torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.uint16: np.uint16,
     torch.int32: np.int32,
     torch.int64: np.int64,
     torch.uint32: np.uint32,
     torch.uint64: np.uint64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
 }
 
 
@@ -128,7 +137,7 @@ def _op(opts: Any, rank: int) -> str:
         if op == key:
             return name
     raise UnsupportedError(
-        f"pycoll backend, rank {rank}: reduce op {op} is not supported; use SUM, AVG, MIN, MAX or PRODUCT",
+        f"pycoll backend, rank {rank}: reduce op {op} is not supported; use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR",
         rank=rank,
     )
 

@@ -97,3 +97,23 @@ def test_rank_mismatch_is_a_clear_error() -> None:
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "refused" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bitwise_ops_and_new_dtypes() -> None:
+    """BAND, BOR, BXOR and bool, int16, uint16, complex all_reduce at n = 2, through
+    torch.distributed (tests/torchdist/ops_dtypes.py)."""
+    cmd = mpiexec(2) + [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(ROOT / "tests" / "torchdist" / "ops_dtypes.py"),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=160)
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    )
+    assert proc.stdout.count("ok") == 2, proc.stdout

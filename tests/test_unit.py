@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import typing
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +19,8 @@ from pycoll.algorithms.tree import btree, double_btree, rooted_btree
 from pycoll.buffers import as_buffer, is_device_array
 from pycoll.config import Config, parse_algo
 from pycoll.errors import InvalidArgumentError, PycollError, UnsupportedError
-from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, parse_op
+from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, parse_op, reduce_rows, ufunc
+from tests.reference import assert_close, data, ops_for, reference
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,8 +215,8 @@ def test_buffers() -> None:
     with pytest.raises(InvalidArgumentError, match="read-only"):
         as_buffer(ro, 0, "t", "recvbuf", writable=True)
     as_buffer(ro, 0, "t", "sendbuf", writable=False)
-    with pytest.raises(InvalidArgumentError, match="complex128"):
-        as_buffer(np.ones(3, np.complex128), 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="clongdouble|complex256"):
+        as_buffer(np.ones(3, np.clongdouble), 0, "t", "sendbuf", writable=False)
     with pytest.raises(InvalidArgumentError, match="list"):
         as_buffer([1, 2], 0, "t", "sendbuf", writable=False)
     assert not is_device_array(a)
@@ -243,7 +245,42 @@ def test_ops_and_dtypes() -> None:
         parse_op("xor", 0, "t")
     with pytest.raises(InvalidArgumentError, match="avg"):
         check_op_dtype(ReduceOp.AVG, np.dtype(np.int32), 0, "t")
-    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16) and len(DTYPES) == 10
+    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16) and len(DTYPES) == 15
+    for name in ("bool", "int16", "uint16", "complex64", "complex128"):
+        assert DTYPES[name] == np.dtype(name)
+    assert parse_op("BXOR", 0, "t") is ReduceOp.BXOR and parse_op("band", 0, "t") is ReduceOp.BAND
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_which_op_takes_which_dtype(dtype: np.dtype) -> None:
+    """The table of pycoll.reduce, checked against the contract written out in
+    tests/reference.py, and each op against NumPy on two operands."""
+    for op in ReduceOp:
+        if op.value in ops_for(dtype):
+            check_op_dtype(op, dtype, 0, "t")
+            a = data(0, 11, dtype, op.value)
+            b = data(1, 11, dtype, op.value)
+            out = np.empty_like(a)
+            reduce_rows(ufunc(op), [a, b], out)  # avg: the sum, divided at the end
+            want = reference([a, b], "sum" if op is ReduceOp.AVG else op.value)
+            assert_close(out, want, dtype, 2, f"{op.value} {dtype}")
+            continue
+        with pytest.raises(InvalidArgumentError) as ei:
+            check_op_dtype(op, dtype, 3, "allreduce")
+        msg = str(ei.value)
+        assert "rank 3" in msg and f"op={op.value!r}" in msg and f"dtype {dtype}" in msg, msg
+
+
+def test_min_max_of_three_rows_warn_nothing() -> None:
+    """maximum and minimum get their output by keyword (NumPy 2.4 deprecates it by
+    position); the other ufuncs keep it by position."""
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)[::-1].copy()
+    for op, want in ((ReduceOp.MAX, rows.max(0)), (ReduceOp.MIN, rows.min(0))):
+        out = np.empty(4, np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            reduce_rows(ufunc(op), rows, out)
+        assert np.array_equal(out, want)
 
 
 def test_segments_cover_exactly() -> None:
@@ -489,3 +526,13 @@ def test_device_host_route_on_a_shared_gpu() -> None:
                 assert via("broadcast", "auto", 8)
                 c.size = 4
             c.size, c._gpu = 1, None  # as they were, for close()
+
+
+def test_pycoll_deprecation_warnings_fail_the_tests() -> None:
+    """pyproject's filterwarnings: a DeprecationWarning raised from pycoll's or
+    transports' code is an error under pytest; another library's is not."""
+    for module in ("pycoll.reduce", "transports.shm"):
+        with pytest.raises(DeprecationWarning):
+            warnings.warn_explicit("old", DeprecationWarning, f"{module}.py", 1, module=module)
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("old", DeprecationWarning, "numpy/x.py", 1, module="numpy.x")
