@@ -24,7 +24,7 @@ from pycoll import algorithms
 from pycoll.algorithms import cost, direct
 from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
-from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature
+from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature, is_torch
 from pycoll.config import SLICED_COPY_BYTES, TRACE, Config, setup_logging
 from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
@@ -580,7 +580,7 @@ class Communicator:
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
         given = recvbuf
         if recvbuf is None:
-            recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
+            recvbuf = _empty_like(x, (self.size, *x.shape))
         out = self._output(recvbuf, x, self.size * x.count, what)
         self._check_alias(x, out, self.rank * x.nbytes, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
@@ -1340,8 +1340,11 @@ class Communicator:
         """Whether this call may become a plan (see :class:`_Plan`): a blocking call
         on host arrays with nothing queued, or on CuPy or torch device arrays
         that go through the host (their size is bounded by that choice) into an
-        output the caller gave (``fresh``: pycoll would allocate it).  Host arrays
-        of any size: the large ones make weak plans (:meth:`_detached`)."""
+        output the caller gave (``fresh``: pycoll would allocate it).  NumPy arrays
+        of any size: the large ones make weak plans (:meth:`_detached`).  torch CPU
+        tensors up to :data:`PLAN_MAX_BYTES`, checked by signature as on a device
+        (a plan holds them).  Other buffers (memoryview, bytearray, ...) never:
+        no export of theirs outlives the call, so a bytearray stays resizable."""
         if async_op or stream is not None or self.config.check or self._inflight:
             return False
         if x.is_device:
@@ -1351,7 +1354,14 @@ class Communicator:
                 and device_signature(x.obj) is not None
                 and (out is None or device_signature(out.obj) is not None)
             )
-        return True
+        if isinstance(x.obj, np.ndarray) and (out is None or isinstance(out.obj, np.ndarray)):
+            return True
+        return (
+            not fresh
+            and x.nbytes <= PLAN_MAX_BYTES
+            and is_torch(x.obj)
+            and (out is None or (is_torch(out.obj) and out.nbytes <= PLAN_MAX_BYTES))
+        )
 
     def _host_side(
         self, x: Buffer, out: Buffer | None, copy_in: bool = True, copy_out: bool = True
@@ -1448,7 +1458,7 @@ class Communicator:
         scratch = what == "reduce" and not is_root  # the output is scratch, None returned
         gather = what == "allgather"
         fresh = not given and what in ("allgather", "reduce_scatter")  # a new output a call
-        shape = (n, *np.shape(x.obj)) if gather else (c // n,)
+        shape = (n, *x.shape) if gather else (c // n,)
         copy = n == 1 and not gather  # alone: out of place, the output is the input
 
         def run(s: Any, o: Any) -> Any:
@@ -1907,7 +1917,7 @@ def _overlaps(a: Buffer, b: Buffer) -> bool:
 
 
 def _empty_like(x: Buffer, shape: tuple[int, ...]) -> Any:
-    if x.is_device and type(x.obj).__module__.split(".", 1)[0] == "torch":
+    if is_torch(x.obj):
         return x.obj.new_empty(shape)  # same family, dtype and device as the input
     if x.is_device:
         import cupy

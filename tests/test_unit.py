@@ -536,3 +536,52 @@ def test_pycoll_deprecation_warnings_fail_the_tests() -> None:
             warnings.warn_explicit("old", DeprecationWarning, f"{module}.py", 1, module=module)
     with pytest.warns(DeprecationWarning):
         warnings.warn_explicit("old", DeprecationWarning, "numpy/x.py", 1, module="numpy.x")
+
+
+def test_buffer_protocol_and_tensors_are_viewed_without_a_copy() -> None:
+    import array
+
+    a = np.arange(6, dtype=np.float64)
+    for obj, dtype in (
+        (memoryview(a), np.float64),
+        (bytearray(b"abc"), np.uint8),
+        (array.array("h", [1, -2, 3]), np.int16),
+        (memoryview(bytearray(4)).cast("?"), np.bool_),
+    ):
+        b = as_buffer(obj, 0, "t", "recvbuf", writable=True)
+        assert b.dtype == np.dtype(dtype) and not b.is_device, obj
+        assert np.shares_memory(b.flat, np.asarray(memoryview(obj))), obj
+        assert b.shape == memoryview(obj).shape
+    b = as_buffer(memoryview(a.reshape(2, 3)), 0, "t", "sendbuf", writable=False)
+    assert b.shape == (2, 3) and b.count == 6 and np.shares_memory(b.flat, a)
+    b = as_buffer(b"xyz", 0, "t", "sendbuf", writable=False)  # an input may be read-only
+    assert b.count == 3 and b.dtype == np.uint8
+    with pytest.raises(InvalidArgumentError, match="rank 2: t: recvbuf is read-only \\(bytes\\)"):
+        as_buffer(b"xyz", 2, "t", "recvbuf", writable=True)
+    with pytest.raises(InvalidArgumentError, match="rank 1: t: sendbuf .*not C-contiguous"):
+        as_buffer(memoryview(a)[::2], 1, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="rank 0: t: sendbuf has dtype float128"):
+        as_buffer(memoryview(np.ones(2, np.longdouble)), 0, "t", "sendbuf", writable=False)
+
+
+def test_torch_cpu_tensors_are_viewed_without_a_copy() -> None:
+    torch = pytest.importorskip("torch")
+    for dt in (torch.float32, torch.bool, torch.int16, torch.uint16, torch.complex128):
+        t = torch.zeros(5, dtype=dt)
+        b = as_buffer(t, 0, "t", "recvbuf", writable=True)
+        assert b.flat.__array_interface__["data"][0] == t.data_ptr() and b.count == 5
+        assert b.flat.flags.writeable and str(b.dtype) == str(dt).removeprefix("torch.")
+        t.resize_(1 << 16)  # the view leaves the storage resizable (tensor.numpy() does not)
+    t = torch.arange(4, dtype=torch.bfloat16)
+    b = as_buffer(t, 0, "t", "sendbuf", writable=False)
+    assert b.dtype == DTYPES["bfloat16"] and list(b.flat.astype(np.float32)) == [0, 1, 2, 3]
+    g = torch.ones(3, requires_grad=True)
+    assert as_buffer(g, 0, "t", "sendbuf", writable=False).count == 3
+    assert as_buffer(torch.ones(2, 3), 0, "t", "sendbuf", writable=False).shape == (2, 3)
+    assert as_buffer(torch.ones(0), 0, "t", "sendbuf", writable=False).count == 0
+    with pytest.raises(InvalidArgumentError, match=r"rank 1: t: sendbuf .*\.contiguous\(\)"):
+        as_buffer(torch.ones(4, 4).t(), 1, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="resolve_conj"):
+        as_buffer(torch.ones(3, dtype=torch.complex64).conj(), 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="rank 0: t: sendbuf has dtype torch.float8"):
+        as_buffer(torch.ones(3).to(torch.float8_e4m3fn), 0, "t", "sendbuf", writable=False)
