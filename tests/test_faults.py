@@ -104,6 +104,23 @@ def test_killed_rank_is_reported_fast(tmp_path, transport):
     assert any(res[r]["peer"] == 1 for r in (0, 2)), res
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+@pytest.mark.parametrize("transport", ["shm", "direct", "rdma"])  # rdma: the soft provider
+def test_rank_that_exits_without_close_is_reported_at_once(tmp_path, transport, how):
+    """Rank 1 raises (or sys.exit()s) mid-job without close(): it then waits in
+    MPI_Finalize, alive, so only its exit hook can tell the others (timeout 60 s)."""
+    res = run(f"exit-{transport}-{how}", 3, tmp_path)
+    assert res.get(1) == {"left": how}, res
+    for r in (0, 2):
+        o = res[r]
+        assert o["error"] == "PeerAbortedError", o
+        assert o["transport"] == ("rdma:host" if transport == "rdma" else "shm"), o
+        assert o["after_exit_s"] is not None and o["after_exit_s"] < 1.0, (
+            f"rank {r} took {o['after_exit_s']}s after rank 1 left to notice (timeout 60s)"
+        )
+
+
 @pytest.mark.timeout(180)
 def test_timeout_names_the_rank_that_did_not_arrive(tmp_path):
     res = run("timeout", 3, tmp_path)

@@ -14,7 +14,8 @@ import os
 import struct
 from typing import Protocol
 
-from transports.base import Backoff, ConnectError, Deadline
+from transports import _atomic
+from transports.base import Backoff, ConnectError, Deadline, PeerClosedError
 
 SHM_DIR = "/dev/shm"
 NO_BOOT = b"\0" * 16
@@ -166,6 +167,23 @@ def unlink(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         pass
+
+
+def check_alive(closed: _atomic.Counter, pid: int, who: str, *, peer: int, transport: str) -> None:
+    """The liveness check of every shared-memory peer (shm, shm_group, cuda_ipc).
+
+    ``closed`` is the peer's "closed" flag in the segment (set by its close(), or
+    by :mod:`transports._exit` when it exits without one); ``pid`` its pid in our
+    pid namespace (0: unknown), which tells a killed peer apart.
+
+    Raises:
+        PeerClosedError: the peer closed its end or has exited; the message
+            starts with ``who`` ("shm: peer 3").
+    """
+    if closed.load():
+        raise PeerClosedError(f"{who} closed its connection", peer=peer, transport=transport)
+    if pid and process_gone(pid):
+        raise PeerClosedError(f"{who} (pid {pid}) has exited", peer=peer, transport=transport)
 
 
 def process_gone(pid: int) -> bool:

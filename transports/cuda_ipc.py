@@ -49,7 +49,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from transports import _atomic, _segment
+from transports import _atomic, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     Backoff,
@@ -60,7 +60,6 @@ from transports.base import (
     DeviceSink,
     DeviceSpan,
     DoneRequest,
-    PeerClosedError,
     QueuedRequest,
     Request,
     Sink,
@@ -396,6 +395,7 @@ class CudaIpcConnection(Connection):
         self._recvd = 0  # slots released (tail)
         self._to_sink: deque[_IpcRecv] = deque()
         self._sinking: deque[tuple[int, int, _IpcRecv]] = deque()  # event, n, req
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ host memory
     def isend(self, data: memoryview) -> Request:
@@ -574,22 +574,18 @@ class CudaIpcConnection(Connection):
     def check_peer(self) -> None:
         if self._closed:
             return
-        if self._closed_peer.load():
-            raise PeerClosedError(
-                f"cuda_ipc: peer {self.peer} closed its connection", peer=self.peer, transport=NAME
-            )
-        pid = self._peer_pid
-        if pid:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise PeerClosedError(
-                    f"cuda_ipc: peer {self.peer} (pid {pid}) has exited",
-                    peer=self.peer,
-                    transport=NAME,
-                ) from None
-            except PermissionError:
-                pass
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"cuda_ipc: peer {self.peer}",
+            peer=self.peer,
+            transport=NAME,
+        )
+
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_me.store(1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -601,6 +597,7 @@ class CudaIpcConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_me.store(1)
         except ValueError:

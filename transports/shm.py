@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic, _cma, _segment
+from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
@@ -339,6 +339,7 @@ class ShmConnection(Connection):
             struct.pack_into("<Q", mm, _MAPADDR_OFF[self._side], base)
         else:
             self._cma_me.store(2)
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ posting
     def isend(self, data: memoryview) -> Request:
@@ -587,23 +588,18 @@ class ShmConnection(Connection):
         # bytes; while undelivered bytes wait in our inbound ring, it is not gone.
         if self._recvs and self._in.head.load() > self._recvd:
             return
-        if self._closed_peer.load():
-            raise PeerClosedError(
-                f"shm: peer {self.peer} closed its connection", peer=self.peer, transport="shm"
-            )
-        pid = self._peer_pid
-        if pid:
-            try:
-                os.kill(pid, 0)
-                gone = _is_zombie(pid)  # killed, not yet reaped by its launcher
-            except ProcessLookupError:
-                gone = True
-            except PermissionError:
-                gone = False
-            if gone:
-                raise PeerClosedError(
-                    f"shm: peer {self.peer} (pid {pid}) has exited", peer=self.peer, transport="shm"
-                )
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"shm: peer {self.peer}",
+            peer=self.peer,
+            transport="shm",
+        )
+
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_me.store(1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -615,6 +611,7 @@ class ShmConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_me.store(1)
         except ValueError:
@@ -644,16 +641,6 @@ class ShmConnection(Connection):
             _segment.unlink(self._name)
         if self._sbuf_mm is not None:
             _segment.unlink(f"{self._name}-s{self._side}")  # the peer never attached
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # the state follows the command name, which sits in parentheses and may hold any byte
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 class _ShmSend(QueuedRequest):

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic, _cma, _segment
+from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     Backoff,
     ConnectError,
@@ -148,6 +148,7 @@ class ShmGroup:
         struct.pack_into("<Q", mm, line + _MAPADDR, self._buf.__array_interface__["data"][0])
         # the pid last: a peer that sees it sees the rest of our line
         _atomic.Counter(mm, line + _PID).store(os.getpid())
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -421,24 +422,24 @@ class ShmGroup:
         self._check_open(j)
         if counters[j].load() >= seq:
             return
-        if self._closed_flag[j].load():
-            raise PeerClosedError(
-                f"group: rank {j} closed its communicator", peer=j, transport=TRANSPORT
-            )
-        pid = self.pid(j)
-        if pid and _segment.process_gone(pid):
-            raise PeerClosedError(
-                f"group: rank {j} (pid {pid}) has exited", peer=j, transport=TRANSPORT
-            )
+        _segment.check_alive(
+            self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
+        )
         if deadline.expired():
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
     # ------------------------------------------------------------------ closing
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): peers see "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_flag[self.rank].store(1)
+
     def close(self) -> None:
         """Unmap (and, on the creator, unlink); idempotent."""
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_flag[self.rank].store(1)
         except ValueError:
