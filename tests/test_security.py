@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
 import stat
+import struct
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,50 +110,156 @@ def test_tcp_stranger_is_dropped_and_the_job_goes_on(monkeypatch):
     assert tried, "the stranger never got to try"
 
 
-def test_soft_rdma_forged_hello_cannot_write():
-    """A stranger who read a rank's endpoint blob (it is not secret) forges the
-    hello of a peer QP and writes into that rank's receive slots."""
+def soft_handshake(
+    sock: socket.socket, secret: bytes, dst_qpn: int, src_qpn: int, gid: bytes, lid: int
+) -> bytes:
+    """A soft RDMA connector's side of the handshake on a blocking socket: read the
+    challenge, answer it; returns what came back (the ACK, or b"" if dropped)."""
     from transports.rdma.soft import engine as eng
-    from transports.rdma.soft import rc
-    from transports.rdma.transport import Endpoint, RdmaTransport
+
+    challenge = _recv_n(sock, eng.CHALLENGE.size)
+    _, _, nonce = eng.CHALLENGE.unpack(challenge)
+    sock.sendall(eng.hello(secret, nonce, dst_qpn, src_qpn, gid, lid))
+    return _recv_n(sock, eng.ACK.size)
+
+
+def _recv_n(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        try:
+            part = sock.recv(n - len(got))
+        except OSError:
+            break
+        if not part:
+            break
+        got += part
+    return got
+
+
+def _soft_pair(secret: bytes = b"job-secret") -> tuple[list, list[bytes]]:
+    from transports.rdma.transport import RdmaTransport
 
     opts = [
         TransportOptions(
             rank=r,
             size=2,
-            timeout=10.0,
-            secret=b"job-secret",
+            timeout=20.0,
+            secret=secret,
             extra=(("rdma_provider", "soft"), ("rdma_memory", "host")),
         )
         for r in (0, 1)
     ]
     ts = [RdmaTransport(o) for o in opts]
+    return ts, [t.listen() for t in ts]
+
+
+def _both_ways(conns: list, rounds: int = 5) -> None:
+    """Messages still flow both ways, with the right bytes."""
+    from transports.base import Deadline, wait_all
+
+    for i in range(rounds):
+        for a in (0, 1):
+            msg = os.urandom(3000 + i)
+            out = bytearray(len(msg))
+            wait_all(
+                [conns[a].isend(memoryview(msg)), conns[1 - a].irecv_into(memoryview(out))],
+                Deadline.after(30),
+            )
+            assert out == msg
+
+
+def test_soft_rdma_forged_hello_cannot_write():
+    """A stranger who read a rank's endpoint blob (it is not secret) forges the
+    hello of a peer QP and writes into that rank's receive slots."""
+    from transports.rdma.soft import rc
+    from transports.rdma.transport import Endpoint
+
+    ts, blobs = _soft_pair()
     try:
-        blobs = [t.listen() for t in ts]
         conns = run_ranks(2, lambda r: ts[r].connect(1 - r, blobs[1 - r]))
         ep = Endpoint.unpack(blobs[0])
         qpn = ep.qps[1][0]  # the QP rank 0 made for rank 1
-        # a hello signed with a guessed secret
-        hello = eng.hello(b"not-the-secret", qpn, 4242, ep.gid, 1)
-        addr = "127.0.0.1"
-        with socket.create_connection((addr, ep.lid), timeout=5) as s:
-            s.sendall(hello)
-            s.sendall(rc.REQ.pack(rc.OP_WRITE, 0, ep.rkey, 0, ep.slots_addr, 64) + b"\xee" * 64)
-            s.settimeout(1)
+        with socket.create_connection(("127.0.0.1", ep.lid), timeout=5) as s:
+            s.settimeout(2)
+            # a hello signed with a guessed secret
+            answer = soft_handshake(s, b"not-the-secret", qpn, 4242, ep.gid, 1)
             try:
-                answer = s.recv(64)
+                s.sendall(rc.REQ.pack(rc.OP_WRITE, 0, ep.rkey, 0, ep.slots_addr, 64) + b"\xee" * 64)
+                answer += s.recv(64)
             except OSError:
-                answer = b""
-        # the job goes on: a message still flows both ways
-        from transports.base import Deadline, wait_all
-
-        out = [bytearray(5), bytearray(5)]
-        wait_all(
-            [conns[0].isend(memoryview(b"hello")), conns[1].irecv_into(memoryview(out[1]))],
-            Deadline.after(10),
-        )
-        assert out[1] == b"hello"
+                pass
+        _both_ways(conns)  # the job goes on
         assert answer == b"", "soft RDMA answered a hello that lacks the job's secret"
     finally:
+        for t in ts:
+            t.close()
+
+
+def test_soft_rdma_replayed_hello_is_rejected(monkeypatch):
+    """A stranger without the secret replays the hello a peer sent (recorded off
+    the wire): it must not take over the live link, and the job goes on."""
+    from transports.rdma.soft import rc
+    from transports.rdma.transport import Endpoint
+
+    sent: list[bytes] = []
+    real = rc.hello
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        h = real(*args)
+        sent.append(h)
+        return h
+
+    monkeypatch.setattr(rc, "hello", spy)
+    ts, blobs = _soft_pair()
+    try:
+        conns = run_ranks(2, lambda r: ts[r].connect(1 - r, blobs[1 - r]))
+        _both_ways(conns, 1)  # both links are up
+        ep = Endpoint.unpack(blobs[0])
+        mine = [h for h in sent if struct.unpack_from("<4sHxxI", h)[2] == ep.qps[1][0]]
+        assert mine, "no hello to rank 0's QP was recorded"
+        for replay in mine * 3:
+            with socket.create_connection(("127.0.0.1", ep.lid), timeout=5) as s:
+                s.sendall(replay)
+                s.settimeout(1)
+                answer = b""
+                try:
+                    while chunk := s.recv(4096):
+                        answer += chunk
+                except OSError:
+                    pass
+            assert b"pcsa" not in answer, "a replayed hello was acknowledged"
+        _both_ways(conns)
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_soft_rdma_idle_strangers_do_not_exhaust_fds(caplog):
+    """200 strangers connect to a rank's soft RDMA port and say nothing, before
+    the peers connect: the context holds a bounded number of them, the peers'
+    handshake still gets through, and the log stays short."""
+    from transports.rdma.transport import Endpoint
+
+    def nfds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    ts, blobs = _soft_pair()
+    strangers: list[socket.socket] = []
+    caplog.set_level(logging.INFO, logger="transports.rdma.soft.engine")
+    try:
+        port = Endpoint.unpack(blobs[0]).lid
+        before = nfds()
+        for _ in range(200):
+            strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1.5)  # the context accepts what it will
+        held = nfds() - before - len(strangers)  # the accepted ends, in this process too
+        conns = run_ranks(2, lambda r: ts[r].connect(1 - r, blobs[1 - r]))
+        _both_ways(conns)
+        assert held <= 80, f"rank 0 holds {held} descriptors for 200 idle strangers"
+        lines = [r for r in caplog.records if r.name == "transports.rdma.soft.engine"]
+        assert len(lines) <= 5, [r.getMessage() for r in lines]
+    finally:
+        for s in strangers:
+            s.close()
         for t in ts:
             t.close()
