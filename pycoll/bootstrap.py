@@ -275,11 +275,11 @@ def _group(mpi_comm: Any, cfg: Config, w: Wiring) -> None:
             group = ShmGroup.create(token, rank, size, cfg.group_slot_bytes)
         except Exception as exc:
             err = f"rank {rank}: {type(exc).__name__}: {exc}"
-    # the others look for the segment only once it exists
-    err = mpi_comm.bcast(err, root=0)
+    # the others open the segment through rank 0's handle, once it exists
+    err, handle = mpi_comm.bcast((err, group.handle if group is not None else b""), root=0)
     if rank != 0 and not err:
         try:
-            group = ShmGroup.attach(token, rank, size, cfg.timeout)
+            group = ShmGroup.attach(handle, rank, size)
         except Exception as exc:
             err = f"rank {rank}: {type(exc).__name__}: {exc}"
     errs = [e for e in mpi_comm.allgather(err) if e]
@@ -290,7 +290,7 @@ def _group(mpi_comm: Any, cfg: Config, w: Wiring) -> None:
         log.info("rank %d: no group segment: %s", rank, w.group_why)
         return
     assert group is not None
-    group.unlink()  # every rank has attached: nothing may outlive the job
+    group.release_handle()  # every rank has attached
     ok, cma_why = group.probe()
     verdicts = mpi_comm.allgather((ok, cma_why))
     group.cma = all(v for v, _ in verdicts)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -185,3 +187,42 @@ def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
         assert said in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("(peer 1)") == 2 and "NOT RAISED" not in proc.stdout, proc.stdout
     assert time.monotonic() - t0 < 60
+
+
+def _private_shm() -> list[str] | None:
+    """A command prefix that gives what follows its own, empty /dev/shm (a mount
+    namespace with a fresh tmpfs), or None where that is not allowed."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4g tmpfs /dev/shm"],
+        capture_output=True,
+    )
+    return None if probe.returncode else ["unshare", "-m", "sh", "-c"]
+
+
+@pytest.mark.timeout(600)
+def test_kill_during_init_leaks_no_segment(tmp_path):
+    """SIGKILL one rank at random moments of init, 24 times: no pycoll segment may
+    stay in /dev/shm (judged in a /dev/shm of these runs' own, since other jobs
+    on the machine make pycoll segments too)."""
+    prefix = _private_shm()
+    if prefix is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    script = ROOT / "tests" / "faults" / "init_kill.py"
+    inner = (
+        "mount -t tmpfs -o size=4g tmpfs /dev/shm && "
+        f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))} 24 {shlex.quote(str(tmp_path))}"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [*prefix, inner], cwd=ROOT, env=env, capture_output=True, text=True, timeout=550
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    runs = res["runs"][1:]
+    assert res["runs"][0]["leaked"] == [], res["runs"][0]
+    during = [r for r in runs if "victim" in r and not r["victim_inited"]]
+    assert len(during) >= len(runs) // 3, f"too few kills landed inside init: {runs}"
+    leaky = [r for r in runs if r["leaked"]]
+    assert not leaky, f"{len(leaky)} of {len(runs)} killed runs left segments: {leaky}"

@@ -106,7 +106,7 @@ def test_shm_blob_fuzz(shm_blob, data):
 def test_shm_blob_other_version_and_type():
     good = _Identity(0, b"\1" * 8).pack()
     other = bytearray(good)
-    other[4:6] = struct.pack("<H", 2)
+    other[4:6] = struct.pack("<H", 99)
     for bad in (bytes(other), b"XXXX" + good[4:], None, 42, "text"):
         with pytest.raises(BlobError):
             _Identity.unpack(bad)  # type: ignore[arg-type]

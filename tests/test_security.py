@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from tests.inproc import communicators, run_ranks
-from transports import shm as shm_mod
 from transports.base import TransportOptions
 from transports.tcp import TcpTransport, decode_blob
 
@@ -24,24 +23,31 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_shm_segments_are_mode_0600(monkeypatch):
+def test_shm_segments_are_mode_0600_and_never_named(monkeypatch):
+    from transports import _segment
+
     modes: list[int] = []
-    real = shm_mod.ShmTransport._create
+    real = _segment.create
 
-    def spy(self, name, size, peer):  # type: ignore[no-untyped-def]
-        mm = real(self, name, size, peer)
-        modes.append(stat.S_IMODE(os.stat(os.path.join(shm_mod.SHM_DIR, name)).st_mode))
-        return mm
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        mm, fd = real(*args, **kw)
+        st = os.fstat(fd)
+        modes.append(stat.S_IMODE(st.st_mode))
+        assert st.st_nlink == 0, "a segment has a name"
+        return mm, fd
 
-    monkeypatch.setattr(shm_mod.ShmTransport, "_create", spy)
+    monkeypatch.setattr(_segment, "create", spy)
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("pycoll-")}
     old = os.umask(0)  # a permissive umask must not widen the mode
     try:
         with communicators(3, transports=("shm",), timeout=20) as comms:
             assert all(c.transport_of(p) == "shm" for c in comms for p in range(3) if p != c.rank)
+            assert comms[0]._group is not None  # the group segment too
+            run_ranks(3, lambda r: comms[r].allreduce(np.ones(1 << 18, np.float32)))
     finally:
         os.umask(old)
     assert modes and all(m == 0o600 for m in modes), [oct(m) for m in modes]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("pycoll-")]
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("pycoll-")} <= before
 
 
 def test_transports_never_unpickle():

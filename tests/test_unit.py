@@ -391,10 +391,10 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
     token = secrets.token_bytes(8)
     a = ShmGroup.create(token, 0, 2, 4096)
-    b = ShmGroup.attach(token, 1, 2, 5.0)
+    b = ShmGroup.attach(a.handle, 1, 2)
     try:
-        a.unlink()
-        assert not os.path.exists(f"/dev/shm/{a.name}")
+        a.release_handle()
+        assert not [f for f in os.listdir("/dev/shm") if token.hex() in f]  # never named
         b.post(1)
         a.wait([1], 1, Deadline.after(5), quick)
         with pytest.raises(TransportTimeout) as ti:
@@ -426,9 +426,9 @@ def _group_pair(k: int) -> typing.Iterator[tuple[typing.Any, typing.Any]]:
     token = secrets.token_bytes(8)
     a = ShmGroup.create(token, 0, 2, 4096, slots=k)
     try:
-        b = ShmGroup.attach(token, 1, 2, 5.0)
+        b = ShmGroup.attach(a.handle, 1, 2)
         try:
-            a.unlink()
+            a.release_handle()
             yield a, b
         finally:
             b.close()
