@@ -242,7 +242,7 @@ def wire(mpi_comm: Any, cfg: Config, *, device: bool = False) -> Wiring:
         except BaseException:
             w.close()
             raise
-    # nobody may leave until every segment is attached (and so unlinked)
+    # nobody may leave until every segment is attached (its creator holds it until then)
     mpi_comm.Barrier()
     return w
 
