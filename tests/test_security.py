@@ -269,3 +269,43 @@ def test_soft_rdma_idle_strangers_do_not_exhaust_fds(caplog):
             s.close()
         for t in ts:
             t.close()
+
+
+def test_soft_rdma_accept_out_of_descriptors_backs_off(caplog):
+    """accept() failing with EMFILE (a stranger flood, a low ulimit) must not spin
+    on the still-readable listener, nor log each failure."""
+    import errno
+
+    from transports.rdma import soft
+
+    ctx = soft.Context(name="soft0", soft_secret=b"s")
+    eng = ctx.engine
+    real = eng.listener
+    calls: list[float] = []
+
+    class Exhausted:
+        def accept(self):  # type: ignore[no-untyped-def]
+            calls.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(real, name)
+
+    caplog.set_level(logging.INFO, logger="transports.rdma.soft.engine")
+    eng.listener = Exhausted()  # type: ignore[assignment]
+    client = socket.create_connection(("127.0.0.1", eng.port), timeout=5)
+    try:
+        time.sleep(1.0)
+        assert calls, "the listener was never served"
+        assert len(calls) < 50, f"{len(calls)} accept() calls in 1 s: a busy loop"
+        lines = [r for r in caplog.records if r.name == "transports.rdma.soft.engine"]
+        assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+        eng.listener = real  # descriptors are back: the waiting connection is served
+        deadline = time.monotonic() + 5
+        while not eng.greeters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.greeters, "accepting never resumed"
+    finally:
+        eng.listener = real
+        client.close()
+        ctx.close()
