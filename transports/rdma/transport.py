@@ -221,11 +221,11 @@ class _ConnReq(Request):
         conn._progress()
         if self._done:  # completed before the connection broke: still a success
             return True
-        conn._raise_if_broken()
+        conn._raise_if_broken(self)
         return False
 
     def check_peer(self) -> None:
-        self.conn.check_peer()
+        self.conn._raise_if_broken(self)
 
     def block(self, seconds: float) -> None:
         """The idle hook of :func:`transports.base.idle_round`."""
@@ -382,7 +382,7 @@ class RdmaConnection(Connection):
         return req
 
     def _queue_recv(self, req: _RecvReq) -> Request:
-        self._raise_if_broken()
+        self._raise_if_broken(req)
         req.seq = self.recv_seq
         self.recv_seq = (self.recv_seq + 1) & 0xFFFF
         self.recvq.append(req)
@@ -473,11 +473,20 @@ class RdmaConnection(Connection):
             )
 
     # ------------------------------------------------------------ progress
-    def _raise_if_broken(self) -> None:
+    def _raise_if_broken(self, req: _ConnReq | None = None) -> None:
+        """Raise the connection's error, or the peer's goodbye; but a receive
+        (``req``) first gets the bytes that arrived before either, and after a
+        goodbye a send already on the wire waits for its completion (the peer's
+        ACK may trail its goodbye: the two travel unordered)."""
+        if self.error is None and self.goodbye is None:
+            return
+        if self.arrivals and isinstance(req, _RecvReq) and not self.closed:
+            return
         if self.error is not None:
             raise self.error
-        if self.goodbye is not None and not self.arrivals:
-            raise self.goodbye
+        if isinstance(req, _SendReq) and req.posted == req.nbytes:
+            return
+        raise self.goodbye  # type: ignore[misc]
 
     def _progress(self) -> None:
         """Take completions, deliver arrivals, post what flow control allows.
@@ -588,7 +597,7 @@ class RdmaConnection(Connection):
                         transport=self.transport,
                     )
                 )
-                self._raise_if_broken()
+                raise self.error  # type: ignore[misc]
             self.arrivals.popleft()
             base = slot * sb
             in_device = bool(imm & IMM_DEVICE)
