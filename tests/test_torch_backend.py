@@ -117,3 +117,115 @@ def test_bitwise_ops_and_new_dtypes() -> None:
         f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     )
     assert proc.stdout.count("ok") == 2, proc.stdout
+
+
+# ----------------------------------------------------------------------------- failures
+FAILURES = ROOT / "tests" / "torchdist" / "failures.py"
+#: init_process_group's timeout in the failure scenarios (seconds)
+TIMEOUT = 4
+#: how long past the timeout a rank may take to raise: pycoll's status exchange
+#: (grace_for) and the launch on a loaded two-core machine
+SLACK = 10
+
+
+def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
+    """Run one scenario of tests/torchdist/failures.py at n = 2; each rank's outcome."""
+    from tests.test_faults import _mpich_segments, _remove_orphans
+
+    out: dict[int, dict] = {}
+    for attempt in range(3):  # hydra now and then kills the survivors of a dead rank
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        cmd = mpiexec(2)
+        cmd[1:1] = ["-disable-auto-cleanup"]
+        cmd += [sys.executable, str(FAILURES), name, str(d)]
+        e = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            FAILURES_TIMEOUT=str(TIMEOUT),
+            **env,
+        )
+        before = _mpich_segments()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
+        finally:
+            _remove_orphans(_mpich_segments() - before)
+        out = {
+            r: json.loads((d / f"rank{r}.json").read_text())
+            for r in range(2)
+            if (d / f"rank{r}.json").exists()
+        }
+        if 0 in out:
+            return out
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*/rank*.log")))
+    raise AssertionError(
+        f"rank 0 did not report (rc={proc.returncode})\n{proc.stderr[-2000:]}\n{logs}"
+    )
+
+
+def _raised(o: dict, error: str, within: float) -> None:
+    assert o["error"] == error, o
+    assert o["runtime_error"], f"{error} is not a RuntimeError for torch: {o}"
+    assert o["pycoll_error"], o
+    assert o["elapsed"] < within, f"raised after {o['elapsed']:.1f} s, not within {within} s"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["count", "dtype"])
+def test_mismatched_calls_raise_on_every_rank(tmp_path: Path, case: str) -> None:
+    """4 against 6 elements, float32 against float64: both ranks raise, the next call
+    too.  Cross-rank mismatches need pycoll's check (PYCOLL_CHECK=1)."""
+    res = _failure(case, tmp_path, PYCOLL_CHECK="1")
+    assert set(res) == {0, 1}, res
+    for r, o in res.items():
+        _raised(o, "CollectiveMismatchError", SLACK)
+        assert f"rank {r}:" in o["message"] and case in o["message"], o
+        assert o["then"]["error"] == "CommunicatorClosedError", o
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["missing", "missing-wait", "missing-barrier"])
+def test_missing_peer_raises_within_the_timeout(tmp_path: Path, case: str) -> None:
+    """A peer that never calls: dist.all_reduce, work.wait() and dist.barrier raise
+    CollectiveTimeout naming rank 1 within init_process_group's timeout (4 s)."""
+    o = _failure(case, tmp_path)[0]
+    _raised(o, "CollectiveTimeout", TIMEOUT + SLACK)
+    assert o["elapsed"] >= TIMEOUT - 0.5, o
+    assert "[1]" in o["message"], o
+    assert o["value"] == [1.0] * 4, o
+
+
+@pytest.mark.timeout(300)
+def test_missing_peer_honours_pycoll_timeout(tmp_path: Path) -> None:
+    """With torch's default timeout, PYCOLL_TIMEOUT bounds the collective."""
+    o = _failure("missing-env", tmp_path, PYCOLL_TIMEOUT=str(TIMEOUT))[0]
+    _raised(o, "CollectiveTimeout", TIMEOUT + SLACK)
+
+
+@pytest.mark.timeout(300)
+def test_missing_peer_fails_the_future(tmp_path: Path) -> None:
+    """work.get_future().wait() raises (torch wraps the callback's error in a RuntimeError)."""
+    o = _failure("missing-future", tmp_path)[0]
+    assert o["error"] == "RuntimeError", o
+    assert "CollectiveTimeout" in o["message"], o
+    assert o["elapsed"] < TIMEOUT + SLACK, o
+
+
+@pytest.mark.timeout(300)
+def test_peer_that_exits_is_reported(tmp_path: Path) -> None:
+    """A peer exits: the next all_reduce raises PeerAbortedError, the one after too."""
+    o = _failure("exits", tmp_path)[0]
+    _raised(o, "PeerAbortedError", SLACK)
+    assert o["value"] == [1.0] * 4, o
+    assert o["then"]["error"] == "CommunicatorClosedError", o
+
+
+@pytest.mark.timeout(300)
+def test_peer_killed_during_ddp_backward_raises(tmp_path: Path) -> None:
+    """A peer killed in a DDP backward: the survivor's backward raises, no segfault."""
+    o = _failure("ddp-dies", tmp_path)[0]
+    assert o["error"] == "RuntimeError", o
+    assert "PeerAbortedError" in o["message"] or "CollectiveTimeout" in o["message"], o
+    assert o["elapsed"] < TIMEOUT + SLACK, o
