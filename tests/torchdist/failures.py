@@ -116,6 +116,8 @@ def missing(how: str) -> None:
         res = outcome(lambda: work.get_future().wait())
     elif how == "barrier":
         res = outcome(lambda: dist.barrier())
+    elif how == "monitored":
+        res = outcome(lambda: pycoll.torch_backend.monitored_barrier(timeout=timedelta(seconds=2)))
     res["value"] = t.tolist()
     finish(res, [0, 1])
 
@@ -177,6 +179,7 @@ def ddp_dies() -> None:
     "missing-wait": lambda: missing("wait"),
     "missing-future": lambda: missing("future"),
     "missing-barrier": lambda: missing("barrier"),
+    "missing-monitored": lambda: missing("monitored"),
     "exits": exits,
     "ddp-dies": ddp_dies,
 }[NAME]()
