@@ -23,7 +23,13 @@ op takes which dtype: :mod:`pycoll.reduce`) and its coalesced
 form, ``broadcast``, ``allgather``, ``_allgather_base`` /
 ``all_gather_single`` and the coalesced form, ``reduce_scatter``,
 ``_reduce_scatter_base`` / ``reduce_scatter_single`` and the coalesced form,
-``reduce`` and ``barrier``: everything ``DistributedDataParallel`` uses.
+``reduce``, ``barrier``, ``allgather_coalesced`` (one allgather) and
+``monitored_barrier`` (over the group's store; torch's
+``dist.monitored_barrier`` takes Gloo groups only, so call
+:func:`monitored_barrier`): everything ``DistributedDataParallel``, FSDP
+(both), DeviceMesh and DTensor use.  The group keeps the name and description
+c10d gives it, by which DeviceMesh, functional collectives and
+``destroy_process_group`` find it.
 
 Every collective is queued, in call order, to one worker thread per process
 group that runs it on the communicator.  The returned ``Work`` fails loudly,
