@@ -33,16 +33,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_import_pycoll_does_not_import_torch() -> None:
-    code = "import sys, pycoll; assert 'torch' not in sys.modules, 'pycoll imported torch'"
-    proc = subprocess.run(
+def _python(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (one rank, no launcher) on this tree."""
+    return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
+
+
+def test_import_pycoll_does_not_import_torch() -> None:
+    code = "import sys, pycoll; assert 'torch' not in sys.modules, 'pycoll imported torch'"
+    proc = _python(code, 60)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -87,14 +92,7 @@ def test_rank_mismatch_is_a_clear_error() -> None:
         "else:\n"
         "    raise SystemExit('accepted a rank that MPI does not have')\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    proc = _python(code, 100)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "refused" in proc.stdout
 
@@ -281,14 +279,7 @@ dist.destroy_process_group()
 def test_one_rank_group_names_errors_and_storage() -> None:
     """At n = 1 (no launcher): unsupported operations raise UnsupportedError naming the
     operation (a RuntimeError for torch); the group has its name; storage stays resizable."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SINGLE],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    proc = _python(SINGLE, 100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for op, said in [
