@@ -196,6 +196,14 @@ def test_missing_peer_raises_within_the_timeout(tmp_path: Path, case: str) -> No
 
 
 @pytest.mark.timeout(300)
+def test_wait_with_a_timeout_raises_at_that_timeout(tmp_path: Path) -> None:
+    o = _failure("missing-wait-timeout", tmp_path)[0]
+    _raised(o, "CollectiveTimeout", 1 + SLACK)
+    assert o["elapsed"] < TIMEOUT, o
+    assert "still running after wait(timeout=1 s)" in o["message"], o
+
+
+@pytest.mark.timeout(300)
 def test_missing_peer_honours_pycoll_timeout(tmp_path: Path) -> None:
     """With torch's default timeout, PYCOLL_TIMEOUT bounds the collective."""
     o = _failure("missing-env", tmp_path, PYCOLL_TIMEOUT=str(TIMEOUT))[0]
@@ -218,6 +226,7 @@ def test_peer_that_exits_is_reported(tmp_path: Path) -> None:
     _raised(o, "PeerAbortedError", SLACK)
     assert o["value"] == [1.0] * 4, o
     assert o["then"]["error"] == "CommunicatorClosedError", o
+    assert o["destroy_s"] < SLACK, o
 
 
 @pytest.mark.timeout(300)

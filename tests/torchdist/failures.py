@@ -101,8 +101,10 @@ def missing(how: str) -> None:
         dist.all_reduce(torch.ones(3))
     else:
         init()
-    if RANK == 1:
-        time.sleep(TIMEOUT * 4 + 15)
+    if RANK == 1:  # away until rank 0 has reported
+        end = time.monotonic() + TIMEOUT * 4 + 15
+        while time.monotonic() < end and not os.path.exists(os.path.join(OUTDIR, "rank0.json")):
+            time.sleep(0.1)
         finish({"error": None, "sleeper": True}, [0, 1])
     t = torch.ones(4)
     if how in ("sync", "env"):
@@ -111,6 +113,9 @@ def missing(how: str) -> None:
         work = dist.all_reduce(t, async_op=True)
         res = outcome(lambda: work.wait())
         res["is_completed"] = work.is_completed()
+    elif how == "wait-timeout":  # wait(timeout) shorter than the group's timeout
+        work = dist.all_reduce(t, async_op=True)
+        res = outcome(lambda: work.wait(timedelta(seconds=1)))
     elif how == "future":
         work = dist.all_reduce(t, async_op=True)
         res = outcome(lambda: work.get_future().wait())
@@ -132,6 +137,9 @@ def exits() -> None:
     t = torch.ones(4)
     res = outcome(lambda: dist.all_reduce(t), then=lambda: dist.all_reduce(torch.ones(3)))
     res["value"] = t.tolist()
+    start = time.monotonic()
+    dist.destroy_process_group()  # waits for no dead peer
+    res["destroy_s"] = time.monotonic() - start
     finish(res, [0])
 
 
@@ -178,6 +186,7 @@ def ddp_dies() -> None:
     "missing-env": lambda: missing("env"),
     "missing-wait": lambda: missing("wait"),
     "missing-future": lambda: missing("future"),
+    "missing-wait-timeout": lambda: missing("wait-timeout"),
     "missing-barrier": lambda: missing("barrier"),
     "missing-monitored": lambda: missing("monitored"),
     "exits": exits,
