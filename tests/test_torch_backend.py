@@ -263,7 +263,7 @@ raised("gather", lambda: dist.gather(t, [torch.empty(4)], dst=0))
 raised("scatter", lambda: dist.scatter(t, [torch.ones(4)], src=0))
 raised("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(4), t))
 raised("all_to_all", lambda: dist.all_to_all([torch.empty(4)], [t]))
-raised("band", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND))
+raised("premul", lambda: dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0)))
 pg = dist.distributed_c10d._get_default_group()
 out["name"], out["desc"] = pg.group_name, pg.group_desc
 sub = dist.new_group([0], backend="pycoll")
@@ -300,8 +300,9 @@ def test_one_rank_group_names_errors_and_storage() -> None:
         name, unsupported, runtime, msg = out[op]
         assert (name, unsupported, runtime) == ("UnsupportedError", True, True), out[op]
         assert f"rank 0: {said} is not supported" in msg and "gloo" in msg.lower(), msg
-    name, unsupported, _, msg = out["band"]
-    assert unsupported and "reduce op BAND is not supported" in msg and "0x" not in msg, msg
+    name, unsupported, _, msg = out["premul"]
+    assert unsupported and "reduce op PREMUL_SUM is not supported" in msg and "0x" not in msg, msg
+    assert "BAND" in msg, msg  # the ops pycoll offers, by name
     assert out["name"] == "0" and out["desc"] == "default_pg", out
     assert out["sub_name"], out
     assert out["resized"] and out["work"] == [True, True, True, True], out
