@@ -74,7 +74,8 @@ def test_ddp_pycoll_matches_gloo(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_rank_mismatch_is_a_clear_error() -> None:
-    """One process (MPI world of 1) that claims to be rank 1 of 2 must be refused."""
+    """One process under mpiexec (MPI world of 1) that claims to be rank 1 of 2 must
+    be refused."""
     code = (
         "import torch.distributed as dist, pycoll.torch_backend as tb\n"
         "tb.register()\n"
@@ -88,7 +89,7 @@ def test_rank_mismatch_is_a_clear_error() -> None:
         "    raise SystemExit('accepted a rank that MPI does not have')\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        mpiexec(1) + [sys.executable, "-c", code],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
@@ -117,3 +118,60 @@ def test_bitwise_ops_and_new_dtypes() -> None:
         f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     )
     assert proc.stdout.count("ok") == 2, proc.stdout
+
+
+LAUNCH = str(ROOT / "tests" / "torchdist" / "launch_allreduce.py")
+
+
+def _reports(text: str) -> dict[int, dict]:
+    out = {}
+    dec = json.JSONDecoder()
+    at = text.find('{"rank"')
+    while at >= 0:
+        d, end = dec.raw_decode(text, at)
+        out[d["rank"]] = d
+        at = text.find('{"rank"', end)
+    return out
+
+
+def _bare_env() -> dict[str, str]:
+    """The environment without torch's rendezvous variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_launch_bootstraps_from_torchs_store() -> None:
+    """torchrun, no MPI: the backend bootstraps over the store torch hands it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*cmd, LAUNCH], cwd=ROOT, env=_bare_env(), capture_output=True, text=True, timeout=100
+    )
+    res = _reports(proc.stdout)
+    assert set(res) == {0, 1}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    for o in res.values():
+        assert o["sum"] == [1.0, 3.0, 5.0, 7.0] and o["sub"] == [2.0, 2.0, 2.0], o
+        assert o["mpi4py"] is False, "the torchrun launch imported mpi4py"
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_launch_needs_neither_rank_nor_master_addr() -> None:
+    proc = subprocess.run(
+        mpiexec(3) + [sys.executable, LAUNCH],
+        cwd=ROOT,
+        env=_bare_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    res = _reports(proc.stdout)
+    assert set(res) == {0, 1, 2}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    for r, o in res.items():
+        assert o["env"] == {"RANK": None, "MASTER_ADDR": None}, o
+        assert o["size"] == 3 and o["sum"] == [3.0, 6.0, 9.0, 12.0], o
+        assert o["sub"] == ([2.0] * 3 if r < 2 else [1.0] * 3), o
