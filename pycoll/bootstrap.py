@@ -291,8 +291,11 @@ def _connect_all(
             w.kind[p] = conn.transport
             w.why[p] = reasons[p][choice[p]]
             log.info("rank %d -> %d: using %s (%s)", rank, p, conn.transport, w.why[p])
-        # both ends must learn of a failure on either side, to move on together
-        seen = boot.allgather(failed, t, what + "connection results")
+        # Both ends must learn of a failure on either side, to move on together.
+        # Each connect may take up to the timeout (an attacher waits that long for
+        # a segment its creator failed to make), so a live rank may arrive here
+        # up to one timeout per peer after the others.
+        seen = boot.allgather(failed, t * size, what + "connection results")
         again = []
         for p in todo:
             why = failed.get(p) or seen[p].get(rank)
