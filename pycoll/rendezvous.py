@@ -144,6 +144,12 @@ class _Base:
             )
         return obj
 
+    def _gathered(self, seq: int, obj: Any, got: dict[int, bytes], what: str) -> list[Any]:
+        """Every rank's object: ``obj`` here, the decoded ``got`` from the others."""
+        return [
+            obj if p == self.rank else self._open(seq, p, got[p], what) for p in range(self.size)
+        ]
+
     def barrier(self, timeout: float, what: str) -> None:
         self.allgather(None, timeout, what)
 
@@ -301,9 +307,7 @@ class MpiBootstrap(_Base):
         sends = self._post(encode((seq, obj)), peers, tag)
         got = self._collect(peers, tag, deadline, timeout, what)
         self._finish(sends, peers, deadline, timeout, what)
-        return [
-            obj if p == self.rank else self._open(seq, p, got[p], what) for p in range(self.size)
-        ]
+        return self._gathered(seq, obj, got, what)
 
     def bcast(self, obj: Any, root: int, timeout: float, what: str) -> Any:
         seq = self._next(what)
@@ -494,9 +498,7 @@ class StoreBootstrap(_Base):
         self._set(self._key(seq, self.rank), encode((seq, obj)), what)
         others = {p: self._key(seq, p) for p in range(self.size) if p != self.rank}
         got = self._wait(others, time.monotonic() + timeout, timeout, what)
-        return [
-            obj if p == self.rank else self._open(seq, p, got[p], what) for p in range(self.size)
-        ]
+        return self._gathered(seq, obj, got, what)
 
     def bcast(self, obj: Any, root: int, timeout: float, what: str) -> Any:
         seq = self._next(what)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import mpiexec
+from tests.launch import mpiexec, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "faults" / "scenario.py"
@@ -229,18 +229,6 @@ def test_kill_during_init_leaks_no_segment(tmp_path):
 
 
 # ----------------------------------------------------------------------------- init (issue 33, 3 and 5)
-def _json_lines(text: str) -> dict[int, dict]:
-    """The JSON reports in ``text`` (the launcher or a log line may share their line)."""
-    out = {}
-    dec = json.JSONDecoder()
-    at = text.find('{"rank"')
-    while at >= 0:
-        d, end = dec.raw_decode(text, at)
-        out[d["rank"]] = d
-        at = text.find('{"rank"', end)
-    return out
-
-
 def _init_mpi(cmd: list[str], out: Path, timeout: float = 90) -> dict[int, dict]:
     subprocess.run(
         cmd,
@@ -287,8 +275,12 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(tmp_path: Path) 
 STORE_RANK = str(ROOT / "tests" / "faults" / "store_rank.py")
 
 
-def _store_job(tmp_path: Path, n: int, *args: str, wrap: str = "") -> dict[int, dict]:
-    """``n`` ranks of tests/faults/store_rank.py over one FileStore, no MPI."""
+def _store_job(
+    tmp_path: Path, n: int, *args: str, wrap: str = "", launcher: tuple[str, ...] = ()
+) -> dict[int, dict]:
+    """``n`` ranks of tests/faults/store_rank.py over one FileStore, no MPI; ``wrap``
+    runs first in their shell, ``launcher`` starts that shell.  ``res[-1]`` holds
+    the jobs' stderr."""
     store = tmp_path / "store"
     ranks = " & ".join(
         f"{sys.executable} {STORE_RANK} {store} {r} {n} " + " ".join(f"'{a}'" for a in args)
@@ -296,14 +288,14 @@ def _store_job(tmp_path: Path, n: int, *args: str, wrap: str = "") -> dict[int, 
     )
     script = f"{wrap}{ranks} & wait"
     proc = subprocess.run(
-        ["sh", "-c", script],
+        [*launcher, "sh", "-c", script],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "PYTHONPATH": str(ROOT), "PYCOLL_DEBUG": "WARN"},
     )
-    res = _json_lines(proc.stdout)
+    res = reports(proc.stdout)
     assert set(res) == set(range(n)), proc.stdout + proc.stderr
     res[-1] = {"stderr": proc.stderr}
     return res
@@ -337,26 +329,13 @@ def test_full_dev_shm_falls_back_to_tcp_at_once(tmp_path: Path) -> None:
         "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
         "dd if=/dev/zero of=/dev/shm/fill bs=64k count=100 2>/dev/null; "
     )
-    store = tmp_path / "store"
-    store.mkdir()
-    script = wrap + " & ".join(
-        f'{sys.executable} {STORE_RANK} {store} {r} 3 timeout=5 \'transports=("shm","tcp")\''
-        for r in range(3)
-    )
-    proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script + " & wait"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PYCOLL_DEBUG": "WARN"},
-    )
-    res = _json_lines(proc.stdout)
-    assert set(res) == {0, 1, 2}, proc.stdout + proc.stderr
+    args = ("timeout=5", 'transports=("shm","tcp")')
+    res = _store_job(tmp_path, 3, *args, wrap=wrap, launcher=("unshare", "-m"))
+    stderr = res.pop(-1)["stderr"]
     for r, o in res.items():
         assert "error" not in o, o
         assert o["sum"] == [6.0] * 5
         assert all(v == "tcp" for p, v in o["via"].items() if int(p) != r), o
         assert o["init_s"] < 5, o  # less than one timeout
-    assert "shm unavailable" in proc.stderr and "/dev/shm has only" in proc.stderr, proc.stderr
-    assert "rank 0: rank 0:" not in proc.stderr + proc.stdout
+    assert "shm unavailable" in stderr and "/dev/shm has only" in stderr, stderr
+    assert "rank 0: rank 0:" not in stderr + str(res)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import mpiexec
+from tests.launch import mpiexec, reports
 
 pytest.importorskip(
     "torch", reason="torch is not installed (pip install 'pycoll-collectives[torch]')"
@@ -123,17 +123,6 @@ def test_bitwise_ops_and_new_dtypes() -> None:
 LAUNCH = str(ROOT / "tests" / "torchdist" / "launch_allreduce.py")
 
 
-def _reports(text: str) -> dict[int, dict]:
-    out = {}
-    dec = json.JSONDecoder()
-    at = text.find('{"rank"')
-    while at >= 0:
-        d, end = dec.raw_decode(text, at)
-        out[d["rank"]] = d
-        at = text.find('{"rank"', end)
-    return out
-
-
 def _bare_env() -> dict[str, str]:
     """The environment without torch's rendezvous variables."""
     env = {
@@ -152,7 +141,7 @@ def test_torchrun_launch_bootstraps_from_torchs_store() -> None:
     proc = subprocess.run(
         [*cmd, LAUNCH], cwd=ROOT, env=_bare_env(), capture_output=True, text=True, timeout=100
     )
-    res = _reports(proc.stdout)
+    res = reports(proc.stdout)
     assert set(res) == {0, 1}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     for o in res.values():
         assert o["sum"] == [1.0, 3.0, 5.0, 7.0] and o["sub"] == [2.0, 2.0, 2.0], o
@@ -169,7 +158,7 @@ def test_mpiexec_launch_needs_neither_rank_nor_master_addr() -> None:
         text=True,
         timeout=100,
     )
-    res = _reports(proc.stdout)
+    res = reports(proc.stdout)
     assert set(res) == {0, 1, 2}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     for r, o in res.items():
         assert o["env"] == {"RANK": None, "MASTER_ADDR": None}, o

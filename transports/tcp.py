@@ -991,13 +991,7 @@ class TcpTransport(Transport):
         for conn in reversed(self._conns):
             conn.close()
         self._conns.clear()
-        for st in self._stash.values():
-            for s in st.socks.values():
-                s.close()
-        self._stash.clear()
-        for p in list(self._pending.values()):
-            self._drop(p, None)
-        self._close_listeners()
+        self.seal()
 
     def _forget(self, conn: TcpConnection) -> None:
         try:
