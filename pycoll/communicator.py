@@ -37,6 +37,7 @@ from pycoll.errors import (
 )
 from pycoll.gpu import setup as gpu_setup
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
+from pycoll.rendezvous import Bootstrap
 from pycoll.tune import Tuner, tunable
 from transports.base import Backoff, Deadline
 from transports.base import TransportError as WireError
@@ -361,12 +362,17 @@ class Communicator:
     same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
     """
 
-    def __init__(self, mpi_comm: Any, config: Config) -> None:
+    def __init__(self, bootstrap: Bootstrap, config: Config) -> None:
         self.config = config
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
+        self.rank: int = bootstrap.rank
+        self.size: int = bootstrap.size
         setup_logging(config.debug, self.rank)
-        self._wiring: Wiring | None = wire(mpi_comm, config)
+        self._bootstrap = bootstrap
+        try:
+            self._wiring: Wiring | None = wire(bootstrap, config)
+        except BaseException:
+            bootstrap.close()
+            raise
         self._conns = self._wiring.conns
         self._kinds = dict(self._wiring.kind)
         self._kinds[self.rank] = "self"
@@ -378,9 +384,15 @@ class Communicator:
         # ... and the name and function each runs its calls by, made once
         self._tuned: dict[Tuner, tuple[str, Callable[..., None]]] = {}
         try:  # the device side (second connection table, cuda_ipc); None without a GPU
-            self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
+            self._gpu = gpu_setup(bootstrap, config, self.rank, self.size)
+            # per rank: CPUs, shm peers
+            shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
+            seen = bootstrap.allgather((sorted(_cpus()), shm), config.timeout, "pycoll.init: CPUs")
         except BaseException:
+            if getattr(self, "_gpu", None) is not None:
+                self._gpu.close()
             self._wiring.close()
+            bootstrap.close()
             raise
         self._closed = False
         self._failed: BaseException | None = None
@@ -389,8 +401,6 @@ class Communicator:
         # More ranks on a host than cores they may run on?  The waiting policy
         # follows this rank's host; the algorithms follow every rank's verdict
         # (any), so that all ranks pick the same algorithm and the same steps.
-        shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
-        seen = mpi_comm.allgather((sorted(_cpus()), shm))  # per rank: CPUs, shm peers
 
         def crowded(r: int) -> bool:
             cpus, peers = seen[r]
@@ -413,7 +423,7 @@ class Communicator:
         self._inflight = 0
         self._lock = threading.Lock()
         # side channel for naming the culprits of a timeout (pycoll.diagnose)
-        self._status = StatusChannel(mpi_comm)
+        self._status = StatusChannel(bootstrap)
 
     # ------------------------------------------------------------------ public
     def transport_of(self, peer: int, *, device: bool = False) -> str:
@@ -915,6 +925,7 @@ class Communicator:
             self._wiring = None
         self._conns = {}
         self._status.close()
+        self._bootstrap.close()
 
     def abort(self) -> None:
         """Tear down at once without waiting for peers or queued collectives."""
@@ -934,6 +945,7 @@ class Communicator:
             self._wiring = None
         self._conns = {}
         self._status.close()
+        self._bootstrap.close()
 
     def recent(self) -> list[str]:
         """The flight recorder: this rank's recent collectives, oldest first."""

@@ -6,17 +6,22 @@
     import pycoll.torch_backend
 
     pycoll.torch_backend.register()           # once per process
-    dist.init_process_group("pycoll")         # under mpiexec (see below)
+    dist.init_process_group("pycoll")         # under mpiexec or torchrun (see below)
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-The backend is a Python :class:`torch.distributed.ProcessGroup` whose
-collectives run on a pycoll :class:`~pycoll.Communicator`.  Ranks are MPI
-ranks: the communicator is built from mpi4py's ``COMM_WORLD`` (a subgroup from
-``dist.new_group(ranks, backend="pycoll")`` gets an MPI sub-communicator of the
-same ranks), so the job must be started with ``mpiexec`` and torch's rank and
-world size must be the MPI ones (``RANK``/``WORLD_SIZE`` from
-``PMI_RANK``/``PMI_SIZE``, or ``init_process_group(rank=, world_size=)``).  A
-mismatch raises at ``init_process_group``.
+The backend is a Python :class:`torch.distributed.ProcessGroup`
+whose collectives run on a pycoll :class:`~pycoll.Communicator`, bootstrapped
+(:mod:`pycoll.rendezvous`) in one of two ways:
+
+* under an MPI launcher (``mpiexec -n N python train.py``), the world group
+  over mpi4py's ``COMM_WORLD``; ``init_process_group("pycoll")`` then needs
+  neither ``RANK`` nor ``MASTER_ADDR``: :func:`register` installs an ``mpi://``
+  rendezvous (rank and size from MPI, a ``TCPStore`` served by rank 0 and found
+  over MPI), which ``env://`` uses when ``MASTER_ADDR`` is unset.  Given a rank
+  or size, it must be the MPI one; a mismatch raises at ``init_process_group``.
+* anywhere else (``torchrun``), over the store torch hands the backend, as
+  Gloo does; mpi4py is then never imported.  Subgroups
+  (``dist.new_group(ranks, backend="pycoll")``) always bootstrap over their store.
 
 Collectives: ``allreduce`` (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR; which
 op takes which dtype: :mod:`pycoll.reduce`) and its coalesced
@@ -59,13 +64,16 @@ torch is imported only by this module; ``import pycoll`` never imports it.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from time import monotonic
 from typing import Any
+from urllib.parse import urlparse
 
 import ml_dtypes
 import numpy as np
@@ -360,8 +368,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         comm: the communicator (this group closes it on ``shutdown``).
         rank: this process' rank in the group (must equal ``comm.rank``).
         size: the group size (must equal ``comm.size``).
-        mpi_comm: the mpi4py communicator ``comm`` was built from; ``shutdown``
-            passes an MPI barrier on it before closing ``comm``.
+        bootstrap: the bootstrap ``comm`` was built over; ``shutdown`` passes a
+            barrier on it (bounded by the timeout) before closing ``comm``.
         store: the group's ``torch.distributed`` store (``monitored_barrier`` meets
             there); None: ``monitored_barrier`` is unsupported.
 
@@ -373,7 +381,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         comm: pycoll.Communicator,
         rank: int,
         size: int,
-        mpi_comm: Any = None,
+        bootstrap: Any = None,
         store: Any = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
@@ -383,7 +391,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 f"is rank {comm.rank} of {comm.size}"
             )
         self._comm = comm
-        self._mpi_comm = mpi_comm
+        self._bootstrap = bootstrap
         self._rank = rank
         self._size = size
         self._store = store
@@ -461,11 +469,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         if self._broken:  # a failed collective: the peers may be gone, wait for none
             self._comm.abort()
             return
-        if self._mpi_comm is not None:
+        if self._bootstrap is not None:
             # Every rank must have drained its last collective before any closes:
             # a shm peer that sees the other end closed fails a receive whose data
             # was already delivered.
-            self._mpi_comm.Barrier()
+            try:
+                self._bootstrap.barrier(self._comm.config.timeout, "pycoll backend: shutdown")
+            except pycoll.PycollError as exc:
+                log.warning("pycoll backend: %s", exc)
         self._comm.close()
 
     def abort(self) -> None:
@@ -846,28 +857,48 @@ def monitored_barrier(
 _config: dict[str, Any] = {}
 
 
-def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupPycoll:
-    """The creator ``torch.distributed`` calls (extended API) for each new group."""
-    from mpi4py import MPI
+#: Variables an MPI launcher (MPICH's hydra, Open MPI, PMIx) sets in every rank.
+MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
-    world = MPI.COMM_WORLD
+
+def under_mpi() -> bool:
+    """Whether this process was started by an MPI launcher (mpiexec, mpirun, srun)."""
+    return any(v in os.environ for v in MPI_LAUNCHER_VARS)
+
+
+def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupPycoll:
+    """The creator ``torch.distributed`` calls (extended API) for each new group.
+
+    Under an MPI launcher the world group bootstraps over mpi4py's
+    ``COMM_WORLD`` (torch's rank must be the MPI rank).  Elsewhere (torchrun),
+    and for every subgroup, it bootstraps over the store torch hands it, which
+    is bounded by the timeout like every pycoll bootstrap.
+    """
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     members = [int(r) for r in dist_opts.global_ranks_in_group]
-    if not members or members == list(range(world.Get_size())):
-        mpi_comm = world
-        where = "MPI COMM_WORLD"
-    else:
-        mpi_comm = world.Create_group(world.Get_group().Incl(members))
-        where = f"the MPI group of world ranks {members}"
-    if (mpi_comm.Get_rank(), mpi_comm.Get_size()) != (rank, size):
+    store = getattr(dist_opts, "store", None)
+    if under_mpi():
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if not members or members == list(range(world.Get_size())):
+            if (world.Get_rank(), world.Get_size()) != (rank, size):
+                raise RuntimeError(
+                    f"pycoll backend: torch.distributed says this process is rank {rank} of "
+                    f"{size}, but in MPI COMM_WORLD it is rank {world.Get_rank()} of "
+                    f"{world.Get_size()}. Under mpiexec, give torch the MPI rank and size "
+                    "(init_process_group('pycoll') with no rank, world_size or store does), "
+                    "or launch with torchrun instead."
+                )
+            comm = pycoll.init(world, **{**_config, **_timeout_of(dist_opts)})
+            return ProcessGroupPycoll(comm, rank, size, comm._bootstrap, store=store)
+    if store is None:
         raise RuntimeError(
-            f"pycoll backend: torch.distributed says this process is rank {rank} of {size}, "
-            f"but in {where} it is rank {mpi_comm.Get_rank()} of {mpi_comm.Get_size()}. "
-            "Launch with `mpiexec -n N` and give torch the MPI rank and size "
-            "(RANK=$PMI_RANK WORLD_SIZE=$PMI_SIZE, or init_process_group(rank=, world_size=))."
+            "pycoll backend: torch.distributed gave no store, and this process was not "
+            "started by an MPI launcher: launch with torchrun or mpiexec"
         )
-    comm = pycoll.init(mpi_comm, **{**_config, **_timeout_of(dist_opts)})
-    return ProcessGroupPycoll(comm, rank, size, mpi_comm, store=dist_opts.store)
+    comm = pycoll.init(store=store, rank=rank, size=size, **{**_config, **_timeout_of(dist_opts)})
+    return ProcessGroupPycoll(comm, rank, size, comm._bootstrap, store=store)
 
 
 def _timeout_of(dist_opts: Any) -> dict[str, float]:
@@ -882,6 +913,71 @@ def _timeout_of(dist_opts: Any) -> dict[str, float]:
     return {"timeout": t.total_seconds()}
 
 
+def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Any:
+    """torch's rendezvous under an MPI launcher: rank and size from MPI, and a
+    ``TCPStore`` that rank 0 serves, its address sent over mpi4py (bounded).
+
+    Reached as ``init_method="mpi://"``, and for ``env://`` (the default) when
+    ``MASTER_ADDR`` is unset under an MPI launcher.
+    """
+    from mpi4py import MPI
+
+    from pycoll.rendezvous import MpiBootstrap
+    from transports.tcp import host_id, select_interfaces
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    query = dict(q.split("=", 1) for q in urlparse(url).query.split("&") if "=" in q)
+    for key, mine in (("rank", rank), ("world_size", size)):
+        given = int(query.get(key, -1))
+        if given not in (-1, mine):
+            raise RuntimeError(
+                f"pycoll backend: {key}={given} was given, but MPI says {mine} "
+                f"(rank {rank} of {size}): under mpiexec, leave rank and world_size out"
+            )
+    wait = timeout.total_seconds()
+    boot = MpiBootstrap(world)
+    try:
+        boot.arrive(wait)
+        here = host_id()
+        one_host = all(h == here for h in boot.allgather(here, wait, "torch rendezvous"))
+        addr = None
+        server = None
+        if rank == 0:
+            host = "127.0.0.1"
+            if not one_host:
+                addrs, _, _ = select_interfaces(os.environ.get("PYCOLL_SOCKET_IFNAME"))
+                host = addrs[0].host
+            server = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+            addr = (host, int(server.port))
+        host, port = boot.bcast(addr, 0, wait, "torch rendezvous")
+        store = server or dist.TCPStore(host, port, size, False, timeout=timeout)
+    finally:
+        boot.close()
+    yield store, rank, size
+    raise RuntimeError("pycoll backend: the mpi:// rendezvous cannot run again")
+
+
+def _install_rendezvous() -> None:
+    """``mpi://``, and ``env://`` without ``MASTER_ADDR`` under an MPI launcher."""
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+    handlers = rdzv._rendezvous_handlers
+    if "mpi" not in handlers:
+        rdzv.register_rendezvous_handler("mpi", _mpi_rendezvous)
+    env = handlers.get("env")
+    if env is None or getattr(env, "_pycoll", False):
+        return
+
+    def env_or_mpi(url: str, **kwargs: Any) -> Any:
+        if under_mpi() and not os.environ.get("MASTER_ADDR"):
+            return _mpi_rendezvous(url, **kwargs)
+        return env(url, **kwargs)
+
+    env_or_mpi._pycoll = True  # type: ignore[attr-defined]
+    handlers["env"] = env_or_mpi
+
+
 def register(**config: Any) -> None:
     """Make ``"pycoll"`` a ``torch.distributed`` backend (idempotent).
 
@@ -891,6 +987,7 @@ def register(**config: Any) -> None:
     """
     _config.clear()
     _config.update(config)
+    _install_rendezvous()
     if NAME.upper() in dist.Backend._plugins:
         return
     devices = ["cpu", "cuda"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import mpiexec
+from tests.launch import mpiexec, reports
 
 pytest.importorskip(
     "torch", reason="torch is not installed (pip install 'pycoll-collectives[torch]')"
@@ -79,7 +79,8 @@ def test_ddp_pycoll_matches_gloo(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_rank_mismatch_is_a_clear_error() -> None:
-    """One process (MPI world of 1) that claims to be rank 1 of 2 must be refused."""
+    """One process under mpiexec (MPI world of 1) that claims to be rank 1 of 2 must
+    be refused."""
     code = (
         "import torch.distributed as dist, pycoll.torch_backend as tb\n"
         "tb.register()\n"
@@ -92,7 +93,14 @@ def test_rank_mismatch_is_a_clear_error() -> None:
         "else:\n"
         "    raise SystemExit('accepted a rank that MPI does not have')\n"
     )
-    proc = _python(code, 100)
+    proc = subprocess.run(
+        mpiexec(1) + [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "refused" in proc.stdout
 
@@ -340,3 +348,49 @@ def test_fsdp2_fsdp1_device_mesh_match_gloo(tmp_path: Path) -> None:
     assert "losses" in gloo["dcp"], gloo["dcp"]
     assert mine["dcp"]["error"] == "UnsupportedError", mine["dcp"]
     assert "gather is not supported" in mine["dcp"]["message"], mine["dcp"]
+
+
+LAUNCH = str(ROOT / "tests" / "torchdist" / "launch_allreduce.py")
+
+
+def _bare_env() -> dict[str, str]:
+    """The environment without torch's rendezvous variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_launch_bootstraps_from_torchs_store() -> None:
+    """torchrun, no MPI: the backend bootstraps over the store torch hands it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*cmd, LAUNCH], cwd=ROOT, env=_bare_env(), capture_output=True, text=True, timeout=100
+    )
+    res = reports(proc.stdout)
+    assert set(res) == {0, 1}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    for o in res.values():
+        assert o["sum"] == [1.0, 3.0, 5.0, 7.0] and o["sub"] == [2.0, 2.0, 2.0], o
+        assert o["mpi4py"] is False, "the torchrun launch imported mpi4py"
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_launch_needs_neither_rank_nor_master_addr() -> None:
+    proc = subprocess.run(
+        mpiexec(3) + [sys.executable, LAUNCH],
+        cwd=ROOT,
+        env=_bare_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    res = reports(proc.stdout)
+    assert set(res) == {0, 1, 2}, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    for r, o in res.items():
+        assert o["env"] == {"RANK": None, "MASTER_ADDR": None}, o
+        assert o["size"] == 3 and o["sum"] == [3.0, 6.0, 9.0, 12.0], o
+        assert o["sub"] == ([2.0] * 3 if r < 2 else [1.0] * 3), o

@@ -585,3 +585,98 @@ def test_torch_cpu_tensors_are_viewed_without_a_copy() -> None:
         as_buffer(torch.ones(3, dtype=torch.complex64).conj(), 0, "t", "sendbuf", writable=False)
     with pytest.raises(InvalidArgumentError, match="rank 0: t: sendbuf has dtype torch.float8"):
         as_buffer(torch.ones(3).to(torch.float8_e4m3fn), 0, "t", "sendbuf", writable=False)
+
+
+# ----------------------------------------------------------------------------- bootstrap seam
+def test_store_bootstrap_names_the_rank_that_never_arrives(tmp_path) -> None:
+    import time
+
+    from pycoll.rendezvous import StoreBootstrap
+    from pycoll.stores import FileStore, HashStore
+    from tests.inproc import run_ranks
+
+    for store in (HashStore(), FileStore(tmp_path / "s")):
+        t0 = time.monotonic()
+
+        def go(r: int, store: object = store) -> str:
+            b = StoreBootstrap(store, r, 3)
+            try:
+                b.arrive(0.5)
+            except pycoll.ConnectError as exc:
+                assert exc.peer == 2
+                return str(exc)
+            return "arrived"
+
+        said = run_ranks(2, go)  # rank 2 of 3 never comes
+        assert time.monotonic() - t0 < 5
+        for r in (0, 1):
+            assert said[r].startswith(
+                f"rank {r}: pycoll.init: rank(s) [2] of the 3 did not call"
+            ), said
+
+
+def test_store_bootstrap_exchanges_plain_data_only() -> None:
+    import pickle
+
+    from pycoll.rendezvous import StoreBootstrap, decode, encode
+    from pycoll.stores import HashStore
+    from tests.inproc import run_ranks
+
+    store = HashStore()
+
+    def go(r: int) -> tuple[object, ...]:
+        b = StoreBootstrap(store, r, 2)
+        b.arrive(5)
+        got = b.allgather({"rank": r, "blob": bytes([r])}, 5, "t")
+        root = b.bcast(("from", r), 1, 5, "t")
+        b.barrier(5, "t")
+        return got, root
+
+    for got, root in run_ranks(2, go):
+        assert got == [{"rank": 0, "blob": b"\0"}, {"rank": 1, "blob": b"\1"}]
+        assert root == ("from", 1)
+    assert decode(encode((1, [b"x", {2: (True, None)}]))) == (1, [b"x", {2: (True, None)}])
+    with pytest.raises(pickle.UnpicklingError, match="may not name"):
+        decode(pickle.dumps(InvalidArgumentError("x")))
+
+
+def test_init_over_a_store_checks_its_arguments() -> None:
+    from pycoll.stores import HashStore
+
+    with pytest.raises(InvalidArgumentError, match="needs rank= and size="):
+        pycoll.init(store=HashStore(), rank=0)
+    with pytest.raises(InvalidArgumentError, match=r"rank=2 must be an int in \[0, 2\)"):
+        pycoll.init(store=HashStore(), rank=2, size=2)
+    with pytest.raises(InvalidArgumentError, match="has no set, get, wait"):
+        pycoll.init(store=object(), rank=0, size=1)
+
+
+def test_a_failed_shm_connection_falls_back_to_tcp(monkeypatch) -> None:
+    """A segment that cannot be created at connect time (after listen's probe
+    passed): the pairs move to tcp together, with a warning, and the message
+    names the rank once."""
+    import transports._segment as seg
+    from tests.inproc import communicators
+
+    real = seg.create
+
+    def create(size: int, **kw: object) -> object:
+        if kw.get("ident") != b"probe" and kw.get("peer", -1) != -1:  # a pair segment
+            raise seg.ConnectError("injected: no room", peer=kw.get("peer"), transport="shm")
+        return real(size, **kw)  # type: ignore[arg-type]
+
+    import logging
+
+    monkeypatch.setattr(seg, "create", create)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("pycoll.bootstrap").addHandler(handler)
+    try:
+        with communicators(3, transports=("shm", "tcp"), timeout=2, group_slot_bytes=0) as comms:
+            for c in comms:
+                assert all(c.transport_of(p) == "tcp" for p in range(3) if p != c.rank)
+    finally:
+        logging.getLogger("pycoll.bootstrap").removeHandler(handler)
+    said = [r.getMessage() for r in records if "falling back to tcp" in r.getMessage()]
+    assert said and all("rank 0: rank 0:" not in m for m in said), said

@@ -126,12 +126,13 @@ def create(
             for, the space free and ``hint``), or the file cannot be created.
     """
     free = free_bytes()
-    what = f"{transport} segment for peer {peer}"
+    what = f"{transport} segment" + (f" for peer {peer}" if peer >= 0 else "")
     if size > free:
         raise ConnectError(
             f"{what} needs {size} bytes but {SHM_DIR} has only {free} free; {hint}".rstrip("; "),
             peer=peer,
             transport=transport,
+            errno=errno.ENOSPC,
         )
     try:
         fd = os.open(SHM_DIR, os.O_RDWR | os.O_TMPFILE, 0o600)
@@ -198,6 +199,18 @@ def attach(
         peer=peer,
         transport=transport,
     )
+
+
+def probe_room(size: int, *, transport: str, hint: str = "") -> None:
+    """Create and reserve a segment of ``size`` bytes, then drop it: whether
+    :func:`create` can succeed now (a full /dev/shm fails here, at once).
+
+    Raises:
+        ConnectError: as :func:`create` (``errno`` ENOSPC when the room is lacking).
+    """
+    mm, fd = create(size, ident=b"probe", peer=-1, transport=transport, hint=hint)
+    mm.close()
+    os.close(fd)
 
 
 class Directory:

@@ -183,6 +183,18 @@ class ShmTransport(Transport):
         self._dir: _segment.Directory | None = None
 
     def listen(self) -> bytes:
+        """The endpoint blob, once a pair segment is known to fit in /dev/shm.
+
+        Raises:
+            ConnectError: /dev/shm has no room for one segment (errno ENOSPC): the
+                bootstrap then falls back to the next allowed transport.
+        """
+        if self.options.size > 1:
+            _segment.probe_room(
+                _segment_bytes(self.nslots, self.slot_bytes),
+                transport="shm",
+                hint="enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
+            )
         if self._dir is None:
             self._dir = _segment.Directory(self.options.size, self._me.token, "shm")
             self._me.dirfd = self._dir.fd
