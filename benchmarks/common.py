@@ -53,13 +53,22 @@ def _dtypes() -> dict[str, tuple[np.dtype, str]]:
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
 
 
+def dtype_names(value: str) -> list[str]:
+    """``-d`` value -> the dtype names it means (``all``: every one, as nccl-tests)."""
+    return list(_dtypes()) if value.lower() == "all" else [value]
+
+
 def parse_dtype(name: str) -> tuple[np.dtype, str, str]:
-    """``-d`` value -> (numpy dtype, canonical name, nccl-tests name)."""
+    """``-d`` value -> (numpy dtype, canonical name, nccl-tests name).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
     key = DTYPE_ALIASES.get(name.lower(), name.lower())
     table = _dtypes()
     if key not in table:
-        raise SystemExit(
-            f"unknown dtype {name!r}; choose from {', '.join(table)} (or half, float, double)"
+        raise ValueError(
+            f"unknown dtype {name!r}; choose from {', '.join(table)}, all (or half, float, double)"
         )
     dt, nccl = table[key]
     return dt, key, nccl

@@ -7,8 +7,9 @@ Run under mpiexec; rank 0 prints::
         --baselines mpi,gloo --json out.json --plot plots/
 
 Flags follow nccl-tests: ``-b`` min bytes, ``-e`` max bytes, ``-f`` factor (or
-``-i`` increment), ``-n`` iterations, ``-w`` warm-up iterations, ``-c`` check,
-``-d`` dtype, ``-o`` op, ``--root``.  ``size`` is nccl-tests' size: the buffer
+``-i`` increment), ``-n`` iterations, ``-w`` warm-up iterations, ``-c`` check
+(0 off), ``-d`` dtype (or ``all``), ``-o`` op (or ``all``), ``-r`` root;
+repetitions are ``--repetitions``.  ``size`` is nccl-tests' size: the buffer
 of allreduce, broadcast and reduce, the *output* of allgather and the *input*
 of reduce_scatter (each rank's block is size / n).
 
@@ -17,8 +18,8 @@ then ``-n`` timed calls; ``time`` is the per-call mean on the slowest rank (max
 over ranks).  For each size every system runs in turn (pycoll's algorithms, then
 the baselines) before the next size, so machine noise hits them alike.
 
-Columns: ``size count type redop root time algbw busbw #wrong`` as in
-nccl-tests (time in us; algbw = size / time and busbw = algbw * factor in GB/s,
+Columns: ``size count type redop root``, then ``time algbw busbw #wrong`` for
+the out-of-place and for the in-place call side by side, as in nccl-tests (time in us; algbw = size / time and busbw = algbw * factor in GB/s,
 factor 2(n-1)/n for allreduce, (n-1)/n for allgather and reduce_scatter, 1 for
 broadcast and reduce); with ``--limits`` a ``frac`` column, busbw as a fraction of
 the memory-bandwidth bound of that algorithm (see ``benchmarks/limits.py``); then
@@ -65,6 +66,7 @@ from common import (
     BUSBW_FACTOR,
     COLLECTIVES,
     OPS,
+    dtype_names,
     geometry,
     host_meta,
     parse_dtype,
@@ -72,6 +74,22 @@ from common import (
     run_or_abort,
     size_list,
 )
+
+#: Collectives with a root, and with a reduction op (nccl-tests prints root -1
+#: and redop none for the others).
+ROOTED = ("broadcast", "reduce")
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+
+
+def forms(coll: str, asked: list[bool]) -> list[bool]:
+    """The forms (in place or not) of ``coll`` measured: those asked for, where it
+    has both; pycoll's broadcast has only the in-place form, reduce_scatter only
+    the out-of-place one."""
+    if coll == "broadcast":
+        return [True]
+    if coll == "reduce_scatter":
+        return [False]
+    return asked
 
 
 class Skip(Exception):
@@ -93,10 +111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-i", "--stepbytes", default="0", help="size increment (instead of -f)")
     ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations")
     ap.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations")
-    ap.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
-    ap.add_argument("-d", "--datatype", default="float32", help="dtype (float, half, int32 ...)")
-    ap.add_argument("-o", "--op", default="sum", choices=OPS, help="reduction op")
-    ap.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
+    ap.add_argument(
+        "-c",
+        "--check",
+        type=int,
+        default=1,
+        help="check results: 0 off, else on (nccl-tests' count of checked iterations; "
+        "pycoll checks the first call of each system and size)",
+    )
+    ap.add_argument(
+        "-d", "--datatype", default="float32", help="dtype (float, half, int32 ...) or all"
+    )
+    ap.add_argument("-o", "--op", default="sum", help=f"reduction op: {', '.join(OPS)} or all")
+    ap.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
     ap.add_argument(
         "--algorithm",
         default="auto",
@@ -107,14 +134,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="pycoll timeout in seconds")
     ap.add_argument("--device", choices=("host", "cuda"), default="host")
     ap.add_argument("--baselines", default="", help="comma list of mpi, gloo, nccl")
-    ap.add_argument("--inplace", type=int, default=0, choices=(0, 1), help="in-place variants")
+    ap.add_argument(
+        "--inplace",
+        default="both",
+        choices=("both", "0", "1"),
+        help="both (out-of-place and in-place side by side, as nccl-tests), 0 or 1 alone",
+    )
     ap.add_argument(
         "--hugepages",
         choices=hostmem.POLICIES,
         default="numpy",
         help="host buffers on 2 MiB pages: numpy (from 4 MiB, as NumPy asks), on, off",
     )
-    ap.add_argument("-r", "--reps", type=int, default=1, help="repeat each measurement")
+    ap.add_argument(
+        "--repetitions", "--reps", type=int, default=1, dest="reps", help="repeat each measurement"
+    )
     ap.add_argument(
         "--max-time",
         type=float,
@@ -140,11 +174,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="write one PNG per collective into this dir")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
-    a.minbytes = parse_size(a.minbytes)
-    a.maxbytes = parse_size(a.maxbytes)
-    a.stepbytes = parse_size(a.stepbytes)
+    for flag, name in (("-b", "minbytes"), ("-e", "maxbytes"), ("-i", "stepbytes")):
+        text = getattr(a, name)
+        try:
+            value = parse_size(text)
+        except (ValueError, ArithmeticError):
+            value = -1
+        if value < 0:
+            ap.error(f"{flag} {text!r} is not a size: bytes, optionally with K, M or G (64K, 1M)")
+        setattr(a, name, value)
     if a.iters < 1 or a.warmup_iters < 0 or a.reps < 1:
-        ap.error("-n and -r must be >= 1, -w >= 0")
+        ap.error("-n and --repetitions must be >= 1, -w >= 0")
+    if a.check < 0:
+        ap.error(f"-c {a.check}: 0 (off) or a positive count")
+    a.check = int(a.check > 0)
+    if a.op.lower() != "all" and a.op.lower() not in OPS:
+        ap.error(f"-o {a.op!r}: choose from {', '.join(OPS)} or all")
+    a.ops = list(OPS) if a.op.lower() == "all" else [a.op.lower()]
+    try:
+        a.dtypes = [parse_dtype(d) for d in dtype_names(a.datatype)]
+    except ValueError as exc:
+        ap.error(f"-d {a.datatype!r}: {exc}")
+    a.variants = [False, True] if a.inplace == "both" else [a.inplace == "1"]
     a.baselines = [b.strip().lower() for b in a.baselines.split(",") if b.strip()]
     for b in a.baselines:
         if b not in ("mpi", "gloo", "nccl"):
@@ -587,34 +638,42 @@ def _fmt_time(us: float) -> str:
 
 
 class Table:
-    """nccl-tests columns, then ``frac`` (with --limits), then per baseline time and ratio."""
+    """nccl-tests' columns, out-of-place and in-place side by side: ``size count type
+    redop root``, then for each ``time algbw busbw #wrong`` (with --limits ``frac``,
+    then per baseline its time and ratio); a form not measured shows ``-``."""
 
     def __init__(self, baselines: list[str], limits: bool, show_algo: bool) -> None:
         self.baselines = baselines
         self.limits = limits
         self.show_algo = show_algo
 
-    def header(self) -> str:
-        h1 = f"#{'size':>11s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} {'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}"
-        h2 = f"#{'(B)':>11s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s} {'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s}"
+    def _half_header(self) -> tuple[str, str]:
+        h1 = f" {'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}"
+        h2 = f" {'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s}"
         if self.limits:
             h1 += f" {'frac':>5s}"
             h2 += f" {'':>5s}"
         for b in self.baselines:
             h1 += f" {b + '(us)':>10s} {'x' + b:>6s}"
             h2 += f" {'':>10s} {'':>6s}"
+        return h1, h2
+
+    def header(self) -> str:
+        h1, h2 = self._half_header()
+        lead = f"#{'':>11s} {'':>12s} {'':>8s} {'':>6s} {'':>5s}"
+        groups = lead + f" {'out-of-place':^{len(h1) - 1}s} {'in-place':^{len(h1) - 1}s}"
+        h1 = f"#{'size':>11s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s}" + h1 + h1
+        h2 = f"#{'(B)':>11s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s}" + h2 + h2
         if self.show_algo:
             h1 += "  algo"
-        return h1 + "\n" + h2
+        return groups + "\n" + h1 + "\n" + h2
 
-    def row(self, rec: dict[str, Any], base: dict[str, float | str]) -> str:
-        root = rec["root"] if rec["collective"] in ("broadcast", "reduce") else -1
-        redop = (
-            rec["op"] if rec["collective"] in ("allreduce", "reduce_scatter", "reduce") else "none"
-        )
+    def _half(self, rec: dict[str, Any] | None, base: dict[str, float | str]) -> str:
+        if rec is None:  # a form this collective does not have, or not asked for
+            widths = [9, 7, 7, 6] + [5] * self.limits + [10, 6] * len(self.baselines)
+            return "".join(f" {'-':>{w}s}" for w in widths)
         line = (
-            f" {rec['size']:>11d} {rec['count']:>12d} {rec['type']:>8s} {redop:>6s} {root:>5d} "
-            f"{_fmt_time(rec['time_us'])} {rec['algbw']:7.2f} {rec['busbw']:7.2f} "
+            f" {_fmt_time(rec['time_us'])} {rec['algbw']:7.2f} {rec['busbw']:7.2f} "
             f"{rec['wrong'] if rec['wrong'] is not None else 'N/A':>6}"
         )
         if self.limits:
@@ -626,9 +685,22 @@ class Table:
                 line += f" {_fmt_time(t):>10s} {t / rec['time_us']:6.2f}"
             else:
                 line += f" {'skip':>10s} {'-':>6s}"
+        return line
+
+    def row(self, halves: dict[bool, tuple[dict[str, Any], dict[str, float | str]]]) -> str:
+        """One size: ``halves[inplace] = (record, baseline times)``."""
+        rec = halves.get(False, halves.get(True))
+        assert rec is not None
+        r0 = rec[0]
+        root = r0["root"] if r0["collective"] in ROOTED else -1
+        redop = r0["op"] if r0["collective"] in REDUCING else "none"
+        line = f" {r0['size']:>11d} {r0['count']:>12d} {r0['type']:>8s} {redop:>6s} {root:>5d}"
+        for inplace in (False, True):
+            h = halves.get(inplace)
+            line += self._half(None, {}) if h is None else self._half(*h)
         if self.show_algo:
-            line += f"  {rec['resolved_algorithm']}"
-            ran = rec.get("auto_ran")
+            line += f"  {r0['resolved_algorithm']}"
+            ran = r0.get("auto_ran")
             if ran and len(ran) > 1:
                 line += " (tuned: " + ", ".join(f"{a} {c}" for a, c in ran.items()) + ")"
         return line
@@ -713,9 +785,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if out is not None:
             print(msg, file=out, flush=True)
 
-    dtype, dname, nccl_name = parse_dtype(args.datatype)
-    if args.op == "avg" and dtype.kind in "iu":
-        raise SystemExit("-o avg needs a floating dtype")
+    from pycoll.reduce import ReduceOp, supports
+
     xp, why = _xp(args.device, w)
     if xp is None:
         say(f"# --device cuda: skipped: {why}")
@@ -734,6 +805,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     chunk = comm.config.chunk_bytes
 
     collectives = list(COLLECTIVES) if args.collective == "all" else [args.collective]
+    # every (collective, dtype, op) of -d and -o (all: each); an op a dtype does not
+    # take is skipped with a line
+    combos = []
+    refused = []
+    for coll in collectives:
+        for dt in args.dtypes:
+            for op in args.ops if coll in REDUCING else args.ops[:1]:
+                if coll in REDUCING and not supports(ReduceOp(op), dt[0]):
+                    refused.append(
+                        f"# {coll} {dt[1]} {op}: skipped: {op} does not apply to {dt[1]}"
+                    )
+                else:
+                    combos.append((coll, dt, op))
+    if not combos:
+        raise SystemExit("; ".join(r.removeprefix("# ") for r in refused))
     meta = host_meta()
     meta["hosts"] = sorted(set(w.allgather(socket.gethostname())))
 
@@ -795,6 +881,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     say(f"# host(s): {', '.join(meta['hosts'])}  {meta.get('mpi', '')}")
     say("# time: per-call mean on the slowest rank; x<baseline> = baseline time / pycoll time")
+    for line in refused:
+        say(line)
     if xp is np:
         say(
             f"# host buffers: one mapping each, hugepages {args.hugepages} "
@@ -819,7 +907,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             bar = None
 
     after_gloo = False  # the last system timed (or tried) was Gloo
-    for coll in collectives:
+    for coll, (dtype, dname, nccl_name), op in combos:
         reg = algorithms.names(coll)
         # "all": auto (which may run several, see pycoll.tune) and each algorithm
         algos = [x.strip().lower() for x in args.algorithm.split(",") if x.strip()]
@@ -830,34 +918,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if a_ != "auto" and a_ not in reg:
                 raise SystemExit(f"{coll}: algorithm {a_!r} is not one of auto, {', '.join(reg)}")
         systems = [System("pycoll", a_) for a_ in algos] + [System(b) for b in baselines]
-        cases = []
+        groups = []  # per size, a case per form (out of place, in place)
         seen = set()
         for s in sizes:
             sc, rc, tc = geometry(coll, s, dtype.itemsize, n)
             if tc in seen:
                 continue
             seen.add(tc)
-            cases.append(
-                Case(
-                    coll,
-                    tc * dtype.itemsize,
-                    sc,
-                    rc,
-                    tc,
-                    dtype,
-                    dname,
-                    args.op,
-                    args.root,
-                    bool(args.inplace),
-                )
+            groups.append(
+                [
+                    Case(coll, tc * dtype.itemsize, sc, rc, tc, dtype, dname, op, args.root, ip)
+                    for ip in forms(coll, args.variants)
+                ]
             )
         if bar is not None:
-            bar.total += len(cases) * len(systems) * args.reps
+            bar.total += sum(map(len, groups)) * len(systems) * args.reps
             bar.refresh()
         table = Table(baselines, lim is not None, show_algo=False)
         live = len(algos) == 1
         say(
-            f"#\n# {coll}  dtype {dname}  op {args.op}  root {args.root}  algorithm(s) {', '.join(algos)}"
+            f"#\n# {coll}  dtype {dname}  op {op if coll in REDUCING else 'none'}  "
+            f"root {args.root if coll in ROOTED else -1}  algorithm(s) {', '.join(algos)}"
         )
         if live:
             say(f"# pycoll algorithm: {algos[0]}")
@@ -866,157 +947,162 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows: dict[str, list[str]] = {a_: [] for a_ in algos}
         busbws: dict[str, list[float]] = {a_: [] for a_ in algos}
         skip_said: set[tuple[str, str]] = set()
-        for case in cases:
-            bufs = make_buffers(case, xp, args.hugepages)
-            ref = expected(case, rank, n) if args.check else None
-            # the model's pick, by the bytes each rank passes in (an allgather's
-            # block, not nccl-tests' size, which is the whole output): auto's
-            # first; where the model sees close contenders auto times them as it
-            # runs (pycoll.tune), and the records say what it ran ("auto_ran")
-            nbytes = input_bytes(case)
-            auto_choice = comm._algorithm(coll, "auto", nbytes)
-            per_sys: dict[str, list[dict[str, Any]]] = {}
-            prepared: dict[str, Prepared | None] = {}
-            for sysm in systems:
-                try:
-                    p: Prepared | None = runner.prepare(sysm, case, bufs)
-                    err = ""
-                except Skip as exc:
-                    p, err = None, str(exc)
-                # a baseline may refuse a dtype/op only when called: try once, agree
-                wrong = None
-                if p is not None:
+        for group in groups:
+            halves: dict[str, dict[bool, Any]] = {a_: {} for a_ in algos}
+            for case in group:
+                bufs = make_buffers(case, xp, args.hugepages)
+                ref = expected(case, rank, n) if args.check else None
+                # the model's pick, by the bytes each rank passes in (an allgather's
+                # block, not nccl-tests' size, which is the whole output): auto's
+                # first; where the model sees close contenders auto times them as it
+                # runs (pycoll.tune), and the records say what it ran ("auto_ran")
+                nbytes = input_bytes(case)
+                auto_choice = comm._algorithm(coll, "auto", nbytes)
+                per_sys: dict[str, list[dict[str, Any]]] = {}
+                prepared: dict[str, Prepared | None] = {}
+                for sysm in systems:
                     try:
-                        p.load()
-                        p.call()
-                        sync()
+                        p: Prepared | None = runner.prepare(sysm, case, bufs)
+                        err = ""
+                    except Skip as exc:
+                        p, err = None, str(exc)
+                    # a baseline may refuse a dtype/op only when called: try once, agree
+                    wrong = None
+                    if p is not None:
+                        try:
+                            p.load()
+                            p.call()
+                            sync()
+                            after_gloo = sysm.kind == "gloo"
+                            if args.check:
+                                wrong = count_wrong(p.output(), ref, case)
+                        except Exception as exc:
+                            if sysm.kind == "pycoll":
+                                raise
+                            err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                    errs = w.allgather(err)
+                    err = next((e for e in errs if e), "")
+                    if err:
+                        prepared[sysm.label] = None
+                        if (sysm.label, err) not in skip_said:
+                            skip_said.add((sysm.label, err))
+                            say(f"# {sysm.label}: skipped for {coll} {dname} {op}: {err}")
+                        continue
+                    assert p is not None
+                    prepared[sysm.label] = p
+                    wsum = w.allreduce(wrong, op=MPI.SUM) if args.check else None
+                    per_sys[sysm.label] = [{"wrong": wsum}]
+                # what the kernel gave the (now touched) buffers, mean over ranks
+                huge = None
+                if xp is np:
+                    own = (bufs.send,) if bufs.send is bufs.recv else (bufs.send, bufs.recv)
+                    fr = [f for f in w.allgather(hostmem.hugepage_fraction(*own)) if f is not None]
+                    huge = round(statistics.mean(fr), 3) if fr else None
+                for rep in range(args.reps):
+                    # a new order each repetition, the same on every rank: whatever one
+                    # system leaves behind (a cold cache, a scheduler's placement) falls
+                    # on a different one each time, not always on the next
+                    order = list(systems)
+                    random.Random(f"{coll} {case.size} {rep}").shuffle(order)
+                    for slot, sysm in enumerate(order):
+                        p = prepared.get(sysm.label)
+                        if p is None:
+                            if bar is not None:
+                                bar.update(1)
+                            continue
+                        tuned = sysm.kind == "pycoll" and sysm.algorithm == "auto"
+                        before = tuned_calls(comm, coll, nbytes) if tuned else {}
+                        # Gloo's ranks wait for milliseconds a call, asleep; the calls
+                        # after it ran up to 2x slower (n = 4: 30-35 against 16-18 us at
+                        # 32 B) for 100-250 ms on the 2-core VM, so the next system
+                        # warms up for --settle seconds
+                        settle = args.settle if after_gloo and sysm.kind != "gloo" else 0.0
                         after_gloo = sysm.kind == "gloo"
-                        if args.check:
-                            wrong = count_wrong(p.output(), ref, case)
-                    except Exception as exc:
-                        if sysm.kind == "pycoll":
-                            raise
-                        err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                errs = w.allgather(err)
-                err = next((e for e in errs if e), "")
-                if err:
-                    prepared[sysm.label] = None
-                    if (sysm.label, err) not in skip_said:
-                        skip_said.add((sysm.label, err))
-                        say(f"# {sysm.label}: skipped for {coll} {dname} {args.op}: {err}")
-                    continue
-                assert p is not None
-                prepared[sysm.label] = p
-                wsum = w.allreduce(wrong, op=MPI.SUM) if args.check else None
-                per_sys[sysm.label] = [{"wrong": wsum}]
-            # what the kernel gave the (now touched) buffers, mean over ranks
-            huge = None
-            if xp is np:
-                own = (bufs.send,) if bufs.send is bufs.recv else (bufs.send, bufs.recv)
-                fr = [f for f in w.allgather(hostmem.hugepage_fraction(*own)) if f is not None]
-                huge = round(statistics.mean(fr), 3) if fr else None
-            for rep in range(args.reps):
-                # a new order each repetition, the same on every rank: whatever one
-                # system leaves behind (a cold cache, a scheduler's placement) falls
-                # on a different one each time, not always on the next
-                order = list(systems)
-                random.Random(f"{coll} {case.size} {rep}").shuffle(order)
-                for slot, sysm in enumerate(order):
-                    p = prepared.get(sysm.label)
-                    if p is None:
+                        sec, iters, med_s, min_s = timed(p.call, args, w, sync, settle)
+                        algbw = case.size / sec / 1e9
+                        resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
+                        ran = None
+                        if tuned:  # what auto ran in this measurement; the most-run is "resolved"
+                            after = tuned_calls(comm, coll, nbytes)
+                            ran = {a: c - before.get(a, 0) for a, c in after.items()}
+                            ran = {a: c for a, c in ran.items() if c} or None
+                            if ran:
+                                resolved = max(ran, key=ran.__getitem__)
+                        rec = {
+                            "system": sysm.kind,
+                            "collective": coll,
+                            "size": case.size,
+                            "count": case.count,
+                            "nranks": n,
+                            "rep": rep,
+                            "slot": slot,
+                            "settled": settle > 0,
+                            "time_us": sec * 1e6,
+                            "time_us_median": med_s * 1e6,
+                            "time_us_min": min_s * 1e6,
+                            "algbw": algbw,
+                            "busbw": algbw * BUSBW_FACTOR[coll](n),
+                            "wrong": per_sys[sysm.label][0]["wrong"],
+                            "algorithm": sysm.algorithm if sysm.kind == "pycoll" else None,
+                            "resolved_algorithm": resolved if sysm.kind == "pycoll" else None,
+                            "auto_choice": auto_choice,
+                            "auto_ran": ran,
+                            "transport": transport if sysm.kind == "pycoll" else sysm.kind,
+                            "dtype": dname,
+                            "type": nccl_name,
+                            "op": op,
+                            "root": case.root,
+                            "inplace": case.inplace,
+                            "device": args.device,
+                            "hugepages": args.hugepages if xp is np else None,
+                            "hugepage_frac": huge,
+                            "iters": iters,
+                            "warmup": args.warmup_iters,
+                            "chunk_bytes": chunk,
+                            "host": meta["host"],
+                            "hosts": meta["hosts"],
+                            "date": meta["date"],
+                        }
+                        if lim is not None and sysm.kind == "pycoll":
+                            import limits as limits_mod
+
+                            tb = limits_mod.bound_time(coll, resolved, n, case.size, lim, case.root)
+                            if tb is not None:
+                                rec["bound_time_us"] = tb * 1e6
+                                rec["frac_of_bound"] = tb / sec
+                        records.append(rec)
+                        per_sys[sysm.label].append(rec)
                         if bar is not None:
                             bar.update(1)
+                # one row per pycoll algorithm: medians over reps
+                base_t: dict[str, float | str] = {}
+                for b in baselines:
+                    rs = per_sys.get(b, [None])[1:]
+                    base_t[b] = statistics.median(r["time_us"] for r in rs) if rs else "skip"
+                    bw = per_sys.get(b, [{}])[0].get("wrong")
+                    if bw:
+                        say(f"# WARNING: baseline {b} got {bw} wrong elements at size {case.size}")
+                for a_ in algos:
+                    rs = per_sys.get(f"pycoll:{a_}", [None])[1:]
+                    if not rs:
                         continue
-                    tuned = sysm.kind == "pycoll" and sysm.algorithm == "auto"
-                    before = tuned_calls(comm, coll, nbytes) if tuned else {}
-                    # Gloo's ranks wait for milliseconds a call, asleep; the calls
-                    # after it ran up to 2x slower (n = 4: 30-35 against 16-18 us at
-                    # 32 B) for 100-250 ms on the 2-core VM, so the next system
-                    # warms up for --settle seconds
-                    settle = args.settle if after_gloo and sysm.kind != "gloo" else 0.0
-                    after_gloo = sysm.kind == "gloo"
-                    sec, iters, med_s, min_s = timed(p.call, args, w, sync, settle)
-                    algbw = case.size / sec / 1e9
-                    resolved = auto_choice if sysm.algorithm == "auto" else sysm.algorithm
-                    ran = None
-                    if tuned:  # what auto ran in this measurement; the most-run is "resolved"
-                        after = tuned_calls(comm, coll, nbytes)
-                        ran = {a: c - before.get(a, 0) for a, c in after.items()}
-                        ran = {a: c for a, c in ran.items() if c} or None
-                        if ran:
-                            resolved = max(ran, key=ran.__getitem__)
-                    rec = {
-                        "system": sysm.kind,
-                        "collective": coll,
-                        "size": case.size,
-                        "count": case.count,
-                        "nranks": n,
-                        "rep": rep,
-                        "slot": slot,
-                        "settled": settle > 0,
-                        "time_us": sec * 1e6,
-                        "time_us_median": med_s * 1e6,
-                        "time_us_min": min_s * 1e6,
-                        "algbw": algbw,
-                        "busbw": algbw * BUSBW_FACTOR[coll](n),
-                        "wrong": per_sys[sysm.label][0]["wrong"],
-                        "algorithm": sysm.algorithm if sysm.kind == "pycoll" else None,
-                        "resolved_algorithm": resolved if sysm.kind == "pycoll" else None,
-                        "auto_choice": auto_choice,
-                        "auto_ran": ran,
-                        "transport": transport if sysm.kind == "pycoll" else sysm.kind,
-                        "dtype": dname,
-                        "type": nccl_name,
-                        "op": args.op,
-                        "root": case.root,
-                        "inplace": bool(args.inplace),
-                        "device": args.device,
-                        "hugepages": args.hugepages if xp is np else None,
-                        "hugepage_frac": huge,
-                        "iters": iters,
-                        "warmup": args.warmup_iters,
-                        "chunk_bytes": chunk,
-                        "host": meta["host"],
-                        "hosts": meta["hosts"],
-                        "date": meta["date"],
-                    }
-                    if lim is not None and sysm.kind == "pycoll":
-                        import limits as limits_mod
-
-                        tb = limits_mod.bound_time(coll, resolved, n, case.size, lim, case.root)
-                        if tb is not None:
-                            rec["bound_time_us"] = tb * 1e6
-                            rec["frac_of_bound"] = tb / sec
-                    records.append(rec)
-                    per_sys[sysm.label].append(rec)
-                    if bar is not None:
-                        bar.update(1)
-            # one row per pycoll algorithm: medians over reps
-            base_t: dict[str, float | str] = {}
-            for b in baselines:
-                rs = per_sys.get(b, [None])[1:]
-                base_t[b] = statistics.median(r["time_us"] for r in rs) if rs else "skip"
-                bw = per_sys.get(b, [{}])[0].get("wrong")
-                if bw:
-                    say(f"# WARNING: baseline {b} got {bw} wrong elements at size {case.size}")
+                    med = dict(rs[0])
+                    med["time_us"] = statistics.median(r["time_us"] for r in rs)
+                    med["algbw"] = case.size / med["time_us"] / 1e3
+                    med["busbw"] = med["algbw"] * BUSBW_FACTOR[coll](n)
+                    if "bound_time_us" in med:
+                        med["frac_of_bound"] = med["bound_time_us"] / med["time_us"]
+                    total_wrong += med["wrong"] or 0
+                    busbws[a_].append(med["busbw"])
+                    halves[a_][case.inplace] = (med, base_t)
+                del bufs
             for a_ in algos:
-                rs = per_sys.get(f"pycoll:{a_}", [None])[1:]
-                if not rs:
-                    continue
-                med = dict(rs[0])
-                med["time_us"] = statistics.median(r["time_us"] for r in rs)
-                med["algbw"] = case.size / med["time_us"] / 1e3
-                med["busbw"] = med["algbw"] * BUSBW_FACTOR[coll](n)
-                if "bound_time_us" in med:
-                    med["frac_of_bound"] = med["bound_time_us"] / med["time_us"]
-                total_wrong += med["wrong"] or 0
-                busbws[a_].append(med["busbw"])
-                line = table.row(med, base_t)
-                if live:
-                    say(line)
-                else:
-                    rows[a_].append(line)
-            del bufs
+                if halves[a_]:
+                    line = table.row(halves[a_])
+                    if live:
+                        say(line)
+                    else:
+                        rows[a_].append(line)
         if not live:
             for a_ in algos:
                 say(f"#\n# pycoll algorithm: {a_}")

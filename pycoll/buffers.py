@@ -1,8 +1,16 @@
 """Array-likes in, flat typed views out.
 
-Host buffers are NumPy arrays.  Device buffers are CuPy arrays or anything with
-``__cuda_array_interface__`` or a CUDA ``__dlpack__``; they are wrapped as CuPy
-arrays without a copy, and CuPy is imported only when such a buffer shows up.
+Host buffers are NumPy arrays, torch CPU tensors, and anything with the buffer
+protocol (memoryview, bytearray, bytes, array.array, mmap, ctypes arrays), as
+mpi4py takes them; each is viewed as a NumPy array without a copy.  A torch
+tensor is viewed through ``__array_interface__`` built from its data pointer:
+``tensor.numpy()`` would make its storage non-resizable for good, and NumPy
+before 2.3 imports DLPack read-only.  Read-only buffers (bytes, a read-only
+memoryview) may be inputs, never outputs.
+
+Device buffers are CuPy arrays or anything with ``__cuda_array_interface__`` or
+a CUDA ``__dlpack__``; they are wrapped as CuPy arrays without a copy, and CuPy
+is imported only when such a buffer shows up.
 """
 
 from __future__ import annotations
@@ -57,6 +65,14 @@ class Buffer:
     def is_device(self) -> bool:
         return self.device >= 0
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The caller's shape (a memoryview's, a tensor's; a bytearray is 1-D)."""
+        shape = getattr(self.obj, "shape", None)
+        if shape is None:
+            return tuple(memoryview(self.obj).shape or ())
+        return tuple(shape)
+
     def same_memory(self, other: Buffer) -> bool:
         return bool(data_ptr(self.flat) == data_ptr(other.flat) and self.device == other.device)
 
@@ -83,8 +99,94 @@ def is_device_array(obj: object) -> bool:
         return False
 
 
-def _is_torch(obj: object) -> bool:
+def is_torch(obj: object) -> bool:
+    """True for torch tensors (and other torch objects), decided without importing torch."""
     return type(obj).__module__.split(".", 1)[0] == "torch"
+
+
+#: torch dtypes (by name) and the NumPy types their host memory is viewed as
+#: (bfloat16 as its bits, then as ml_dtypes' bfloat16).
+_TORCH_AS = {
+    "torch.bool": np.bool_,
+    "torch.int8": np.int8,
+    "torch.uint8": np.uint8,
+    "torch.int16": np.int16,
+    "torch.uint16": np.uint16,
+    "torch.int32": np.int32,
+    "torch.uint32": np.uint32,
+    "torch.int64": np.int64,
+    "torch.uint64": np.uint64,
+    "torch.float16": np.float16,
+    "torch.bfloat16": np.uint16,
+    "torch.float32": np.float32,
+    "torch.float64": np.float64,
+    "torch.complex64": np.complex64,
+    "torch.complex128": np.complex128,
+}
+
+
+class _TensorMemory:
+    """What NumPy wraps for a torch CPU tensor: its ``__array_interface__``, and a
+    reference that keeps the tensor alive as long as the array is."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: Any, typestr: str) -> None:
+        self.tensor = t
+        item = t.element_size()
+        self.__array_interface__ = {
+            "version": 3,
+            "data": (t.data_ptr(), False),
+            "shape": tuple(t.shape),
+            "strides": tuple(item * s for s in t.stride()),
+            "typestr": typestr,
+        }
+
+
+def _torch_host(obj: Any, rank: int, what: str, arg: str) -> Any:
+    """A NumPy view of torch CPU tensor ``obj``'s memory (no copy; the storage
+    stays resizable)."""
+    t = obj.detach()
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"rank {rank}: {what}: {arg} is a torch tensor on {t.device}; pycoll takes "
+            "CPU and CUDA tensors"
+        )
+    if str(t.layout) != "torch.strided":
+        raise InvalidArgumentError(
+            f"rank {rank}: {what}: {arg} is a {t.layout} tensor; pass a dense one (.to_dense())"
+        )
+    if t.is_conj() or t.is_neg():
+        raise InvalidArgumentError(
+            f"rank {rank}: {what}: {arg} is a lazily conjugated or negated view, whose memory "
+            "does not hold its values; call .resolve_conj() / .resolve_neg() first"
+        )
+    as_type = _TORCH_AS.get(str(t.dtype))
+    if as_type is None:
+        raise InvalidArgumentError(
+            f"rank {rank}: {what}: {arg} has dtype {t.dtype}, which pycoll does not support; "
+            f"use one of {', '.join(DTYPES)}"
+        )
+    if t.numel() == 0:
+        arr = np.empty(tuple(t.shape), as_type)  # no memory to share (data_ptr may be 0)
+    else:
+        arr = np.asarray(_TensorMemory(t, np.dtype(as_type).str))
+    return arr.view(_BF16) if str(t.dtype) == "torch.bfloat16" else arr
+
+
+def _buffer_host(obj: Any, rank: int, what: str, arg: str) -> Any:
+    """A NumPy view of a buffer-protocol object (no copy), or None if it has none."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        return None
+    try:
+        return np.asarray(mv)
+    except (TypeError, ValueError) as exc:  # a format NumPy cannot read
+        raise InvalidArgumentError(
+            f"rank {rank}: {what}: {arg} ({type(obj).__name__}, format {mv.format!r}) "
+            f"cannot be read as an array: {exc}"
+        ) from exc
 
 
 def device_signature(obj: Any) -> tuple[Any, ...] | None:
@@ -108,7 +210,7 @@ def _as_cupy(obj: Any, rank: int, what: str, arg: str) -> tuple[Any, np.dtype[An
             "(pip install 'pycoll-collectives[gpu]')",
             rank=rank,
         ) from exc
-    if _is_torch(obj):
+    if is_torch(obj):
         t = obj.detach()
         if str(t.dtype) == "torch.bfloat16":
             import torch
@@ -129,8 +231,8 @@ def as_buffer(obj: Any, rank: int, what: str, arg: str, *, writable: bool) -> Bu
     """Validate ``obj`` and view it flat.
 
     Raises:
-        InvalidArgumentError: not an array, not contiguous, read-only (when
-            ``writable``), or of an unsupported dtype.  The message names the
+        InvalidArgumentError: not an array, a tensor or a buffer, not contiguous,
+            read-only (when ``writable``), or of an unsupported dtype.  The message names the
             argument, the value and the rank.
         UnsupportedError: a CUDA array while CuPy is not installed.
     """
@@ -138,20 +240,33 @@ def as_buffer(obj: Any, rank: int, what: str, arg: str, *, writable: bool) -> Bu
     if isinstance(obj, np.ndarray):
         arr = obj
         device = -1
-        if writable and not arr.flags.writeable:
-            raise InvalidArgumentError(f"rank {rank}: {what}: {arg} is read-only")
     elif is_device_array(obj):
         arr, logical = _as_cupy(obj, rank, what, arg)
         device = int(arr.device.id)
     else:
+        arr = (
+            _torch_host(obj, rank, what, arg)
+            if is_torch(obj)
+            else _buffer_host(obj, rank, what, arg)
+        )
+        device = -1
+        if arr is None:
+            raise InvalidArgumentError(
+                f"rank {rank}: {what}: {arg} must be a NumPy array, a torch tensor, a buffer "
+                "(memoryview, bytearray, array.array, ...) or a CUDA array "
+                f"(CuPy, __cuda_array_interface__, __dlpack__), got {type(obj).__name__}"
+            )
+    if device < 0 and writable and not arr.flags.writeable:
+        kind = "" if isinstance(obj, np.ndarray) else f" ({type(obj).__name__})"
         raise InvalidArgumentError(
-            f"rank {rank}: {what}: {arg} must be a NumPy array or a CUDA array "
-            f"(CuPy, __cuda_array_interface__, __dlpack__), got {type(obj).__name__}"
+            f"rank {rank}: {what}: {arg} is read-only{kind}; it is written here, "
+            "so pass a writable buffer"
         )
     if not arr.flags.c_contiguous:
+        fix = ".contiguous()" if is_torch(obj) else "np.ascontiguousarray"
         raise InvalidArgumentError(
             f"rank {rank}: {what}: {arg} with shape {arr.shape} and strides {arr.strides} "
-            "is not C-contiguous; pass a contiguous array (np.ascontiguousarray)"
+            f"is not C-contiguous; pass a contiguous array ({fix})"
         )
     check_dtype(arr.dtype if logical is None else logical, rank, what, arg)
     return Buffer(obj, arr.reshape(-1), device, logical)

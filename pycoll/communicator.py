@@ -24,7 +24,7 @@ from pycoll import algorithms
 from pycoll.algorithms import cost, direct
 from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
-from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature
+from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature, is_torch
 from pycoll.config import SLICED_COPY_BYTES, TRACE, Config, setup_logging
 from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
@@ -38,6 +38,7 @@ from pycoll.errors import (
 from pycoll.gpu import setup as gpu_setup
 from pycoll.gpu.jobs import Job
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
+from pycoll.rendezvous import Bootstrap
 from pycoll.tune import Tuner, tunable
 from transports.base import Backoff, Deadline
 from transports.base import TransportError as WireError
@@ -415,12 +416,17 @@ class Communicator:
     same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
     """
 
-    def __init__(self, mpi_comm: Any, config: Config) -> None:
+    def __init__(self, bootstrap: Bootstrap, config: Config) -> None:
         self.config = config
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
+        self.rank: int = bootstrap.rank
+        self.size: int = bootstrap.size
         setup_logging(config.debug, self.rank)
-        self._wiring: Wiring | None = wire(mpi_comm, config)
+        self._bootstrap = bootstrap
+        try:
+            self._wiring: Wiring | None = wire(bootstrap, config)
+        except BaseException:
+            bootstrap.close()
+            raise
         self._conns = self._wiring.conns
         self._kinds = dict(self._wiring.kind)
         self._kinds[self.rank] = "self"
@@ -432,9 +438,15 @@ class Communicator:
         # ... and the name and function each runs its calls by, made once
         self._tuned: dict[Tuner, tuple[str, Callable[..., None]]] = {}
         try:  # the device side (second connection table, cuda_ipc); None without a GPU
-            self._gpu = gpu_setup(mpi_comm, config, self.rank, self.size)
+            self._gpu = gpu_setup(bootstrap, config, self.rank, self.size)
+            # per rank: CPUs, shm peers
+            shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
+            seen = bootstrap.allgather((sorted(_cpus()), shm), config.timeout, "pycoll.init: CPUs")
         except BaseException:
+            if getattr(self, "_gpu", None) is not None:
+                self._gpu.close()
             self._wiring.close()
+            bootstrap.close()
             raise
         self._closed = False
         self._failed: BaseException | None = None
@@ -445,8 +457,6 @@ class Communicator:
         # More ranks on a host than cores they may run on?  The waiting policy
         # follows this rank's host; the algorithms follow every rank's verdict
         # (any), so that all ranks pick the same algorithm and the same steps.
-        shm = [p for p, k in self._wiring.kind.items() if k == "shm"]
-        seen = mpi_comm.allgather((sorted(_cpus()), shm))  # per rank: CPUs, shm peers
 
         def crowded(r: int) -> bool:
             cpus, peers = seen[r]
@@ -469,7 +479,7 @@ class Communicator:
         self._inflight = 0
         self._lock = threading.Lock()
         # side channel for naming the culprits of a timeout (pycoll.diagnose)
-        self._status = StatusChannel(mpi_comm)
+        self._status = StatusChannel(bootstrap)
 
     # ------------------------------------------------------------------ public
     def transport_of(self, peer: int, *, device: bool = False) -> str:
@@ -504,7 +514,8 @@ class Communicator:
         Args:
             sendbuf: contiguous array; with ``recvbuf=None`` the result lands in it.
             recvbuf: output of the same size and dtype, or None for in place.
-            op: "sum", "prod", "min", "max", "avg" or a :class:`ReduceOp`.
+            op: "sum", "prod", "min", "max", "avg", "band", "bor", "bxor" or a
+                :class:`ReduceOp` (which takes which dtype: :mod:`pycoll.reduce`).
             algorithm: "auto" (the cost model's pick, see :mod:`pycoll.tune`), or
                 "ring", "tree", "direct" (every rank on one host) or "oneshot";
                 the other collectives take the same but "oneshot".
@@ -633,7 +644,7 @@ class Communicator:
         x = as_buffer(sendbuf, self.rank, what, "sendbuf", writable=False)
         given = recvbuf
         if recvbuf is None:
-            recvbuf = _empty_like(x, (self.size, *np.shape(sendbuf)))
+            recvbuf = _empty_like(x, (self.size, *x.shape))
         out = self._output(recvbuf, x, self.size * x.count, what)
         self._check_alias(x, out, self.rank * x.nbytes, what)
         algo = self._algorithm(what, algorithm, x.nbytes)
@@ -977,6 +988,7 @@ class Communicator:
             self._wiring = None
         self._conns = {}
         self._status.close()
+        self._bootstrap.close()
         if self._unseen:  # a device collective's output is wrong and nothing said so
             self._unseen = False
             raise CommunicatorClosedError(
@@ -1002,6 +1014,7 @@ class Communicator:
             self._wiring = None
         self._conns = {}
         self._status.close()
+        self._bootstrap.close()
 
     def recent(self) -> list[str]:
         """The flight recorder: this rank's recent collectives, oldest first."""
@@ -1496,11 +1509,23 @@ class Communicator:
         """Whether this call may become a plan (see :class:`_Plan`): a blocking call
         on host arrays with nothing queued, or on CuPy or torch device arrays
         that go through the host (their size is bounded by that choice) into an
-        output the caller gave (``fresh``: pycoll would allocate it).  Host arrays
-        of any size: the large ones make weak plans (:meth:`_detached`)."""
+        output the caller gave (``fresh``: pycoll would allocate it).  NumPy arrays
+        of any size: the large ones make weak plans (:meth:`_detached`).  torch CPU
+        tensors up to :data:`PLAN_MAX_BYTES`, checked by signature as on a device
+        (a plan holds them).  Other buffers (memoryview, bytearray, ...) never:
+        no export of theirs outlives the call, so a bytearray stays resizable."""
         if async_op or stream is not None or self.config.check or self._inflight:
             return False
-        return not x.is_device  # device buffers: a job of the progress thread each call
+        if x.is_device:
+            return False  # device buffers: a job of the progress thread each call
+        if isinstance(x.obj, np.ndarray) and (out is None or isinstance(out.obj, np.ndarray)):
+            return True
+        return (
+            not fresh
+            and x.nbytes <= PLAN_MAX_BYTES
+            and is_torch(x.obj)
+            and (out is None or (is_torch(out.obj) and out.nbytes <= PLAN_MAX_BYTES))
+        )
 
     def _host_side(
         self, x: Buffer, out: Buffer | None, copy_in: bool = True, copy_out: bool = True
@@ -1593,7 +1618,7 @@ class Communicator:
         scratch = what == "reduce" and not is_root  # the output is scratch, None returned
         gather = what == "allgather"
         fresh = not given and what in ("allgather", "reduce_scatter")  # a new output a call
-        shape = (n, *np.shape(x.obj)) if gather else (c // n,)
+        shape = (n, *x.shape) if gather else (c // n,)
         copy = n == 1 and not gather  # alone: out of place, the output is the input
 
         def run(s: Any, o: Any) -> Any:
@@ -2052,7 +2077,7 @@ def _overlaps(a: Buffer, b: Buffer) -> bool:
 
 
 def _empty_like(x: Buffer, shape: tuple[int, ...]) -> Any:
-    if x.is_device and type(x.obj).__module__.split(".", 1)[0] == "torch":
+    if is_torch(x.obj):
         return x.obj.new_empty(shape)  # same family, dtype and device as the input
     if x.is_device:
         import cupy

@@ -2,10 +2,9 @@
 
 When a collective times out, the ranks that are still alive tell each other
 what their flight recorder says: the collective they are in and the last one
-they completed.  The exchange runs over a private duplicate of the bootstrap's
-MPI communicator (made once, at :func:`pycoll.init`), so it depends on none of
-pycoll's own connections, and it uses only non-blocking point-to-point calls
-with a short grace period:
+they completed.  The exchange runs over the communicator's bootstrap (a private
+duplicate of the MPI communicator, or the key-value store), so it depends on
+none of pycoll's own connections, and it never waits past a short grace period:
 
 * each rank that times out sends its summary (a few int64 words, never pickled)
   to every other rank and listens for theirs until all have answered or the
@@ -16,14 +15,12 @@ with a short grace period:
 * a communicator exchanges at most once (it is unusable after the timeout), so
   stale messages can never be mistaken for fresh ones.
 
-Nothing here runs on the fast path: the channel costs one ``Dup`` at start-up
-and one ``Free`` at close.
+Nothing here runs on the fast path.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +29,6 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_TAG = 0x7C0D
 _WORDS = 8
 _MAGIC = 0x7063_6F6C_6C73_7431  # "pcollst1"
 # states of the newest flight-recorder entry
@@ -103,74 +99,31 @@ def decode(words: np.ndarray, coll_names: dict[int, str]) -> RankStatus | None:
 
 
 class StatusChannel:
-    """A private MPI communicator for the one status exchange of a communicator."""
+    """The one status exchange of a communicator, over its bootstrap
+    (:meth:`pycoll.rendezvous.Bootstrap.exchange`)."""
 
-    def __init__(self, mpi_comm: Any) -> None:
-        self._comm: Any = None
-        self._keep: list[Any] = []  # buffers and requests that must outlive a late message
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
-        if self.size == 1 or not hasattr(mpi_comm, "Dup"):
-            return
-        try:
-            comm = mpi_comm.Dup()
-            try:
-                from mpi4py import MPI
-
-                comm.Set_errhandler(MPI.ERRORS_RETURN)
-            except Exception:  # not mpi4py's MPI: keep its default
-                pass
-            self._comm = comm
-        except Exception as exc:  # diagnosis is best effort, never a start-up failure
-            log.info("status channel unavailable: %s", exc)
+    def __init__(self, bootstrap: Any) -> None:
+        self._boot: Any = bootstrap
+        self.rank: int = bootstrap.rank
+        self.size: int = bootstrap.size
 
     @property
     def available(self) -> bool:
-        return self._comm is not None
+        return self._boot is not None and self.size > 1
 
     def exchange(self, mine: np.ndarray, grace: float) -> dict[int, np.ndarray]:
         """Send ``mine`` to every rank and collect what arrives within ``grace`` seconds."""
-        got: dict[int, np.ndarray] = {}
-        comm = self._comm
-        if comm is None:
-            return got
-        self._comm = None  # at most once per communicator
-        bufs = {p: np.zeros(_WORDS, np.int64) for p in range(self.size) if p != self.rank}
-        sends, recvs = [], {}
-        try:
-            for p, buf in bufs.items():
-                recvs[p] = comm.Irecv(buf, source=p, tag=_TAG)
-                sends.append(comm.Isend(mine, dest=p, tag=_TAG))
-            end = time.monotonic() + grace
-            while recvs and time.monotonic() < end:
-                for p, req in list(recvs.items()):
-                    if req.Test():
-                        got[p] = bufs[p]
-                        del recvs[p]
-                if recvs:
-                    time.sleep(0.002)
-        except Exception as exc:
-            log.info("status exchange failed: %s", exc)
-        for req in recvs.values():
-            try:
-                req.Cancel()
-            except Exception:
-                pass
-        # Unanswered requests and their buffers stay referenced until close().
-        self._keep += [mine, bufs, sends, list(recvs.values()), comm]
-        return got
+        boot, self._boot = self._boot, None  # at most once per communicator
+        if boot is None:
+            return {}
+        got = boot.exchange(np.ascontiguousarray(mine, np.int64).tobytes(), grace)
+        return {
+            p: np.frombuffer(b, np.int64).copy() for p, b in got.items() if len(b) == _WORDS * 8
+        }
 
     def close(self) -> None:
-        """Free the duplicate communicator (local; never waits for peers)."""
-        comms = [c for c in (self._comm,) if c is not None]
-        comms += [k for k in self._keep if hasattr(k, "Free") and hasattr(k, "Dup")]
-        self._comm = None
-        for c in comms:
-            try:
-                c.Free()
-            except Exception:
-                pass
-        self._keep.clear()
+        """Drop the bootstrap (the communicator closes it)."""
+        self._boot = None
 
 
 def grace_for(timeout: float) -> float:

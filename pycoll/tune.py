@@ -57,9 +57,10 @@ and its result is the same bits on every rank.
 Only collectives whose result cannot depend on the algorithm are tuned:
 allgather and broadcast (they move bytes and compute nothing), the reductions
 between two ranks (one operation on two operands: every algorithm computes
-``x0 OP x1``), and the reductions of integers at any n (sums and products
-wrap modulo 2**bits, which any order gives alike, and min and max are exact;
-integers have no ``avg``).  Elsewhere algorithms add floats in different orders,
+``x0 OP x1``), and the reductions of integers and bools at any n (sums and
+products wrap modulo 2**bits, which any order gives alike, and min, max and
+the bitwise ops are exact; neither has ``avg``).  Elsewhere algorithms add
+floats (and complex numbers) in different orders,
 and a training job would see its sums change in the last bits when ``auto``
 switched.
 ``PYCOLL_TUNE=0`` turns tuning off: ``auto`` is then the model's choice alone.
@@ -124,7 +125,7 @@ def tunable(collective: str, n: int, dtype: np.dtype[Any] | None = None) -> bool
     bits (on ``dtype``, where it matters)."""
     if collective in MOVES_ONLY:
         return True
-    return collective in REDUCES and (n == 2 or (dtype is not None and dtype.kind in "iu"))
+    return collective in REDUCES and (n == 2 or (dtype is not None and dtype.kind in "iub"))
 
 
 class Tuner:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -17,3 +18,16 @@ def mpiexec(n: int) -> list[str]:
     if "openmpi" in os.path.realpath(exe).lower() or os.environ.get("OMPI_COMM_WORLD_SIZE"):
         cmd[1:1] = ["--oversubscribe", "--allow-run-as-root"]
     return cmd
+
+
+def reports(text: str) -> dict[int, dict]:
+    """The JSON reports (objects that start with ``{"rank"``) in a job's output, by
+    rank; the launcher or a log line may share their line."""
+    out = {}
+    dec = json.JSONDecoder()
+    at = text.find('{"rank"')
+    while at >= 0:
+        d, end = dec.raw_decode(text, at)
+        out[d["rank"]] = d
+        at = text.find('{"rank"', end)
+    return out

@@ -12,9 +12,43 @@ import hashlib
 import ml_dtypes
 import numpy as np
 
+#: Every op pycoll takes.
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+BITWISE = ("band", "bor", "bxor")
+_UFUNCS = {
+    "sum": np.add,
+    "avg": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
+
+
+def ops_for(dtype: np.dtype) -> list[str]:
+    """The ops pycoll must reduce ``dtype`` with (the contract, written out again
+    here so that a test checks the library's table rather than reuses it)."""
+    if dtype.kind == "b":
+        return ["min", "max", *BITWISE]
+    if dtype.kind in "iu":
+        return ["sum", "prod", "min", "max", *BITWISE]
+    if dtype.kind == "c":
+        return ["sum", "prod", "avg"]
+    return ["sum", "prod", "min", "max", "avg"]
+
 
 def data(rank: int, count: int, dtype: np.dtype, op: str, salt: int = 0) -> np.ndarray:
     rng = np.random.default_rng([rank, count, dtype.num, len(op), salt])
+    if dtype.kind == "b":
+        return rng.integers(0, 1, count, endpoint=True).astype(dtype)
+    if dtype.kind == "c":
+        if op == "prod":  # near the unit circle: products of n stay near 1
+            v = rng.uniform(0.8, 1.25, count) * np.exp(1j * rng.uniform(-np.pi, np.pi, count))
+        else:
+            v = rng.uniform(-4, 4, count) + 1j * rng.uniform(-4, 4, count)
+        return v.astype(dtype)
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         lo, hi = (max(info.min, -3), min(info.max, 4)) if op == "prod" else (info.min, info.max)
@@ -25,29 +59,27 @@ def data(rank: int, count: int, dtype: np.dtype, op: str, salt: int = 0) -> np.n
 
 def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
     dt = xs[0].dtype
-    wide = np.float64 if dt.kind == "f" or dt == ml_dtypes.bfloat16 else dt
+    if dt.kind == "f" or dt == ml_dtypes.bfloat16:
+        wide: np.dtype = np.dtype(np.float64)
+    else:  # integers and bools exactly (wrapping), complex in double precision
+        wide = np.dtype(np.complex128) if dt.kind == "c" else dt
     acc = xs[0].astype(wide)
+    f = _UFUNCS[op]
     for x in xs[1:]:
-        y = x.astype(wide)
-        if op in ("sum", "avg"):
-            acc = acc + y
-        elif op == "prod":
-            acc = acc * y
-        elif op == "min":
-            acc = np.minimum(acc, y)
-        else:
-            acc = np.maximum(acc, y)
+        acc = f(acc, x.astype(wide))
     if op == "avg":
         acc = acc / len(xs)
     return acc
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, dtype: np.dtype, n: int, what: str) -> None:
-    if dtype.kind in "iu":
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
+    if dtype.kind in "iub":
         assert np.array_equal(got, ref.astype(dtype)), what
         return
-    tol = {2: 2e-2 if dtype == np.float16 else 6e-2, 4: 1e-5, 8: 1e-12}[dtype.itemsize] * n
-    g = got.astype(np.float64)
+    part = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize  # of a component
+    tol = {2: 2e-2 if dtype == np.float16 else 6e-2, 4: 1e-5, 8: 1e-12}[part] * n
+    g = got.astype(np.complex128 if dtype.kind == "c" else np.float64)
     assert np.allclose(g, ref, rtol=tol, atol=tol * 4), f"{what}: max err {np.max(np.abs(g - ref))}"
 
 

@@ -40,15 +40,18 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     out_json, plots = tmp_path / "sweep.json", tmp_path / "plots"
     cmd = mpiexec(2) + [
         sys.executable, str(BENCH / "sweep.py"), "all",
-        "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "-r", "2",
+        "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "--repetitions", "2",
         "--algorithm", "all", "--baselines", "mpi", "--limits", "--limits-bytes", "1M",
         "--timeout", "60", "--no-progress", "--json", str(out_json), "--plot", str(plots),
     ]  # fmt: skip
     proc = _run(cmd, 80)
     rows = _rows(proc.stdout)
     assert rows, proc.stdout
-    # size count type redop root time algbw busbw #wrong frac mpi(us) xmpi
-    assert all(r[8] == "0" for r in rows), proc.stdout
+    # size count type redop root, then out-of-place and in-place side by side:
+    # time algbw busbw #wrong frac mpi(us) xmpi each (a form not measured: "-")
+    assert all(len(r) >= 5 + 2 * 7 for r in rows), proc.stdout  # (auto adds its algo)
+    assert all({r[8], r[15]} <= {"0", "-"} and "0" in (r[8], r[15]) for r in rows), proc.stdout
+    assert sum(r[8] == "0" and r[15] == "0" for r in rows) >= 3 * 3  # allreduce, allgather, reduce
     assert "Out of bounds values : 0 OK" in proc.stdout
     doc = json.loads(out_json.read_text())
     recs = doc["records"]
@@ -61,11 +64,20 @@ def test_sweep_all_collectives_against_mpi(tmp_path: Path) -> None:
     for coll in COLLECTIVES:
         assert (plots / f"{coll}.png").stat().st_size > 0
     # each repetition, every system once, in an order of its own
-    turns: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
+    turns: dict[tuple[str, int, bool, int], list[tuple[int, str]]] = {}
     for r in recs:
         label = f"{r['system']}:{r['algorithm']}"
-        turns.setdefault((r["collective"], r["size"], r["rep"]), []).append((r["slot"], label))
-    assert {rep for (_, _, rep) in turns} == {0, 1}
+        key = (r["collective"], r["size"], r["inplace"], r["rep"])
+        turns.setdefault(key, []).append((r["slot"], label))
+    assert {rep for (*_, rep) in turns} == {0, 1}
+    forms = {(r["collective"], r["inplace"]) for r in recs}
+    assert {c for c, ip in forms if ip} == {"allreduce", "allgather", "broadcast", "reduce"}
+    assert {c for c, ip in forms if not ip} == {
+        "allreduce",
+        "allgather",
+        "reduce_scatter",
+        "reduce",
+    }
     orders = set()
     for t in turns.values():
         assert sorted(s for s, _ in t) == list(range(len(t)))
@@ -88,23 +100,95 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
         sys.executable, str(BENCH / "sweep.py"), "allreduce",
         "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
         "--baselines", "gloo", "--timeout", "60", "--no-progress", "--hugepages", "off",
-        "-r", "2", "--settle", "0.05", "--json", str(tmp_path / "g.json"),
+        "--repetitions", "2", "--settle", "0.05", "--json", str(tmp_path / "g.json"),
     ]  # fmt: skip
     proc = _run(cmd, 50)
     assert "skipped" not in proc.stdout, proc.stdout
     rows = _rows(proc.stdout)
-    assert rows and all(r[8] == "0" and r[9] != "skip" for r in rows), proc.stdout
+    # out-of-place: #wrong gloo(us) at 8, 9; in-place: at 14, 15
+    assert rows and all(r[8] == r[14] == "0" for r in rows), proc.stdout
+    assert all("skip" not in (r[9], r[15]) for r in rows), proc.stdout
     # pycoll's turn right after Gloo's, and only that, warms up for --settle seconds
     recs = json.loads((tmp_path / "g.json").read_text())["records"]
-    seq = sorted(recs, key=lambda r: (r["size"], r["rep"], r["slot"]))
-    # before each size's first repetition every system is tried once, Gloo last
+    seq = sorted(recs, key=lambda r: (r["size"], r["inplace"], r["rep"], r["slot"]))
+    # before each case's first repetition (a size, in place or not) every system is
+    # tried once, Gloo last
+    case = lambda r: (r["size"], r["inplace"])
     prev = [
-        "gloo" if i == 0 or seq[i - 1]["size"] != r["size"] else seq[i - 1]["system"]
+        "gloo" if i == 0 or case(seq[i - 1]) != case(r) else seq[i - 1]["system"]
         for i, r in enumerate(seq)
     ]
     assert [r["settled"] for r in seq] == [
         p == "gloo" and r["system"] != "gloo" for p, r in zip(prev, seq)
     ]
+
+
+@pytest.mark.timeout(60)
+def test_sweep_root_agrees_in_header_and_rows() -> None:
+    """-r is the root (as in nccl-tests): the header and the rows say the same
+    root, -1 for collectives that have none."""
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "sweep.py"), "all", "-b", "8", "-e", "64", "-f", "8",
+        "-n", "2", "-w", "1", "-r", "1", "--no-progress", "--hugepages", "off",
+    ]  # fmt: skip
+    proc = _run(cmd, 50)
+    heads = [
+        line for line in proc.stdout.splitlines() if line.startswith("# ") and " dtype " in line
+    ]
+    roots = {h.split()[1]: int(h.split(" root ")[1].split()[0]) for h in heads}
+    assert roots == {
+        "allreduce": -1,
+        "allgather": -1,
+        "broadcast": 1,
+        "reduce_scatter": -1,
+        "reduce": 1,
+    }
+    blocks = proc.stdout.split("\n#\n# ")[1:]
+    for block in blocks:
+        coll = block.split()[0]
+        rows = _rows(block.split("\n", 1)[1])  # past its header line
+        assert rows and all(int(r[4]) == roots[coll] for r in rows), block
+
+
+def test_sweep_flags_as_nccl_tests(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+
+    a = sweep.parse_args(["allreduce", "-r", "1", "--repetitions", "3"])
+    assert a.root == 1 and a.reps == 3
+    assert sweep.parse_args(["reduce", "--root", "2", "--reps", "2"]).reps == 2
+    a = sweep.parse_args(["allreduce", "-d", "all", "-o", "all"])
+    assert [d[1] for d in a.dtypes] == [
+        "int8",
+        "uint8",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+    ]
+    assert a.ops == ["sum", "prod", "min", "max", "avg"]
+    assert sweep.parse_args(["allreduce", "-c", "0"]).check == 0
+    assert sweep.parse_args(["allreduce", "-c", "5"]).check == 1  # a count of checked calls
+    assert sweep.parse_args(["allreduce"]).variants == [False, True]
+    assert sweep.parse_args(["allreduce", "--inplace", "1"]).variants == [True]
+    for argv, words in (
+        (["-e", "64X"], "-e '64X' is not a size"),
+        (["-b", "-8"], "-b '-8' is not a size"),
+        (["-d", "float99"], "-d 'float99': unknown dtype"),
+        (["-o", "mean"], "-o 'mean': choose from"),
+        (["-c", "-1"], "-c -1"),
+    ):
+        with pytest.raises(SystemExit) as ei:
+            sweep.parse_args(["allreduce", *argv])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
 
 
 def test_sweep_min_and_max_time_set_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import mpiexec
+from tests.launch import mpiexec, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "faults" / "scenario.py"
@@ -104,6 +106,23 @@ def test_killed_rank_is_reported_fast(tmp_path, transport):
     assert any(res[r]["peer"] == 1 for r in (0, 2)), res
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+@pytest.mark.parametrize("transport", ["shm", "direct", "rdma"])  # rdma: the soft provider
+def test_rank_that_exits_without_close_is_reported_at_once(tmp_path, transport, how):
+    """Rank 1 raises (or sys.exit()s) mid-job without close(): it then waits in
+    MPI_Finalize, alive, so only its exit hook can tell the others (timeout 60 s)."""
+    res = run(f"exit-{transport}-{how}", 3, tmp_path)
+    assert res.get(1) == {"left": how}, res
+    for r in (0, 2):
+        o = res[r]
+        assert o["error"] == "PeerAbortedError", o
+        assert o["transport"] == ("rdma:host" if transport == "rdma" else "shm"), o
+        assert o["after_exit_s"] is not None and o["after_exit_s"] < 1.0, (
+            f"rank {r} took {o['after_exit_s']}s after rank 1 left to notice (timeout 60s)"
+        )
+
+
 @pytest.mark.timeout(180)
 def test_timeout_names_the_rank_that_did_not_arrive(tmp_path):
     res = run("timeout", 3, tmp_path)
@@ -168,3 +187,155 @@ def test_init_does_not_wait_forever_for_a_missing_rank() -> None:
         assert said in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("(peer 1)") == 2 and "NOT RAISED" not in proc.stdout, proc.stdout
     assert time.monotonic() - t0 < 60
+
+
+def _private_shm() -> list[str] | None:
+    """A command prefix that gives what follows its own, empty /dev/shm (a mount
+    namespace with a fresh tmpfs), or None where that is not allowed."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4g tmpfs /dev/shm"],
+        capture_output=True,
+    )
+    return None if probe.returncode else ["unshare", "-m", "sh", "-c"]
+
+
+@pytest.mark.timeout(600)
+def test_kill_during_init_leaks_no_segment(tmp_path):
+    """SIGKILL one rank at random moments of init, 24 times: no pycoll segment may
+    stay in /dev/shm (judged in a /dev/shm of these runs' own, since other jobs
+    on the machine make pycoll segments too)."""
+    prefix = _private_shm()
+    if prefix is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    script = ROOT / "tests" / "faults" / "init_kill.py"
+    inner = (
+        "mount -t tmpfs -o size=4g tmpfs /dev/shm && "
+        f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))} 24 {shlex.quote(str(tmp_path))}"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [*prefix, inner], cwd=ROOT, env=env, capture_output=True, text=True, timeout=550
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    runs = res["runs"][1:]
+    assert res["runs"][0]["leaked"] == [], res["runs"][0]
+    during = [r for r in runs if "victim" in r and not r["victim_inited"]]
+    assert len(during) >= len(runs) // 3, f"too few kills landed inside init: {runs}"
+    leaky = [r for r in runs if r["leaked"]]
+    assert not leaky, f"{len(leaky)} of {len(runs)} killed runs left segments: {leaky}"
+
+
+# ----------------------------------------------------------------------------- init (issue 33, 3 and 5)
+def _init_mpi(cmd: list[str], out: Path, timeout: float = 90) -> dict[int, dict]:
+    subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+INIT_MPI = str(ROOT / "tests" / "faults" / "init_mpi.py")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stalled_in_setup_is_named_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 hangs in tcp's listen: the others raise after PYCOLL_TIMEOUT (3 s), naming it."""
+    res = _init_mpi(mpiexec(3) + [sys.executable, INIT_MPI, str(tmp_path), "3", "stall"], tmp_path)
+    for r in (0, 2):
+        o = res[r]
+        assert o.get("error") == "ConnectError", o
+        assert o["peer"] == 1 and "rank(s) [1] of the 3 did not answer" in o["message"], o
+        assert o["elapsed"] < 3 + 5, o
+
+
+@pytest.mark.timeout(120)
+def test_settings_that_differ_between_ranks_raise_on_every_rank(tmp_path: Path) -> None:
+    exe = mpiexec(1)
+    cmd = exe[:1] + ["-n", "1", "-env", "PYCOLL_TRANSPORT", "tcp", "-env", "PYCOLL_TUNE", "0"]
+    args = [sys.executable, INIT_MPI, str(tmp_path), "10"]
+    cmd += [*args, ":", "-n", "2", *args]
+    res = _init_mpi(cmd, tmp_path)
+    assert set(res) == {0, 1, 2}, res
+    for r, o in res.items():
+        assert o.get("error") == "InvalidArgumentError", o
+        msg = o["message"]
+        assert msg.startswith(f"rank {r}: pycoll.init: settings"), msg
+        assert "PYCOLL_TRANSPORT (transports): ranks [0]: tcp; ranks [1, 2]: shm,rdma,tcp" in msg
+        assert "PYCOLL_TUNE (tune): ranks [0]: False; ranks [1, 2]: True" in msg
+        assert o["elapsed"] < 8, o
+
+
+STORE_RANK = str(ROOT / "tests" / "faults" / "store_rank.py")
+
+
+def _store_job(
+    tmp_path: Path, n: int, *args: str, wrap: str = "", launcher: tuple[str, ...] = ()
+) -> dict[int, dict]:
+    """``n`` ranks of tests/faults/store_rank.py over one FileStore, no MPI; ``wrap``
+    runs first in their shell, ``launcher`` starts that shell.  ``res[-1]`` holds
+    the jobs' stderr."""
+    store = tmp_path / "store"
+    ranks = " & ".join(
+        f"{sys.executable} {STORE_RANK} {store} {r} {n} " + " ".join(f"'{a}'" for a in args)
+        for r in range(n)
+    )
+    script = f"{wrap}{ranks} & wait"
+    proc = subprocess.run(
+        [*launcher, "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYCOLL_DEBUG": "WARN"},
+    )
+    res = reports(proc.stdout)
+    assert set(res) == set(range(n)), proc.stdout + proc.stderr
+    res[-1] = {"stderr": proc.stderr}
+    return res
+
+
+@pytest.mark.timeout(90)
+def test_init_over_a_store_needs_no_mpi(tmp_path: Path) -> None:
+    res = _store_job(tmp_path, 3, "timeout=10")
+    for r in range(3):
+        assert res[r]["sum"] == [6.0] * 5, res[r]
+        assert res[r]["mpi4py"] is False, "pycoll.init(store=...) imported mpi4py"
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        timeout=20,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (a private /dev/shm)")
+def test_full_dev_shm_falls_back_to_tcp_at_once(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs on /dev/shm, full, in a private mount namespace: init must
+    pick tcp at once (not wait out the timeout), say why, and not repeat its prefix."""
+    wrap = (
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+        "dd if=/dev/zero of=/dev/shm/fill bs=64k count=100 2>/dev/null; "
+    )
+    args = ("timeout=5", 'transports=("shm","tcp")')
+    res = _store_job(tmp_path, 3, *args, wrap=wrap, launcher=("unshare", "-m"))
+    stderr = res.pop(-1)["stderr"]
+    for r, o in res.items():
+        assert "error" not in o, o
+        assert o["sum"] == [6.0] * 5
+        assert all(v == "tcp" for p, v in o["via"].items() if int(p) != r), o
+        assert o["init_s"] < 5, o  # less than one timeout
+    assert "shm unavailable" in stderr and "/dev/shm has only" in stderr, stderr
+    assert "rank 0: rank 0:" not in stderr + str(res)

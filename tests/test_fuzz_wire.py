@@ -106,7 +106,7 @@ def test_shm_blob_fuzz(shm_blob, data):
 def test_shm_blob_other_version_and_type():
     good = _Identity(0, b"\1" * 8).pack()
     other = bytearray(good)
-    other[4:6] = struct.pack("<H", 2)
+    other[4:6] = struct.pack("<H", 99)
     for bad in (bytes(other), b"XXXX" + good[4:], None, 42, "text"):
         with pytest.raises(BlobError):
             _Identity.unpack(bad)  # type: ignore[arg-type]
@@ -353,8 +353,8 @@ def rdma_requests(draw: st.DrawFn) -> list[tuple[int, int, int, int, int, int]]:
 @settings(FUZZ, max_examples=40)
 @given(reqs=rdma_requests())
 def test_soft_rdma_requests_fuzz(reqs):
+    from tests.test_security import soft_handshake
     from tests.test_soft_verbs import RW, Node, v
-    from transports.rdma.soft import engine as eng
     from transports.rdma.soft import rc
 
     errors = _EngineErrors()
@@ -370,14 +370,13 @@ def test_soft_rdma_requests_fuzz(reqs):
         for _ in range(4):
             b.qp.post_recv(v.RecvWR(wr_id=1))
         s = socket.create_connection(("127.0.0.1", b.ctx.query_port(1).lid), timeout=5)
-        s.sendall(
-            eng.hello(
-                b.ctx.secret,
-                b.qp.qp_num,
-                a.qp.qp_num,
-                bytes(a.ctx.query_gid(1, 0)),
-                a.ctx.query_port(1).lid,
-            )
+        soft_handshake(
+            s,
+            b.ctx.secret,
+            b.qp.qp_num,
+            a.qp.qp_num,
+            bytes(a.ctx.query_gid(1, 0)),
+            a.ctx.query_port(1).lid,
         )
         psn = 7
         for op, dpsn, key, off, length, nsend in reqs:

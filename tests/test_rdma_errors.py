@@ -205,3 +205,30 @@ def test_peer_process_killed_mid_transfer():
             child.kill()
             child.wait(10)
         t.close()
+
+
+@pytest.mark.timeout(120)
+def test_goodbye_fails_what_the_peer_will_not_serve_and_nothing_else(make_pair):
+    """close() sends a goodbye.  A message that arrived before it is still
+    delivered, a send already on the wire still completes (its ACK may trail the
+    goodbye), and only what the peer will never serve fails, at once."""
+    for _ in range(10):
+        ts, c0, c1 = make_pair()
+        big = os.urandom(3 * SLOT + 5)
+        late = os.urandom(100)
+        out = bytearray(len(big))
+        send = c1.isend(memoryview(big))
+        send_late = c0.isend(memoryview(late))  # rank 1 receives it after rank 0 closed
+        wait_all([c0.irecv_into(memoryview(out))], Deadline.after(30))
+        wait_all([send_late], Deadline.after(30))
+        c0.close()
+        wait_all([send], Deadline.after(30))  # on the wire before the goodbye: no error
+        got = bytearray(len(late))
+        wait_all([c1.irecv_into(memoryview(got))], Deadline.after(30))
+        assert out == big and got == late
+        t = time.monotonic()
+        with pytest.raises(PeerClosedError):  # the goodbye, or the destroyed QP's flush
+            wait_all([c1.irecv_into(memoryview(bytearray(8)))], Deadline.after(30))
+        assert time.monotonic() - t < 1.0
+        for tr in ts:
+            tr.close()

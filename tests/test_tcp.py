@@ -464,3 +464,78 @@ def test_no_leaked_fds() -> None:
     t.close()
     assert _fds() <= before, f"leaked fds: {_fds() - before}"
     assert threading.active_count() == 1
+
+
+# ----------------------------------------------------------------------------- issue 33, 8 and 11
+def test_listeners_close_once_every_peer_is_connected() -> None:
+    """After init nobody serves the listeners: they must refuse, not queue strangers."""
+    from tests.inproc import communicators
+
+    with communicators(3, transports=("tcp",), timeout=20) as comms:
+        for c in comms:
+            assert all(c.transport_of(p) == "tcp" for p in range(3) if p != c.rank)
+            tr = c._wiring.transports[0]
+            assert isinstance(tr, TcpTransport)
+            assert tr._endpoint is not None
+            for a in tr._endpoint.addrs:
+                with (
+                    socket.socket(socket.AF_INET if a.family == 4 else socket.AF_INET6) as s,
+                    pytest.raises(ConnectionRefusedError),
+                ):
+                    s.settimeout(5)
+                    s.connect(a.sockaddr())
+        out = _run_threads([lambda c=c: c.allreduce(np.full(5, c.rank + 1.0)) for c in comms])
+        for o in out:
+            assert np.array_equal(o, np.full(5, 6.0))
+
+
+EMFILE_SCRIPT = r"""
+import logging, resource, socket, sys, time
+from transports.base import TransportOptions
+from transports.tcp import TcpTransport, decode_blob
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+t0 = TcpTransport(TransportOptions(rank=0, size=2, timeout=1.5, secret=b"s"))
+ep = decode_blob(t0.listen())
+t1 = TcpTransport(TransportOptions(rank=1, size=2, timeout=1.5, secret=b"s"))
+blob1 = t1.listen()
+a = ep.addrs[0]
+stranger = socket.create_connection((a.host, a.port))  # waits in the backlog
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+hog = []
+try:
+    while True:
+        hog.append(open("/dev/null"))
+except OSError:
+    hog.pop().close()  # room for the selector's own descriptor, none for accept()
+cpu = time.process_time()
+try:
+    t0.connect(1, blob1)  # rank 1 never dials; every accept() meets EMFILE
+except Exception as exc:
+    print("RAISED", type(exc).__name__)
+print("CPU", time.process_time() - cpu)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_accept_backs_off_when_out_of_descriptors() -> None:
+    """EMFILE in accept(): no busy loop, and a warning at most about once a second."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", EMFILE_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    out = proc.stdout
+    assert "RAISED ConnectError" in out, out + proc.stderr
+    warnings = [line for line in out.splitlines() if line.startswith("LOG tcp: accept failed")]
+    assert 1 <= len(warnings) <= 4, f"{len(warnings)} warnings in 1.5 s:\n{out[-2000:]}"
+    cpu = float(out.split("CPU ")[1].split()[0])
+    assert cpu < 0.5, f"{cpu:.2f} s of CPU in a 1.5 s wait: a busy loop"

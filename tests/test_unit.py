@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import typing
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +19,8 @@ from pycoll.algorithms.tree import btree, double_btree, rooted_btree
 from pycoll.buffers import as_buffer, is_device_array
 from pycoll.config import Config, parse_algo
 from pycoll.errors import InvalidArgumentError, PycollError, UnsupportedError
-from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, parse_op
+from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, parse_op, reduce_rows, ufunc
+from tests.reference import assert_close, data, ops_for, reference
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,8 +215,8 @@ def test_buffers() -> None:
     with pytest.raises(InvalidArgumentError, match="read-only"):
         as_buffer(ro, 0, "t", "recvbuf", writable=True)
     as_buffer(ro, 0, "t", "sendbuf", writable=False)
-    with pytest.raises(InvalidArgumentError, match="complex128"):
-        as_buffer(np.ones(3, np.complex128), 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="clongdouble|complex256"):
+        as_buffer(np.ones(3, np.clongdouble), 0, "t", "sendbuf", writable=False)
     with pytest.raises(InvalidArgumentError, match="list"):
         as_buffer([1, 2], 0, "t", "sendbuf", writable=False)
     assert not is_device_array(a)
@@ -243,7 +245,42 @@ def test_ops_and_dtypes() -> None:
         parse_op("xor", 0, "t")
     with pytest.raises(InvalidArgumentError, match="avg"):
         check_op_dtype(ReduceOp.AVG, np.dtype(np.int32), 0, "t")
-    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16) and len(DTYPES) == 10
+    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16) and len(DTYPES) == 15
+    for name in ("bool", "int16", "uint16", "complex64", "complex128"):
+        assert DTYPES[name] == np.dtype(name)
+    assert parse_op("BXOR", 0, "t") is ReduceOp.BXOR and parse_op("band", 0, "t") is ReduceOp.BAND
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_which_op_takes_which_dtype(dtype: np.dtype) -> None:
+    """The table of pycoll.reduce, checked against the contract written out in
+    tests/reference.py, and each op against NumPy on two operands."""
+    for op in ReduceOp:
+        if op.value in ops_for(dtype):
+            check_op_dtype(op, dtype, 0, "t")
+            a = data(0, 11, dtype, op.value)
+            b = data(1, 11, dtype, op.value)
+            out = np.empty_like(a)
+            reduce_rows(ufunc(op), [a, b], out)  # avg: the sum, divided at the end
+            want = reference([a, b], "sum" if op is ReduceOp.AVG else op.value)
+            assert_close(out, want, dtype, 2, f"{op.value} {dtype}")
+            continue
+        with pytest.raises(InvalidArgumentError) as ei:
+            check_op_dtype(op, dtype, 3, "allreduce")
+        msg = str(ei.value)
+        assert "rank 3" in msg and f"op={op.value!r}" in msg and f"dtype {dtype}" in msg, msg
+
+
+def test_min_max_of_three_rows_warn_nothing() -> None:
+    """maximum and minimum get their output by keyword (NumPy 2.4 deprecates it by
+    position); the other ufuncs keep it by position."""
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)[::-1].copy()
+    for op, want in ((ReduceOp.MAX, rows.max(0)), (ReduceOp.MIN, rows.min(0))):
+        out = np.empty(4, np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            reduce_rows(ufunc(op), rows, out)
+        assert np.array_equal(out, want)
 
 
 def test_segments_cover_exactly() -> None:
@@ -354,10 +391,10 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
     token = secrets.token_bytes(8)
     a = ShmGroup.create(token, 0, 2, 4096)
-    b = ShmGroup.attach(token, 1, 2, 5.0)
+    b = ShmGroup.attach(a.handle, 1, 2)
     try:
-        a.unlink()
-        assert not os.path.exists(f"/dev/shm/{a.name}")
+        a.release_handle()
+        assert not [f for f in os.listdir("/dev/shm") if token.hex() in f]  # never named
         b.post(1)
         a.wait([1], 1, Deadline.after(5), quick)
         with pytest.raises(TransportTimeout) as ti:
@@ -389,9 +426,9 @@ def _group_pair(k: int) -> typing.Iterator[tuple[typing.Any, typing.Any]]:
     token = secrets.token_bytes(8)
     a = ShmGroup.create(token, 0, 2, 4096, slots=k)
     try:
-        b = ShmGroup.attach(token, 1, 2, 5.0)
+        b = ShmGroup.attach(a.handle, 1, 2)
         try:
-            a.unlink()
+            a.release_handle()
             yield a, b
         finally:
             b.close()
@@ -489,3 +526,157 @@ def test_device_host_route_on_a_shared_gpu() -> None:
                 assert via("broadcast", "auto", 8)
                 c.size = 4
             c.size, c._gpu = 1, None  # as they were, for close()
+
+
+def test_pycoll_deprecation_warnings_fail_the_tests() -> None:
+    """pyproject's filterwarnings: a DeprecationWarning raised from pycoll's or
+    transports' code is an error under pytest; another library's is not."""
+    for module in ("pycoll.reduce", "transports.shm"):
+        with pytest.raises(DeprecationWarning):
+            warnings.warn_explicit("old", DeprecationWarning, f"{module}.py", 1, module=module)
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("old", DeprecationWarning, "numpy/x.py", 1, module="numpy.x")
+
+
+def test_buffer_protocol_and_tensors_are_viewed_without_a_copy() -> None:
+    import array
+
+    a = np.arange(6, dtype=np.float64)
+    for obj, dtype in (
+        (memoryview(a), np.float64),
+        (bytearray(b"abc"), np.uint8),
+        (array.array("h", [1, -2, 3]), np.int16),
+        (memoryview(bytearray(4)).cast("?"), np.bool_),
+    ):
+        b = as_buffer(obj, 0, "t", "recvbuf", writable=True)
+        assert b.dtype == np.dtype(dtype) and not b.is_device, obj
+        assert np.shares_memory(b.flat, np.asarray(memoryview(obj))), obj
+        assert b.shape == memoryview(obj).shape
+    b = as_buffer(memoryview(a.reshape(2, 3)), 0, "t", "sendbuf", writable=False)
+    assert b.shape == (2, 3) and b.count == 6 and np.shares_memory(b.flat, a)
+    b = as_buffer(b"xyz", 0, "t", "sendbuf", writable=False)  # an input may be read-only
+    assert b.count == 3 and b.dtype == np.uint8
+    with pytest.raises(InvalidArgumentError, match="rank 2: t: recvbuf is read-only \\(bytes\\)"):
+        as_buffer(b"xyz", 2, "t", "recvbuf", writable=True)
+    with pytest.raises(InvalidArgumentError, match="rank 1: t: sendbuf .*not C-contiguous"):
+        as_buffer(memoryview(a)[::2], 1, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="rank 0: t: sendbuf has dtype float128"):
+        as_buffer(memoryview(np.ones(2, np.longdouble)), 0, "t", "sendbuf", writable=False)
+
+
+def test_torch_cpu_tensors_are_viewed_without_a_copy() -> None:
+    torch = pytest.importorskip("torch")
+    for dt in (torch.float32, torch.bool, torch.int16, torch.uint16, torch.complex128):
+        t = torch.zeros(5, dtype=dt)
+        b = as_buffer(t, 0, "t", "recvbuf", writable=True)
+        assert b.flat.__array_interface__["data"][0] == t.data_ptr() and b.count == 5
+        assert b.flat.flags.writeable and str(b.dtype) == str(dt).removeprefix("torch.")
+        t.resize_(1 << 16)  # the view leaves the storage resizable (tensor.numpy() does not)
+    t = torch.arange(4, dtype=torch.bfloat16)
+    b = as_buffer(t, 0, "t", "sendbuf", writable=False)
+    assert b.dtype == DTYPES["bfloat16"] and list(b.flat.astype(np.float32)) == [0, 1, 2, 3]
+    g = torch.ones(3, requires_grad=True)
+    assert as_buffer(g, 0, "t", "sendbuf", writable=False).count == 3
+    assert as_buffer(torch.ones(2, 3), 0, "t", "sendbuf", writable=False).shape == (2, 3)
+    assert as_buffer(torch.ones(0), 0, "t", "sendbuf", writable=False).count == 0
+    with pytest.raises(InvalidArgumentError, match=r"rank 1: t: sendbuf .*\.contiguous\(\)"):
+        as_buffer(torch.ones(4, 4).t(), 1, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="resolve_conj"):
+        as_buffer(torch.ones(3, dtype=torch.complex64).conj(), 0, "t", "sendbuf", writable=False)
+    with pytest.raises(InvalidArgumentError, match="rank 0: t: sendbuf has dtype torch.float8"):
+        as_buffer(torch.ones(3).to(torch.float8_e4m3fn), 0, "t", "sendbuf", writable=False)
+
+
+# ----------------------------------------------------------------------------- bootstrap seam
+def test_store_bootstrap_names_the_rank_that_never_arrives(tmp_path) -> None:
+    import time
+
+    from pycoll.rendezvous import StoreBootstrap
+    from pycoll.stores import FileStore, HashStore
+    from tests.inproc import run_ranks
+
+    for store in (HashStore(), FileStore(tmp_path / "s")):
+        t0 = time.monotonic()
+
+        def go(r: int, store: object = store) -> str:
+            b = StoreBootstrap(store, r, 3)
+            try:
+                b.arrive(0.5)
+            except pycoll.ConnectError as exc:
+                assert exc.peer == 2
+                return str(exc)
+            return "arrived"
+
+        said = run_ranks(2, go)  # rank 2 of 3 never comes
+        assert time.monotonic() - t0 < 5
+        for r in (0, 1):
+            assert said[r].startswith(
+                f"rank {r}: pycoll.init: rank(s) [2] of the 3 did not call"
+            ), said
+
+
+def test_store_bootstrap_exchanges_plain_data_only() -> None:
+    import pickle
+
+    from pycoll.rendezvous import StoreBootstrap, decode, encode
+    from pycoll.stores import HashStore
+    from tests.inproc import run_ranks
+
+    store = HashStore()
+
+    def go(r: int) -> tuple[object, ...]:
+        b = StoreBootstrap(store, r, 2)
+        b.arrive(5)
+        got = b.allgather({"rank": r, "blob": bytes([r])}, 5, "t")
+        root = b.bcast(("from", r), 1, 5, "t")
+        b.barrier(5, "t")
+        return got, root
+
+    for got, root in run_ranks(2, go):
+        assert got == [{"rank": 0, "blob": b"\0"}, {"rank": 1, "blob": b"\1"}]
+        assert root == ("from", 1)
+    assert decode(encode((1, [b"x", {2: (True, None)}]))) == (1, [b"x", {2: (True, None)}])
+    with pytest.raises(pickle.UnpicklingError, match="may not name"):
+        decode(pickle.dumps(InvalidArgumentError("x")))
+
+
+def test_init_over_a_store_checks_its_arguments() -> None:
+    from pycoll.stores import HashStore
+
+    with pytest.raises(InvalidArgumentError, match="needs rank= and size="):
+        pycoll.init(store=HashStore(), rank=0)
+    with pytest.raises(InvalidArgumentError, match=r"rank=2 must be an int in \[0, 2\)"):
+        pycoll.init(store=HashStore(), rank=2, size=2)
+    with pytest.raises(InvalidArgumentError, match="has no set, get, wait"):
+        pycoll.init(store=object(), rank=0, size=1)
+
+
+def test_a_failed_shm_connection_falls_back_to_tcp(monkeypatch) -> None:
+    """A segment that cannot be created at connect time (after listen's probe
+    passed): the pairs move to tcp together, with a warning, and the message
+    names the rank once."""
+    import transports._segment as seg
+    from tests.inproc import communicators
+
+    real = seg.create
+
+    def create(size: int, **kw: object) -> object:
+        if kw.get("ident") != b"probe" and kw.get("peer", -1) != -1:  # a pair segment
+            raise seg.ConnectError("injected: no room", peer=kw.get("peer"), transport="shm")
+        return real(size, **kw)  # type: ignore[arg-type]
+
+    import logging
+
+    monkeypatch.setattr(seg, "create", create)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("pycoll.bootstrap").addHandler(handler)
+    try:
+        with communicators(3, transports=("shm", "tcp"), timeout=2, group_slot_bytes=0) as comms:
+            for c in comms:
+                assert all(c.transport_of(p) == "tcp" for p in range(3) if p != c.rank)
+    finally:
+        logging.getLogger("pycoll.bootstrap").removeHandler(handler)
+    said = [r.getMessage() for r in records if "falling back to tcp" in r.getMessage()]
+    assert said and all("rank 0: rank 0:" not in m for m in said), said

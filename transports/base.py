@@ -474,6 +474,10 @@ class Transport(abc.ABC):
         decide who creates and who attaches by comparing ranks.
         """
 
+    def seal(self) -> None:  # noqa: B027 - optional hook
+        """Every peer is connected: release what only set-up needed (listeners,
+        half-done handshakes); later ``connect`` calls may fail.  Idempotent."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release listening resources; idempotent."""
 

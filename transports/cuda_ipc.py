@@ -8,9 +8,9 @@ Per pair of ranks:
 
 * each rank ``cudaMalloc``\\ s a ring of ``nslots`` device slots for its
   *incoming* direction and exports it with ``cudaIpcGetMemHandle``;
-* a small host segment ``/dev/shm/pycoll-<token>-ipc-<lo>-<hi>`` (mode 0600,
-  created by the lower rank, unlinked as soon as the higher rank attached)
-  holds both rings' handles and the flow-control counters, as in
+* a small nameless host segment (mode 0600, created by the lower rank and
+  opened by the higher one through the creator's descriptor, as in
+  :mod:`transports._segment`, so a crash at any moment leaks nothing) holds both rings' handles and the flow-control counters, as in
   :mod:`transports.shm`: per direction the sender owns ``head`` (slots
   published) and the receiver owns ``tail`` (slots released);
 * a sender opens the peer's handle once, on first use, and keeps it.  Several
@@ -49,7 +49,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from transports import _atomic, _segment
+from transports import _atomic, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     Backoff,
@@ -60,7 +60,6 @@ from transports.base import (
     DeviceSink,
     DeviceSpan,
     DoneRequest,
-    PeerClosedError,
     QueuedRequest,
     Request,
     Sink,
@@ -76,7 +75,7 @@ log = logging.getLogger(__name__)
 NAME = "cuda_ipc"
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
-_VERSION = 2
+_VERSION = 3
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
 # per side (0 = creator = lower rank): pid, ready flag, ipc handle, raw pointer
 _SIDE_OFF = (256, 512)
@@ -94,7 +93,7 @@ _W_MAX_SPANS = 4
 _W_SPAN = struct.Struct("<64sQQQ")  # handle, offset in the allocation, nbytes, raw pointer
 _SEG_BYTES = 16384
 _MAX_SLOTS = (_CTRL_SIZE - 256) // 8
-_BLOB = struct.Struct("<4sHH16sQQQQQ16s")
+_BLOB = struct.Struct("<4sHH16sQQQQQ16sQ")
 _BLOB_TAG = b"PCIP"
 _NOT_READY = 600  # cudaErrorNotReady
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -116,7 +115,7 @@ def _cuda() -> Any:
 class _Identity:
     """Same host (boot id), same IPC namespace and /dev/shm, and which GPU (PCI bus id)."""
 
-    __slots__ = ("boot", "bus", "ipc_ns", "pid", "pid_ns", "rank", "shm_dev", "token")
+    __slots__ = ("boot", "bus", "dirfd", "ipc_ns", "pid", "pid_ns", "rank", "shm_dev", "token")
 
     def __init__(self, rank: int, token: bytes, bus: bytes) -> None:
         self.rank = rank
@@ -127,6 +126,7 @@ class _Identity:
         self.shm_dev = _segment.shm_device()
         self.pid = os.getpid()
         self.bus = bus
+        self.dirfd = 0  # this rank's segment directory (transports._segment.Directory)
 
     def pack(self) -> bytes:
         return _BLOB.pack(
@@ -140,13 +140,14 @@ class _Identity:
             self.shm_dev,
             (self.rank << 32) | self.pid,
             self.bus.ljust(16, b"\0")[:16],
+            self.dirfd,
         )
 
     @classmethod
     def unpack(cls, blob: bytes) -> _Identity:
         if len(blob) != _BLOB.size:
             raise BlobError(f"cuda_ipc endpoint blob has {len(blob)} bytes, expected {_BLOB.size}")
-        tag, ver, _, boot, token, ipc, pidns, dev, rp, bus = _BLOB.unpack(blob)
+        tag, ver, _, boot, token, ipc, pidns, dev, rp, bus, dirfd = _BLOB.unpack(blob)
         if tag != _BLOB_TAG or ver != _VERSION:
             raise BlobError(f"not a cuda_ipc endpoint blob (tag {tag!r}, version {ver})")
         self = cls.__new__(cls)
@@ -154,6 +155,7 @@ class _Identity:
         self.token = token.to_bytes(8, "little")
         self.rank, self.pid = rp >> 32, rp & 0xFFFFFFFF
         self.bus = bus.rstrip(b"\0")
+        self.dirfd = dirfd
         return self
 
 
@@ -213,8 +215,13 @@ class CudaIpcTransport(Transport):
         self.nslots = min(_MAX_SLOTS, max(2, options.nslots))
         self.slot_bytes = max(1 << 16, -(-options.slot_bytes // 4096) * 4096)
         self._conns: list[CudaIpcConnection] = []
+        self._dir: _segment.Directory | None = None
+        self._handles: list[int] = []  # descriptors of the segments made here (see _segment)
 
     def listen(self) -> bytes:
+        if self._dir is None:
+            self._dir = _segment.Directory(self.options.size, self._me.token, NAME)
+            self._me.dirfd = self._dir.fd
         return self._me.pack()
 
     def can_connect(self, local: bytes, peer: bytes) -> tuple[bool, str]:
@@ -241,24 +248,25 @@ class CudaIpcTransport(Transport):
             raise BlobError(f"cuda_ipc blob for rank {peer_rank} says rank {other.rank}")
         me = self._me
         lo, hi = (me, other) if me.rank < other.rank else (other, me)
-        name = f"pycoll-{lo.token.hex()}-ipc-{lo.rank}-{hi.rank}"
+        name = f"cuda_ipc {lo.rank}-{hi.rank}"
+        ident = lo.token + struct.pack("<II", lo.rank, hi.rank)
         creator = me is lo
-        deadline = Deadline.after(self.options.timeout)
-        mm = self._create(name, peer_rank) if creator else self._attach(name, peer_rank, deadline)
+        if self._dir is None:
+            self.listen()
+        assert self._dir is not None
+        fd = -1
+        if creator:
+            mm, fd = self._create(ident, peer_rank)
+        else:
+            mm = self._attach(other, ident, peer_rank)
         try:
             conn = CudaIpcConnection(
-                mm,
-                name,
-                creator,
-                peer_rank,
-                self.device,
-                other.pid if other.pid_ns == me.pid_ns else 0,
-                self.options.timeout,
+                mm, name, creator, peer_rank, self.device, other.pid, self.options.timeout
             )
         except BaseException as exc:
             mm.close()
-            if creator:
-                _segment.unlink(name)
+            if fd >= 0:
+                os.close(fd)
             if isinstance(exc, TransportError) or not isinstance(exc, Exception):
                 raise
             raise ConnectError(
@@ -266,43 +274,62 @@ class CudaIpcTransport(Transport):
                 peer=peer_rank,
                 transport=NAME,
             ) from exc
+        if creator:
+            self._handles.append(fd)
+            self._dir.publish(peer_rank, fd)  # last: the peer trusts what it then finds
         conn.same_device = me.bus == other.bus
         self._conns.append(conn)
         log.debug("cuda_ipc: rank %d <-> %d over %s", me.rank, peer_rank, name)
         return conn
 
-    def _create(self, name: str, peer: int) -> mmap.mmap:
-        mm = _segment.create(name, _SEG_BYTES, peer=peer, transport=NAME)
+    def _create(self, ident: bytes, peer: int) -> tuple[mmap.mmap, int]:
+        mm, fd = _segment.create(_SEG_BYTES, ident=ident, peer=peer, transport=NAME)
         _HDR.pack_into(mm, 8, _VERSION, self.nslots, self.slot_bytes)
-        struct.pack_into("<Q", mm, 0, _MAGIC)  # last: the attacher waits for it
-        return mm
+        struct.pack_into("<Q", mm, 0, _MAGIC)  # last: the attacher checks it
+        return mm, fd
 
-    def _attach(self, name: str, peer: int, deadline: Deadline) -> mmap.mmap:
+    def _attach(self, lo: _Identity, ident: bytes, peer: int) -> mmap.mmap:
+        timeout = self.options.timeout
+        handle = _segment.find(
+            lo.pid,
+            lo.dirfd,
+            lo.token,
+            self._me.rank,
+            peer=peer,
+            transport=NAME,
+            deadline=Deadline.after(timeout),
+            timeout=timeout,
+        )
         mm = _segment.attach(
-            name,
+            lo.pid,
+            handle,
             magic=_MAGIC,
+            ident=ident,
             min_size=_SEG_BYTES,
             peer=peer,
             transport=NAME,
-            deadline=deadline,
-            timeout=self.options.timeout,
         )
         ver, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
         if ver != _VERSION or not 2 <= nslots <= _MAX_SLOTS or slot_bytes % 4096:
             mm.close()
             raise ConnectError(
-                f"cuda_ipc: segment {name} has version {ver} and geometry {nslots}x{slot_bytes}: "
-                "ranks run different pycoll versions?",
+                f"cuda_ipc: the segment of rank {peer} has version {ver} and geometry "
+                f"{nslots}x{slot_bytes}: ranks run different pycoll versions?",
                 peer=peer,
                 transport=NAME,
             )
-        _segment.unlink(name)  # both sides attached: nothing outlives the job
         return mm
 
     def close(self) -> None:
         for c in self._conns:
             c.close()
         self._conns.clear()
+        for fd in self._handles:
+            os.close(fd)
+        self._handles.clear()
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
 
 
 def _bus_id(rt: Any, dev: int) -> bytes:
@@ -396,6 +423,7 @@ class CudaIpcConnection(Connection):
         self._recvd = 0  # slots released (tail)
         self._to_sink: deque[_IpcRecv] = deque()
         self._sinking: deque[tuple[int, int, _IpcRecv]] = deque()  # event, n, req
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ host memory
     def isend(self, data: memoryview) -> Request:
@@ -574,22 +602,18 @@ class CudaIpcConnection(Connection):
     def check_peer(self) -> None:
         if self._closed:
             return
-        if self._closed_peer.load():
-            raise PeerClosedError(
-                f"cuda_ipc: peer {self.peer} closed its connection", peer=self.peer, transport=NAME
-            )
-        pid = self._peer_pid
-        if pid:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise PeerClosedError(
-                    f"cuda_ipc: peer {self.peer} (pid {pid}) has exited",
-                    peer=self.peer,
-                    transport=NAME,
-                ) from None
-            except PermissionError:
-                pass
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"cuda_ipc: peer {self.peer}",
+            peer=self.peer,
+            transport=NAME,
+        )
+
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_me.store(1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -601,6 +625,7 @@ class CudaIpcConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_me.store(1)
         except ValueError:
@@ -642,8 +667,6 @@ class CudaIpcConnection(Connection):
             self._mm.close()
         except BufferError:
             log.warning("cuda_ipc: segment %s still has views; not unmapped", self._name)
-        if self._creator:
-            _segment.unlink(self._name)
 
 
 class _Window:

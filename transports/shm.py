@@ -1,13 +1,15 @@
 """Shared-memory transport for ranks on one host.
 
-One segment per pair of ranks, created by the lower rank and named
-``pycoll-<token>-<lo>-<hi>`` under ``/dev/shm`` (mode 0600).  The higher rank
-attaches and unlinks it at once, so after set-up nothing is left in the
-filesystem and a crash leaks nothing; the creator also unlinks on close.
+One segment per pair of ranks, created by the lower rank (mode 0600) without a
+name: the higher rank opens it through the creator's descriptor, which it finds
+in the creator's directory (:mod:`transports._segment` gives the rule and the
+protocol).  Nothing is ever named in ``/dev/shm``, so a crash at any moment,
+set-up included, leaks nothing: the memory goes with the last process that maps it.
 
 Layout (offsets in bytes)::
 
-    0      header: magic, version, nslots, slot_bytes, pid and "closed" flag per side
+    0      header: magic, version, nslots, slot_bytes, identity (at 32), pid,
+           "closed" flag and shared send buffer's handle per side
     4096   direction 0 (lo -> hi) control: head, tail (own cache lines), slot metadata
     6144   direction 1 (hi -> lo) control
     8192   direction 0 slots, then direction 1 slots; each slot is slot_bytes + 4096
@@ -29,9 +31,9 @@ Large messages skip the slots: a slot then holds a descriptor of where the bytes
 are, and the send completes once the receiver has taken them (``tail`` passes
 the slot).  The bytes are either in the sender's own memory, which the receiver
 reads with one cross-memory copy (:mod:`transports._cma`), or in the sender's
-*shared send buffer* (:meth:`ShmConnection.send_buffer`), a segment of its own
-(``<pair segment>-s<side>``, made on first use, unlinked by the receiver when it
-attaches) that both sides map: the receiver's sink reads them in place, so bytes
+*shared send buffer* (:meth:`ShmConnection.send_buffer`), a nameless segment of
+its own (made on first use; its handle is in the pair segment's header, written
+before the first descriptor that points into it) that both sides map: the receiver's sink reads them in place, so bytes
 that a GPU copied into it reach the receiving GPU with no CPU copy at all.
 """
 
@@ -48,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic, _cma, _segment
+from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
@@ -69,7 +71,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
-_VERSION = 1
+_VERSION = 2
 _PAGE = 4096
 _HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, nslots, slot_bytes
 _CTRL0 = 4096
@@ -82,6 +84,8 @@ _CLOSED_OFF = (512, 640)
 # the address of my mapping of this segment (what the peer probes)
 _CMA_OFF = (768, 896)
 _MAPADDR_OFF = (1024, 1152)
+# per side: the handle (descriptor + 1) of the side's shared send buffer, 0 before
+_SBUF_FD_OFF = (1280, 1408)
 # piece length, offset within the slot, and (for a direct-read descriptor) the
 # address of the bytes in the sender's memory, else 0
 _META = struct.Struct("<QQQ")
@@ -94,9 +98,8 @@ _CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
 #: buffer, at the descriptor's address taken as an offset into that buffer.
 _IN_SBUF = 1 << 63
 _SBUF_MAGIC = 0x7063736275660000  # "pcsbuf"; header: magic, then the buffer's size
-_SBUF_ATTACH_S = 10.0  # the sender made it before describing bytes in it
 
-_BLOB = struct.Struct("<4sHH16sQQQQQ")  # tag, version, rank... see _Identity
+_BLOB = struct.Struct("<4sHH16sQQQQQQ")  # tag, version, rank... see _Identity
 _BLOB_TAG = b"PCSM"
 
 
@@ -117,6 +120,7 @@ class _Identity:
         self.pid_ns = _segment.ns_inode("pid")
         self.shm_dev = _segment.shm_device()
         self.pid = os.getpid()
+        self.dirfd = 0  # this rank's segment directory (transports._segment.Directory)
 
     def pack(self) -> bytes:
         return _BLOB.pack(
@@ -129,6 +133,7 @@ class _Identity:
             self.pid_ns,
             self.shm_dev,
             (self.rank << 32) | self.pid,
+            self.dirfd,
         )
 
     @classmethod
@@ -137,13 +142,14 @@ class _Identity:
             raise BlobError(f"shm endpoint blob must be bytes, not {type(blob).__name__}")
         if len(blob) != _BLOB.size:
             raise BlobError(f"shm endpoint blob has {len(blob)} bytes, expected {_BLOB.size}")
-        tag, ver, _, boot, token, ipc, pidns, dev, rp = _BLOB.unpack(blob)
+        tag, ver, _, boot, token, ipc, pidns, dev, rp, dirfd = _BLOB.unpack(blob)
         if tag != _BLOB_TAG or ver != _VERSION:
             raise BlobError(f"not a shm endpoint blob (tag {tag!r}, version {ver})")
         self = cls.__new__(cls)
         self.boot, self.ipc_ns, self.pid_ns, self.shm_dev = boot, ipc, pidns, dev
         self.token = token.to_bytes(8, "little")
         self.rank, self.pid = rp >> 32, rp & 0xFFFFFFFF
+        self.dirfd = dirfd
         return self
 
 
@@ -174,8 +180,24 @@ class ShmTransport(Transport):
             pass
         self.slot_bytes = slot
         self._conns: list[ShmConnection] = []
+        self._dir: _segment.Directory | None = None
 
     def listen(self) -> bytes:
+        """The endpoint blob, once a pair segment is known to fit in /dev/shm.
+
+        Raises:
+            ConnectError: /dev/shm has no room for one segment (errno ENOSPC): the
+                bootstrap then falls back to the next allowed transport.
+        """
+        if self.options.size > 1:
+            _segment.probe_room(
+                _segment_bytes(self.nslots, self.slot_bytes),
+                transport="shm",
+                hint="enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
+            )
+        if self._dir is None:
+            self._dir = _segment.Directory(self.options.size, self._me.token, "shm")
+            self._me.dirfd = self._dir.fd
         return self._me.pack()
 
     def can_connect(self, local: bytes, peer: bytes) -> tuple[bool, str]:
@@ -191,30 +213,38 @@ class ShmTransport(Transport):
             raise BlobError(f"shm blob for rank {peer_rank} says rank {other.rank}")
         me = self._me
         lo, hi = (me, other) if me.rank < other.rank else (other, me)
-        name = f"pycoll-{lo.token.hex()}-{lo.rank}-{hi.rank}"
+        name = f"shm {lo.rank}-{hi.rank}"
+        ident = lo.token + struct.pack("<II", lo.rank, hi.rank)
         creator = me is lo
-        deadline = Deadline.after(self.options.timeout)
+        if self._dir is None:
+            self.listen()
+        assert self._dir is not None
         if creator:
-            mm = self._create(name, _segment_bytes(self.nslots, self.slot_bytes), peer_rank)
+            mm, fd = self._create(ident, _segment_bytes(self.nslots, self.slot_bytes), peer_rank)
         else:
-            mm = self._attach(name, peer_rank, deadline)
+            fd = -1
+            mm = self._attach(other, ident, peer_rank)
         try:
             conn = ShmConnection(
                 mm,
                 name,
                 creator,
                 peer_rank,
-                other.pid if other.pid_ns == me.pid_ns else 0,
+                other.pid,
                 int(self.options.get("shm_cma_min", str(CMA_MIN_BYTES)) or 0),
+                handle=fd,
+                ident=ident,
             )
         except BaseException:
             mm.close()
-            if creator:
-                _segment.unlink(name)
+            if fd >= 0:
+                os.close(fd)
             raise
+        if creator:
+            self._dir.publish(peer_rank, fd)  # last: the peer trusts what it then finds
         self._conns.append(conn)
         log.debug(
-            "shm: rank %d %s %s (%d bytes)",
+            "shm: rank %d %s segment %s (%d bytes)",
             me.rank,
             "created" if creator else "attached",
             name,
@@ -222,30 +252,33 @@ class ShmTransport(Transport):
         )
         return conn
 
-    def _create(self, name: str, size: int, peer: int) -> mmap.mmap:
-        mm = _segment.create(
-            name,
+    def _create(self, ident: bytes, size: int, peer: int) -> tuple[mmap.mmap, int]:
+        mm, fd = _segment.create(
             size,
+            ident=ident,
             peer=peer,
             transport="shm",
             hint="enlarge it (docker --shm-size) or lower PYCOLL_CHUNK_BYTES",
         )
         _HDR.pack_into(mm, 8, _VERSION, self.nslots, self.slot_bytes)
         struct.pack_into("<Q", mm, _PID_OFF[0], os.getpid())
-        # magic last: the attacher waits for it before trusting the rest
+        # magic last: the attacher checks it before trusting the rest
         struct.pack_into("<Q", mm, 0, _MAGIC)
-        return mm
+        return mm, fd
 
-    def _attach(self, name: str, peer: int, deadline: Deadline) -> mmap.mmap:
-        mm = _segment.attach(
-            name,
-            magic=_MAGIC,
-            min_size=_DATA0,
-            peer=peer,
-            transport="shm",
-            deadline=deadline,
-            timeout=self.options.timeout,
+    def _attach(self, lo: _Identity, ident: bytes, peer: int) -> mmap.mmap:
+        timeout = self.options.timeout
+        common = {"peer": peer, "transport": "shm"}
+        handle = _segment.find(
+            lo.pid,
+            lo.dirfd,
+            lo.token,
+            self._me.rank,
+            deadline=Deadline.after(timeout),
+            timeout=timeout,
+            **common,  # type: ignore[arg-type]
         )
+        mm = _segment.attach(lo.pid, handle, magic=_MAGIC, ident=ident, min_size=_DATA0, **common)  # type: ignore[arg-type]
         size = len(mm)
         ver, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
         # The creator chose the geometry (it sized the segment to fit /dev/shm).
@@ -257,20 +290,21 @@ class ShmTransport(Transport):
         ):
             mm.close()
             raise ConnectError(
-                f"shm segment {name} has version {ver} and geometry {nslots}x{slot_bytes}, "
+                f"shm segment of rank {peer} has version {ver} and geometry {nslots}x{slot_bytes}, "
                 f"which does not match its size {size}: ranks run different pycoll versions?",
                 peer=peer,
                 transport="shm",
             )
         struct.pack_into("<Q", mm, _PID_OFF[1], os.getpid())
-        # Both sides are attached now; unlink so that nothing outlives the job.
-        _segment.unlink(name)
         return mm
 
     def close(self) -> None:
         for c in self._conns:
             c.close()
         self._conns.clear()
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
 
 
 class _Direction:
@@ -301,10 +335,15 @@ class ShmConnection(Connection):
         peer: int,
         peer_pid: int,
         cma_min: int = CMA_MIN_BYTES,
+        *,
+        handle: int = -1,
+        ident: bytes = b"",
     ) -> None:
         self.peer = peer
         self._mm = mm
         self._name = name
+        self._handle = handle  # the creator's descriptor of the segment (-1: none)
+        self._ident = ident
         self._creator = creator
         self._side = 0 if creator else 1
         self._peer_pid = peer_pid
@@ -330,6 +369,7 @@ class ShmConnection(Connection):
         # shared send buffers (send_buffer): ours, and the peer's as mapped here
         self._sbuf: Any = None
         self._sbuf_mm: mmap.mmap | None = None
+        self._sbuf_fd = -1
         self._sbuf_addr = 0
         self._sbuf_failed = False
         self._rbuf: Any = None
@@ -339,6 +379,7 @@ class ShmConnection(Connection):
             struct.pack_into("<Q", mm, _MAPADDR_OFF[self._side], base)
         else:
             self._cma_me.store(2)
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ posting
     def isend(self, data: memoryview) -> Request:
@@ -365,22 +406,25 @@ class ShmConnection(Connection):
         self._check_open()
         if self._sbuf is None and not self._sbuf_failed:
             size = -(-max(1, nbytes) // _PAGE) * _PAGE
-            name = f"{self._name}-s{self._side}"
             try:
                 # at most half of what /dev/shm has free: the slots may need the rest
                 if _PAGE + size > _segment.free_bytes() // 2:
                     raise OSError(errno.ENOSPC, f"{SHM_DIR} has too little room")
-                mm = _segment.create(name, _PAGE + size, peer=self.peer, transport="shm")
+                mm, fd = _segment.create(
+                    _PAGE + size, ident=self._ident, peer=self.peer, transport="shm"
+                )
             except (OSError, TransportError) as exc:
                 log.info("shm: no shared send buffer to peer %d (%s); sends copy", self.peer, exc)
                 self._sbuf_failed = True
                 return None
             struct.pack_into("<Q", mm, 8, size)
-            struct.pack_into("<Q", mm, 0, _SBUF_MAGIC)  # last: the receiver checks it
-            self._sbuf_mm = mm
+            struct.pack_into("<Q", mm, 0, _SBUF_MAGIC)
+            # its handle, before any descriptor that points into it (head's release)
+            struct.pack_into("<Q", self._mm, _SBUF_FD_OFF[self._side], fd + 1)
+            self._sbuf_mm, self._sbuf_fd = mm, fd
             self._sbuf = np.frombuffer(mm, np.uint8, size, _PAGE)
             self._sbuf_addr = self._sbuf.__array_interface__["data"][0]
-            log.debug("shm: shared send buffer %s (%d bytes) to peer %d", name, size, self.peer)
+            log.debug("shm: shared send buffer (%d bytes) to peer %d", size, self.peer)
         if self._sbuf is None or nbytes > self._sbuf.size:
             return None
         return self._sbuf  # type: ignore[no-any-return]
@@ -523,22 +567,27 @@ class ShmConnection(Connection):
         req.sink(req.off, memoryview(buf[at : at + n]))  # type: ignore[arg-type]
 
     def _attach_rbuf(self) -> Any:
-        name = f"{self._name}-s{1 - self._side}"
+        handle = struct.unpack_from("<Q", self._mm, _SBUF_FD_OFF[1 - self._side])[0] - 1
+        if handle < 0:
+            raise TransportError(
+                f"shm: peer {self.peer} described bytes in a shared send buffer it never made",
+                peer=self.peer,
+                transport="shm",
+            )
         mm = _segment.attach(
-            name,
+            self._peer_pid,
+            handle,
             magic=_SBUF_MAGIC,
+            ident=self._ident,
             min_size=2 * _PAGE,
             peer=self.peer,
             transport="shm",
-            deadline=Deadline.after(_SBUF_ATTACH_S),
-            timeout=_SBUF_ATTACH_S,
         )
-        _segment.unlink(name)  # both sides map it now
         size = struct.unpack_from("<Q", mm, 8)[0]
         if _PAGE + size > len(mm):
             mm.close()
             raise TransportError(
-                f"shm: send buffer {name} of peer {self.peer} says {size} bytes but maps "
+                f"shm: the send buffer of peer {self.peer} says {size} bytes but maps "
                 f"{len(mm) - _PAGE}",
                 peer=self.peer,
                 transport="shm",
@@ -587,23 +636,18 @@ class ShmConnection(Connection):
         # bytes; while undelivered bytes wait in our inbound ring, it is not gone.
         if self._recvs and self._in.head.load() > self._recvd:
             return
-        if self._closed_peer.load():
-            raise PeerClosedError(
-                f"shm: peer {self.peer} closed its connection", peer=self.peer, transport="shm"
-            )
-        pid = self._peer_pid
-        if pid:
-            try:
-                os.kill(pid, 0)
-                gone = _is_zombie(pid)  # killed, not yet reaped by its launcher
-            except ProcessLookupError:
-                gone = True
-            except PermissionError:
-                gone = False
-            if gone:
-                raise PeerClosedError(
-                    f"shm: peer {self.peer} (pid {pid}) has exited", peer=self.peer, transport="shm"
-                )
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"shm: peer {self.peer}",
+            peer=self.peer,
+            transport="shm",
+        )
+
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_me.store(1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -615,6 +659,7 @@ class ShmConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_me.store(1)
         except ValueError:
@@ -629,31 +674,21 @@ class ShmConnection(Connection):
         self._sends.clear()
         self._recvs.clear()
         self._acks.clear()
-        for mm, name in (
-            (self._mm, self._name),
-            (self._sbuf_mm, f"{self._name}-s{self._side}"),
-            (self._rbuf_mm, f"{self._name}-s{1 - self._side}"),
+        for mm, what in (
+            (self._mm, "segment"),
+            (self._sbuf_mm, "shared send buffer"),
+            (self._rbuf_mm, "peer's shared send buffer"),
         ):
             if mm is None:
                 continue
             try:
                 mm.close()
             except BufferError:  # a view escaped; the mapping goes with the process
-                log.warning("shm: segment %s still has views; not unmapped", name)
-        if self._creator:
-            _segment.unlink(self._name)
-        if self._sbuf_mm is not None:
-            _segment.unlink(f"{self._name}-s{self._side}")  # the peer never attached
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # the state follows the command name, which sits in parentheses and may hold any byte
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+                log.warning("shm: %s %s still has views; not unmapped", self._name, what)
+        for fd in (self._handle, self._sbuf_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._handle = self._sbuf_fd = -1
 
 
 class _ShmSend(QueuedRequest):

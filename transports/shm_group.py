@@ -3,13 +3,15 @@
 Where :mod:`transports.shm` joins two ranks through a ring of slots, this joins
 all ranks of a communicator at once, for algorithms in which every rank reads
 straight from every other (pycoll's ``direct`` family).  The lowest rank creates
-``pycoll-<token>-group`` under ``/dev/shm`` (mode 0600); the others attach, and
-the creator unlinks it once everyone has (:meth:`ShmGroup.unlink`), so nothing
-outlives the job.
+it (mode 0600) without a name; its :attr:`ShmGroup.handle` travels with the
+bootstrap, the others open it through the creator's descriptor, and the creator
+drops that descriptor once everyone has (:meth:`ShmGroup.release_handle`).
+Nothing is ever named in ``/dev/shm``, so a kill at any moment leaks nothing
+(the rule is in :mod:`transports._segment`).
 
 Layout (offsets in bytes)::
 
-    0        header: magic, version, ranks, slot_bytes, slots (K)
+    0        header: magic, version, ranks, slot_bytes, slots (K), identity (at 32)
     4096     control, LINE bytes a rank (160 + 16 K, rounded up to 64): "posted"
              and "done" counters on their own cache lines, then pid, pid
              namespace, a "closed" flag, the address of the rank's mapping (for
@@ -54,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from transports import _atomic, _cma, _segment
+from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     Backoff,
     ConnectError,
@@ -75,7 +77,7 @@ SLOTS = 8
 AHEAD = 4
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 2
+_VERSION = 3
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
@@ -98,8 +100,7 @@ def segment_bytes(size: int, slot_bytes: int, slots: int = SLOTS) -> int:
     return _data0(size, slots) + slots * size * slot_bytes
 
 
-def segment_name(token: bytes) -> str:
-    return f"pycoll-{token.hex()}-group"
+_HANDLE = struct.Struct("<QQ8s")  # the creator's pid, its descriptor, the token
 
 
 class ShmGroup:
@@ -117,11 +118,13 @@ class ShmGroup:
         ahead: how many steps a rank may post before it has consumed them.
     """
 
-    def __init__(self, mm: mmap.mmap, name: str, rank: int, creator: bool) -> None:
+    def __init__(self, mm: mmap.mmap, name: str, rank: int, fd: int = -1) -> None:
         self._mm = mm
         self.name = name
         self.rank = rank
-        self._creator = creator
+        self._fd = fd  # the creator's descriptor (the handle), until every rank attached
+        #: what the other ranks need to :meth:`attach` (the creator's; else b"")
+        self.handle = b""
         _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
         self.ahead = min(AHEAD, self.slots)
         n, self._line = self.size, _line(self.slots)
@@ -148,6 +151,7 @@ class ShmGroup:
         struct.pack_into("<Q", mm, line + _MAPADDR, self._buf.__array_interface__["data"][0])
         # the pid last: a peer that sees it sees the rest of our line
         _atomic.Counter(mm, line + _PID).store(os.getpid())
+        _exit.watch(self)
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -163,39 +167,37 @@ class ShmGroup:
         slot = max(_PAGE, -(-slot_bytes // _PAGE) * _PAGE)
         if not 2 <= slots <= _MAX_SLOTS:
             raise ValueError(f"slots must be 2 to {_MAX_SLOTS}, not {slots}")
-        name = segment_name(token)
-        mm = _segment.create(
-            name,
+        mm, fd = _segment.create(
             segment_bytes(size, slot, slots),
+            ident=token,
             peer=-1,
             transport=TRANSPORT,
             hint="enlarge it (docker --shm-size) or lower PYCOLL_GROUP_SLOT_BYTES",
         )
         _HDR.pack_into(mm, 8, _VERSION, size, slot, slots)
-        struct.pack_into("<Q", mm, 0, _MAGIC)  # last: attachers wait for it
+        struct.pack_into("<Q", mm, 0, _MAGIC)  # last: attachers check it
         try:
-            return cls(mm, name, rank, creator=True)
+            self = cls(mm, f"group {token.hex()}", rank, fd)
         except BaseException:
             mm.close()
-            _segment.unlink(name)
+            os.close(fd)
             raise
+        self.handle = _HANDLE.pack(os.getpid(), fd, token)
+        return self
 
     @classmethod
-    def attach(cls, token: bytes, rank: int, size: int, timeout: float) -> ShmGroup:
-        """Map the segment the lowest rank created.
+    def attach(cls, handle: bytes, rank: int, size: int) -> ShmGroup:
+        """Map the segment the lowest rank created, given its :attr:`handle`.
 
         Raises:
-            ConnectError: it never appeared, or its geometry does not match.
+            ConnectError: it cannot be opened, or its geometry does not match.
         """
-        name = segment_name(token)
+        if len(handle) != _HANDLE.size:
+            raise ConnectError(f"group segment handle of {len(handle)} bytes", transport=TRANSPORT)
+        pid, fd, token = _HANDLE.unpack(handle)
+        name = f"group {token.hex()}"
         mm = _segment.attach(
-            name,
-            magic=_MAGIC,
-            min_size=_CTRL0,
-            peer=0,
-            transport=TRANSPORT,
-            deadline=Deadline.after(timeout),
-            timeout=timeout,
+            pid, fd, magic=_MAGIC, ident=token, min_size=_CTRL0, peer=0, transport=TRANSPORT
         )
         ver, n, slot, k = _HDR.unpack_from(mm, 8)
         if (
@@ -212,12 +214,14 @@ class ShmGroup:
                 "pycoll versions?",
                 transport=TRANSPORT,
             )
-        return cls(mm, name, rank, creator=False)
+        return cls(mm, name, rank)
 
-    def unlink(self) -> None:
-        """Remove the name from /dev/shm (the creator, once every rank attached)."""
-        if self._creator:
-            _segment.unlink(self.name)
+    def release_handle(self) -> None:
+        """Every rank has attached: the creator drops its descriptor (the mappings
+        keep the memory)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def probe(self) -> tuple[bool, str]:
         """Whether this rank may read every peer's memory directly, and why not.
@@ -421,24 +425,24 @@ class ShmGroup:
         self._check_open(j)
         if counters[j].load() >= seq:
             return
-        if self._closed_flag[j].load():
-            raise PeerClosedError(
-                f"group: rank {j} closed its communicator", peer=j, transport=TRANSPORT
-            )
-        pid = self.pid(j)
-        if pid and _segment.process_gone(pid):
-            raise PeerClosedError(
-                f"group: rank {j} (pid {pid}) has exited", peer=j, transport=TRANSPORT
-            )
+        _segment.check_alive(
+            self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
+        )
         if deadline.expired():
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
     # ------------------------------------------------------------------ closing
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): peers see "closed" (:mod:`transports._exit`)."""
+        if not self._closed:
+            self._closed_flag[self.rank].store(1)
+
     def close(self) -> None:
-        """Unmap (and, on the creator, unlink); idempotent."""
+        """Unmap (and drop the handle); idempotent."""
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         try:
             self._closed_flag[self.rank].store(1)
         except ValueError:
@@ -455,7 +459,7 @@ class ShmGroup:
             # when its last view does
             log.info("group: segment %s still in use; unmapped when that ends", self.name)
         self._mm = None  # type: ignore[assignment]
-        self.unlink()
+        self.release_handle()
 
     def __enter__(self) -> ShmGroup:
         return self

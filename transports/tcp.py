@@ -98,6 +98,33 @@ SLOTS_PER_SOCKET = 2
 MAX_ROUNDS = 8
 #: A peer that connects but sends no valid hello within this time is dropped.
 HANDSHAKE_SECONDS = 30.0
+#: Half-done handshakes held at once; past this the oldest is dropped (idle
+#: strangers must not take every descriptor).
+MAX_PENDING = 64
+#: Errors of accept() that say "no descriptor or memory now": back off, from 10 ms
+#: doubling to this, instead of retrying at once (a busy loop).
+_NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_MAX_ACCEPT_PAUSE = 1.0
+
+
+class _Quiet:
+    """Log a recurring message at most once a second, saying how many were held back."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, level: int, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next.get(key, 0.0):
+            self._held[key] = self._held.get(key, 0) + 1
+            return
+        self._next[key] = now + 1.0
+        held = self._held.pop(key, 0)
+        if held:
+            msg += f" ({held} more like it in the last second)"
+        logger.log(level, msg, *args)
+
 
 # --------------------------------------------------------------------------- wire formats
 BLOB_MAGIC = b"PCTC"
@@ -543,6 +570,9 @@ class TcpTransport(Transport):
         self._stash: dict[int, _Stashed] = {}  # peer rank -> sockets
         self._conns: list[TcpConnection] = []
         self._closed = False
+        self._quiet = _Quiet()
+        self._accept_pause = 0.0  # seconds; grows while accept() finds no descriptor
+        self._accept_again = 0.0  # monotonic time before which nothing is accepted
 
     # ----------------------------------------------------------------- listen
     def listen(self) -> bytes:
@@ -772,9 +802,14 @@ class TcpTransport(Transport):
                 return self._stash.pop(peer_rank)
             return None
 
+        if not self._listeners:
+            raise ConnectError(
+                f"tcp: rank {self.options.rank} no longer listens (sealed after set-up)",
+                peer=peer_rank,
+                transport=NAME,
+            )
         with selectors.DefaultSelector() as sel:
-            for lsock in self._listeners:
-                sel.register(lsock, selectors.EVENT_READ, None)
+            listening = False
             for p in self._pending.values():
                 sel.register(p.sock, selectors.EVENT_READ, p)
             try:
@@ -792,9 +827,23 @@ class TcpTransport(Transport):
                         )
                     for p in list(self._pending.values()):
                         if now >= p.expires:
-                            logger.warning("tcp: dropping %s: no valid hello in time", p.peername)
+                            self._quiet(
+                                logging.WARNING,
+                                "late",
+                                "tcp: dropping %s: no valid hello in time",
+                                p.peername,
+                            )
                             self._drop(p, sel)
+                    if listening != (now >= self._accept_again):  # out of descriptors: pause
+                        listening = not listening
+                        for lsock in self._listeners:
+                            if listening:
+                                sel.register(lsock, selectors.EVENT_READ, None)
+                            else:
+                                sel.unregister(lsock)
                     wait = 0.25 if deadline.at is None else min(0.25, deadline.at - now)
+                    if not listening:
+                        wait = min(wait, max(0.0, self._accept_again - now))
                     for key, _ in sel.select(max(0.0, wait)):
                         if key.data is None:
                             self._accept_ready(key.fileobj, sel)  # type: ignore[arg-type]
@@ -811,9 +860,29 @@ class TcpTransport(Transport):
                 sock, addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. EMFILE; the peer will retry
-                logger.warning("tcp: accept failed: %s", exc)
+            except OSError as exc:  # e.g. EMFILE: the connection waits in the backlog
+                if exc.errno in _NO_ROOM:
+                    self._accept_pause = min(_MAX_ACCEPT_PAUSE, max(0.01, 2 * self._accept_pause))
+                    self._accept_again = time.monotonic() + self._accept_pause
+                self._quiet(
+                    logging.WARNING,
+                    "accept",
+                    "tcp: accept failed: %s; retrying in %.2f s",
+                    exc,
+                    self._accept_pause,
+                )
                 return
+            self._accept_pause = 0.0
+            if len(self._pending) >= MAX_PENDING:  # idle strangers: drop the oldest
+                oldest = min(self._pending.values(), key=lambda q: q.expires)
+                self._quiet(
+                    logging.WARNING,
+                    "full",
+                    "tcp: %d handshakes pending; dropping the oldest, from %s",
+                    len(self._pending),
+                    oldest.peername,
+                )
+                self._drop(oldest, sel)
             sock.setblocking(False)
             challenge = _CHALLENGE.pack(
                 b"PCTH", HS_VERSION, self.options.rank, secrets.token_bytes(16)
@@ -868,7 +937,9 @@ class TcpTransport(Transport):
         elif not (index < nsocks and chunk >= PIECE_ALIGN and chunk % PIECE_ALIGN == 0):
             bad = f"bad parameters (socket {index}/{nsocks}, chunk {chunk})"
         if bad is not None:
-            logger.warning("tcp: dropping connection from %s: %s", p.peername, bad)
+            self._quiet(
+                logging.WARNING, "bad", "tcp: dropping connection from %s: %s", p.peername, bad
+            )
             self._drop(p, sel)
             return
         st = self._stash.setdefault(src, _Stashed(nsocks, chunk))
@@ -895,6 +966,18 @@ class TcpTransport(Transport):
         logger.debug("tcp: rank %d accepted socket %d/%d from rank %d", me, index, nsocks, src)
 
     # ----------------------------------------------------------------- close
+    def seal(self) -> None:
+        """Every peer is connected: close the listeners and any half-done or
+        unclaimed handshake (a stranger then meets a refused connection)."""
+        for st in self._stash.values():
+            for s in st.socks.values():
+                s.close()
+        self._stash.clear()
+        for p in list(self._pending.values()):
+            self._drop(p, None)
+        self._close_listeners()
+        logger.debug("tcp: rank %d sealed: no longer listening", self.options.rank)
+
     def _close_listeners(self) -> None:
         for s in self._listeners:
             s.close()
@@ -908,13 +991,7 @@ class TcpTransport(Transport):
         for conn in reversed(self._conns):
             conn.close()
         self._conns.clear()
-        for st in self._stash.values():
-            for s in st.socks.values():
-                s.close()
-        self._stash.clear()
-        for p in list(self._pending.values()):
-            self._drop(p, None)
-        self._close_listeners()
+        self.seal()
 
     def _forget(self, conn: TcpConnection) -> None:
         try:

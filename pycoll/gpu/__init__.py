@@ -36,7 +36,7 @@ def present() -> bool:
         return False
 
 
-def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
+def setup(boot: Any, config: Config, rank: int, size: int) -> Any:
     """Build the device side of a communicator, collectively; None without a GPU here.
 
     When any rank has a GPU, every rank takes part in wiring the device table
@@ -44,8 +44,9 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
     If setting up the device connections fails, all ranks fall back to staging
     device bytes through the host connections, with a warning.
     """
+    t, what = config.timeout, "pycoll.init: device"
     local = present()
-    anyone = local if size == 1 else mpi_comm.allreduce(int(local)) > 0
+    anyone = any(boot.allgather(local, t, what))
     if not anyone:
         return None
     from pycoll.bootstrap import wire
@@ -53,7 +54,7 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
     wiring = None
     if size > 1 and config.device_transports:
         try:
-            wiring = wire(mpi_comm, config, device=True)
+            wiring = wire(boot, config, device=True)
         except ConnectError as exc:
             log.warning(
                 "rank %d: device connections failed (%s); device buffers will be staged "
@@ -69,14 +70,14 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         and len(wiring.conns) == size - 1
         and all(c.one_sided for c in wiring.conns.values())
     )
-    one_sided = mine if size == 1 else mpi_comm.allreduce(int(mine), op=_min()) > 0
+    one_sided = all(boot.allgather(bool(mine), t, what))
     # every rank on the same GPU: one rank's kernels can do a collective's work
     same = bool(
         mine
         and wiring is not None
         and all(getattr(c, "same_device", False) for c in wiring.conns.values())
     )
-    shared = same if size == 1 else mpi_comm.allreduce(int(same), op=_min()) > 0
+    shared = all(boot.allgather(same, t, what))
     if not local:
         if wiring is not None:
             wiring.close()
@@ -109,9 +110,3 @@ def setup(mpi_comm: Any, config: Config, rank: int, size: int) -> Any:
         else "",
     )
     return ctx
-
-
-def _min() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MIN

@@ -7,6 +7,8 @@ type): an ElementwiseKernel widens both operands to float32 (exact), applies
 the op in float32 and narrows with round-to-nearest-even, which is what
 ml_dtypes does on the host, so device and host results agree bit for bit.
 min and max return one operand's bits (NaNs propagate), as ml_dtypes does.
+The bitwise ops (integers and bools) are CuPy's bitwise ufuncs; bools, complex
+numbers and the 16-bit integers need nothing of their own.
 
 Every reduction is a pure elementwise function of its two operands, so the
 result depends only on the order the algorithms combine contributions in,
@@ -103,6 +105,9 @@ def reducer(op: ReduceOp, dtype: np.dtype[Any]) -> Callable[..., Any]:
         ReduceOp.PROD: cp.multiply,
         ReduceOp.MIN: cp.minimum,
         ReduceOp.MAX: cp.maximum,
+        ReduceOp.BAND: cp.bitwise_and,
+        ReduceOp.BOR: cp.bitwise_or,
+        ReduceOp.BXOR: cp.bitwise_xor,
     }[op]
 
 
@@ -119,6 +124,19 @@ def finish_avg(out: Any, n: int, dtype: np.dtype[Any]) -> None:
 
 _NARY_BODY = {ReduceOp.SUM: "acc = acc + {x};", ReduceOp.AVG: "acc = acc + {x};"}
 _NARY_BODY[ReduceOp.PROD] = "acc = acc * {x};"
+_NARY_BODY[ReduceOp.BAND] = "acc = acc & {x};"
+_NARY_BODY[ReduceOp.BOR] = "acc = acc | {x};"
+_NARY_BODY[ReduceOp.BXOR] = "acc = acc ^ {x};"
+
+
+def _fusable(op: ReduceOp, dtype: np.dtype[Any], n: int) -> bool:
+    """Whether :func:`nary` gives the bits of the chain of :func:`reducer` calls:
+    not for min and max (NaNs), bfloat16 (its own kernel), nor complex products,
+    which a compiler may contract into fused multiply-adds differently in CuPy's
+    ufunc and in a kernel of ours (sums of either are exact elementwise adds)."""
+    if dtype == BF16 or op not in _NARY_BODY or n < 2:
+        return False
+    return not (op is ReduceOp.PROD and dtype.kind == "c")
 
 
 def nary(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int = 1) -> Callable[..., Any] | None:
@@ -132,7 +150,7 @@ def nary(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int = 1) -> Callable[
     written, an output may alias any input.  The operands combine in the same
     order, with the same per-step rounding, as the chain, so the bits match it.
     """
-    if dtype == BF16 or op not in _NARY_BODY or n < 2:
+    if not _fusable(op, dtype, n):
         return None
     k = _nary_kernel(op, n, outs)
 
@@ -175,7 +193,7 @@ def block_reduce(op: ReduceOp, dtype: np.dtype[Any], n: int) -> Callable[..., An
     that share a GPU), combined in the order and with the rounding of :func:`nary`;
     None where :func:`nary` is.
     """
-    if dtype == BF16 or op not in _NARY_BODY or n < 2:
+    if not _fusable(op, dtype, n):
         return None
     kern = _block_reduce_kernel(op, n)
 

@@ -119,6 +119,44 @@ def kill(transport: str, algorithm: str = "auto") -> None:
     os._exit(0)  # a dead rank would make MPI_Finalize wait
 
 
+def exit_early(transport: str, algorithm: str, how: str) -> None:
+    """Rank 1 leaves mid-job without close() (an exception or sys.exit); the others,
+    blocked in a collective with it, must hear of it at once, not after the timeout."""
+    extra = {"rdma_provider": "soft", "socket_ifname": "lo"} if transport == "rdma" else {}
+    comm = pycoll.init(timeout=60, transports=(transport,), **extra)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    x = np.ones(1 << 16, np.float32)
+    comm.allreduce(x, algorithm=algorithm)
+    WORLD.Barrier()
+    stamp = os.path.join(OUTDIR, "victim-left")
+    if RANK == 1:
+        time.sleep(0.3)  # the others are waiting for it inside a collective by now
+        with open(stamp, "w") as f:
+            f.write(repr(time.time()))
+        report(left=how)
+        if how == "raise":
+            raise RuntimeError("rank 1 fails mid-job and never calls close()")
+        sys.exit(3)
+    start = time.monotonic()
+    err = None
+    try:
+        for _ in range(100000):
+            comm.allreduce(x, algorithm=algorithm)
+    except pycoll.PycollError as exc:
+        err = exc
+    now = time.time()
+    res = outcome(err, start)
+    try:
+        with open(stamp) as f:
+            res["after_exit_s"] = now - float(f.read())
+    except (OSError, ValueError):
+        res["after_exit_s"] = None
+    res["transport"] = comm.transport_of(1)
+    comm.close()
+    report(**res)
+    # return normally: MPI_Finalize, in which rank 1 waits for us, then ends the job
+
+
 def timeout() -> None:
     comm = pycoll.init(timeout=2)
     x = np.ones(1000, np.float32)
@@ -199,6 +237,12 @@ def check() -> None:
     "kill-shm": lambda: kill("shm", "ring"),
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
+    "exit-shm-raise": lambda: exit_early("shm", "ring", "raise"),
+    "exit-shm-exit": lambda: exit_early("shm", "ring", "exit"),
+    "exit-direct-raise": lambda: exit_early("shm", "direct", "raise"),
+    "exit-direct-exit": lambda: exit_early("shm", "direct", "exit"),
+    "exit-rdma-raise": lambda: exit_early("rdma", "ring", "raise"),
+    "exit-rdma-exit": lambda: exit_early("rdma", "ring", "exit"),
     "timeout": timeout,
     "abort": abort,
     "check": check,

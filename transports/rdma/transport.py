@@ -29,6 +29,13 @@ become visible to the NIC (:meth:`RdmaConnection.register`); slots and staging
 are host memory on every path.  A QP error becomes a
 :class:`~transports.base.PeerClosedError` naming the peer and the work
 completion status.
+
+Closing says goodbye: a zero-byte WRITE WITH IMM flagged :data:`IMM_GOODBYE`,
+after everything already posted, so the peer's receives fail at once with
+:class:`~transports.base.PeerClosedError` once the bytes sent before it are
+delivered (a hardware peer would otherwise learn only when it next sends and
+its retries run out).  A rank that exits without closing sends it from its
+exit hook (:mod:`transports._exit`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from transports import _exit
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
@@ -81,6 +89,7 @@ BLOB_CRC = struct.Struct("<I")
 PROVIDER_CODE = {"pyverbs": 0, "soft": 1}
 
 IMM_CREDIT = 1 << 31  # a credit-only write: the low 16 bits are the count
+IMM_GOODBYE = 1 << 30  # with IMM_CREDIT: the sender closed (or is exiting); nothing follows
 IMM_LAST = 1 << 16
 IMM_DEVICE = 1 << 17  # the piece is in the receiver's device slot, not its host slot
 IMM_PIGGY_SHIFT = 18  # credits riding on a data piece: bits 18..30
@@ -88,6 +97,10 @@ IMM_PIGGY_MAX = (1 << 13) - 1
 WR_DATA = 1 << 32
 WR_CREDIT = 2 << 32
 WR_RECV = 3 << 32
+WR_GOODBYE = 4 << 32
+#: How long close() waits for its goodbye to leave (the NIC may drop what a
+#: destroyed QP still holds); the exit hook waits this long for all of them.
+GOODBYE_WAIT = 0.1
 
 MEMORY_PATHS = ("dmabuf", "gdr", "host")
 
@@ -208,11 +221,11 @@ class _ConnReq(Request):
         conn._progress()
         if self._done:  # completed before the connection broke: still a success
             return True
-        conn._raise_if_broken()
+        conn._raise_if_broken(self)
         return False
 
     def check_peer(self) -> None:
-        self.conn.check_peer()
+        self.conn._raise_if_broken(self)
 
     def block(self, seconds: float) -> None:
         """The idle hook of :func:`transports.base.idle_round`."""
@@ -277,6 +290,9 @@ class RdmaConnection(Connection):
         # sink's work must pass before the slot is handed back (None: free now)
         self.consumed: deque[Any] = deque()
         self.error: TransportError | None = None
+        # the peer's goodbye: raised once every byte it sent before it is delivered
+        self.goodbye: PeerClosedError | None = None
+        self._bye = 0  # ours: 0 not sent, 1 posted, 2 completed (or failed)
         self.closed = False
         self._registrations: list[Registration] = []
         # device paths (dmabuf, gdr): our device slots for this peer, the peer's
@@ -366,7 +382,7 @@ class RdmaConnection(Connection):
         return req
 
     def _queue_recv(self, req: _RecvReq) -> Request:
-        self._raise_if_broken()
+        self._raise_if_broken(req)
         req.seq = self.recv_seq
         self.recv_seq = (self.recv_seq + 1) & 0xFFFF
         self.recvq.append(req)
@@ -399,9 +415,39 @@ class RdmaConnection(Connection):
     def check_peer(self) -> None:
         self._raise_if_broken()
 
+    def post_goodbye(self) -> bool:
+        """Tell the peer that nothing more comes from here (a zero-byte write with
+        :data:`IMM_GOODBYE`), after everything already posted; best effort.
+
+        Its receives then fail with :class:`PeerClosedError` instead of waiting
+        for their timeout: a hardware peer whose partner is gone learns it only
+        when it next sends, and the soft provider only when the sockets close.
+        Returns whether it was posted.
+        """
+        with self.tr._lock:
+            if self.closed or self._bye or self.error is not None or self.goodbye is not None:
+                return False
+            if self.sq_used >= self.tr.max_send_wr:
+                return False
+            wr = self.tr.verbs.SendWR(
+                wr_id=WR_GOODBYE,
+                opcode=self._e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                num_sge=0,
+                imm_data=IMM_CREDIT | IMM_GOODBYE,
+            )
+            wr.set_wr_rdma(self.remote_rkey, self.remote_base)
+            try:
+                self._post_send(wr)
+            except TransportError:
+                return False
+            self._bye = 1
+            return True
+
     def close(self) -> None:
         if self.closed:
             return
+        if self.post_goodbye():
+            self.tr.await_goodbyes([self], GOODBYE_WAIT)
         self.closed = True
         self.tr._forget(self)
         for reg in self._registrations:
@@ -427,9 +473,20 @@ class RdmaConnection(Connection):
             )
 
     # ------------------------------------------------------------ progress
-    def _raise_if_broken(self) -> None:
+    def _raise_if_broken(self, req: _ConnReq | None = None) -> None:
+        """Raise the connection's error, or the peer's goodbye; but a receive
+        (``req``) first gets the bytes that arrived before either, and after a
+        goodbye a send already on the wire waits for its completion (the peer's
+        ACK may trail its goodbye: the two travel unordered)."""
+        if self.error is None and self.goodbye is None:
+            return
+        if self.arrivals and isinstance(req, _RecvReq) and not self.closed:
+            return
         if self.error is not None:
             raise self.error
+        if isinstance(req, _SendReq) and req.posted == req.nbytes:
+            return
+        raise self.goodbye  # type: ignore[misc]
 
     def _progress(self) -> None:
         """Take completions, deliver arrivals, post what flow control allows.
@@ -461,9 +518,12 @@ class RdmaConnection(Connection):
         e = self._e
         status = int(wc.status)
         name = self.tr.verbs.wc_status_name(status)
-        kind = {WR_DATA: "data write", WR_CREDIT: "credit write", WR_RECV: "receive"}.get(
-            wc.wr_id & ~0xFFFFFFFF, "request"
-        )
+        kind = {
+            WR_DATA: "data write",
+            WR_CREDIT: "credit write",
+            WR_RECV: "receive",
+            WR_GOODBYE: "goodbye write",
+        }.get(wc.wr_id & ~0xFFFFFFFF, "request")
         hint = _WC_HINTS.get(name, "")
         msg = (
             f"rdma QP to peer {self.peer} failed: work completion {name} (status {status}) "
@@ -476,6 +536,8 @@ class RdmaConnection(Connection):
     def _on_wc(self, wc: Any) -> None:
         e = self._e
         if wc.status != e.IBV_WC_SUCCESS:
+            if wc.wr_id & ~0xFFFFFFFF == WR_GOODBYE:
+                self._bye = 2
             self._fail(self._wc_error(wc))
             return
         kind = wc.wr_id & ~0xFFFFFFFF
@@ -484,6 +546,12 @@ class RdmaConnection(Connection):
             imm = int(wc.imm_data)
             if imm & IMM_CREDIT:
                 self.credits += imm & 0xFFFF
+                if imm & IMM_GOODBYE and self.goodbye is None:
+                    self.goodbye = PeerClosedError(
+                        f"rdma: peer {self.peer} closed its connection",
+                        peer=self.peer,
+                        transport=self.transport,
+                    )
             else:
                 self.credits += (imm >> IMM_PIGGY_SHIFT) & IMM_PIGGY_MAX
                 self.arrivals.append((self.recv_slot, int(wc.byte_len), imm))
@@ -499,6 +567,9 @@ class RdmaConnection(Connection):
                     req._done = True
         elif kind == WR_CREDIT:
             self.sq_used -= 1
+        elif kind == WR_GOODBYE:
+            self.sq_used -= 1
+            self._bye = 2
 
     def _post_recv(self) -> None:
         self.qp.post_recv(self.tr.verbs.RecvWR(wr_id=WR_RECV | self.qp_num, num_sge=0))
@@ -526,7 +597,7 @@ class RdmaConnection(Connection):
                         transport=self.transport,
                     )
                 )
-                self._raise_if_broken()
+                raise self.error  # type: ignore[misc]
             self.arrivals.popleft()
             base = slot * sb
             in_device = bool(imm & IMM_DEVICE)
@@ -795,6 +866,7 @@ class RdmaTransport(Transport):
             dev_addr=self.dev_recv_reg.addr if self.dev_recv_reg else 0,
         )  # fmt: skip
         self._blob = ep.pack()
+        _exit.watch(self)
         where = f" at {verbs.context_kwargs['soft_addr']}" if verbs.name == "soft" else ""
         log.info(
             "rdma: rank %d listening via %s (%s)%s, lid %d, gid %s, memory path %s",
@@ -1006,6 +1078,21 @@ class RdmaTransport(Transport):
         else:
             cq.wait(seconds)
 
+    def await_goodbyes(self, conns: list[RdmaConnection], seconds: float) -> None:
+        """Progress until the goodbyes of ``conns`` have left, at most ``seconds``."""
+        end = time.monotonic() + seconds
+        while any(c._bye == 1 and c.error is None for c in conns) and time.monotonic() < end:
+            self._poll()
+            self.block(1e-3)
+
+    def mark_exiting(self) -> None:
+        """At interpreter exit without close(): every peer gets our goodbye
+        (:mod:`transports._exit`); nothing is freed."""
+        if self._closed:
+            return
+        conns = [c for c in list(self._conns.values()) if c.post_goodbye()]
+        self.await_goodbyes(conns, GOODBYE_WAIT)
+
     def _forget(self, conn: RdmaConnection) -> None:
         with self._lock:
             self._conns.pop(conn.qp_num, None)
@@ -1015,6 +1102,7 @@ class RdmaTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        _exit.forget(self)
         for conn in list(self._conns.values()):
             conn.close()
         for name in ("qps",):

@@ -29,6 +29,7 @@ import hmac
 import itertools
 import logging
 import os
+import secrets
 import selectors
 import socket
 import struct
@@ -43,24 +44,78 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: First bytes on every connection: magic, version, destination QPN, source
-#: QPN, source GID, source LID (the source context's TCP port), then an
-#: HMAC-SHA256 of those fields under the job's secret (:func:`hello`).
+# The handshake of every connection, as in the tcp transport: a real HCA needs
+# no such proof (the fabric is the boundary), but the emulation listens on a TCP
+# port anyone on the host can reach.
+#   acceptor -> CHALLENGE: magic, version, 16 random bytes (fresh per connection)
+#   connector -> HELLO: magic, version, destination QPN, source QPN, source GID,
+#                source LID (its context's TCP port), HMAC-SHA256 under the
+#                job's secret of the challenge and those fields (:func:`hello`)
+#   acceptor -> ACK: magic, HMAC of the hello's MAC (:func:`ack`)
+# The connector sends no request before a valid ACK (it knows it reached the
+# job, not a squatter on the port); the acceptor binds the stream to the named
+# QP only after a valid HELLO, so a hello recorded from an earlier connection
+# fails the fresh challenge.  A stranger is dropped and never fails the job.
+CHALLENGE = struct.Struct("<4sHxx16s")
+CHALLENGE_MAGIC = b"pcsc"
 HELLO_FIELDS = struct.Struct("<4sHxxII16sHxx")
 HELLO = struct.Struct(HELLO_FIELDS.format + "32s")
 HELLO_MAGIC = b"pcsr"
-HELLO_VERSION = 2
+HELLO_VERSION = 3
+ACK = struct.Struct("<4s32s")
+ACK_MAGIC = b"pcsa"
+#: How long either side of a handshake waits for the other's next message.
+HANDSHAKE_SECONDS = 10.0
+#: Handshakes a context serves at once; past that it drops the oldest one that
+#: has been silent for :data:`PENDING_GRACE` seconds, or stops accepting (the
+#: kernel's backlog holds the rest) until one is.  A peer answers a challenge in
+#: milliseconds, so only idle strangers are dropped.
+MAX_PENDING = 64
+PENDING_GRACE = 1.0
+#: Longest pause of the listener when accept() runs out of descriptors (EMFILE).
+ACCEPT_BACKOFF_MAX = 1.0
+#: At most one log line per this many seconds about strangers (the rest are counted).
+LOG_EVERY = 5.0
 
 
-def hello(secret: bytes, dst_qpn: int, src_qpn: int, src_gid: bytes, src_lid: int) -> bytes:
-    """The hello a QP sends first, proving that its sender holds the job's secret.
+def hello(
+    secret: bytes, challenge: bytes, dst_qpn: int, src_qpn: int, src_gid: bytes, src_lid: int
+) -> bytes:
+    """The HELLO a QP answers ``challenge`` with, proving that it holds the job's secret.
 
-    A real HCA needs no such proof (the fabric is the boundary); the emulation
-    listens on a TCP port anyone on the host can reach, so it asks for one, like
-    the tcp transport.  The fields it signs bind the proof to one QP pair.
+    The MAC covers the acceptor's fresh challenge (so it cannot be replayed) and
+    the fields (so it binds one QP pair).
     """
     fields = HELLO_FIELDS.pack(HELLO_MAGIC, HELLO_VERSION, dst_qpn, src_qpn, src_gid, src_lid)
-    return fields + hmac.new(secret, fields, hashlib.sha256).digest()
+    mac = hmac.new(secret, b"pycoll-soft-rdma-hello\0" + challenge + fields, hashlib.sha256)
+    return fields + mac.digest()
+
+
+def ack(secret: bytes, hello_mac: bytes) -> bytes:
+    """The acceptor's ACK of a HELLO whose MAC is ``hello_mac``."""
+    mac = hmac.new(secret, b"pycoll-soft-rdma-ack\0" + hello_mac, hashlib.sha256)
+    return ACK.pack(ACK_MAGIC, mac.digest())
+
+
+class Throttle:
+    """A logger call that speaks at most once per ``every`` seconds and counts the rest."""
+
+    def __init__(self, every: float = LOG_EVERY) -> None:
+        self.every = every
+        self._next = 0.0
+        self._quiet = 0
+
+    def __call__(self, level: int, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._quiet += 1
+            return
+        if self._quiet:
+            msg += " (and %d more since the last such message)"
+            args = (*args, self._quiet)
+        self._quiet = 0
+        self._next = now + self.every
+        log.log(level, msg, *args)
 
 
 #: How long a user thread's poll keeps the progress thread off the sockets.
@@ -303,6 +358,11 @@ class Engine:
         self._seq = itertools.count()
         self._closed = False
         self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
+        self._accepting = True
+        self._accept_backoff = 0.0
+        #: handshakes being served, oldest first (see :data:`MAX_PENDING`)
+        self.greeters: dict[_Greeter, None] = {}
+        self.strangers = Throttle()  # the log of dropped connections and accept errors
         self.sel.register(self._rwake, selectors.EVENT_READ, self._on_wake)
         self._thread = threading.Thread(
             target=self._run, name=f"pycoll-soft-rdma:{self.port}", daemon=True
@@ -376,8 +436,8 @@ class Engine:
         finally:
             self._leave()
 
-    def connect(self, host: str, port: int, owner: LinkOwner, hello: bytes) -> Link:
-        """Start a non-blocking connect; ``hello`` goes out first once connected."""
+    def connect(self, host: str, port: int, owner: LinkOwner) -> Link:
+        """Start a non-blocking connect (the owner then runs the handshake)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         rc = sock.connect_ex((host, port))
@@ -385,9 +445,7 @@ class Engine:
             link = Link(self, sock, owner, connecting=False)
             self.call_soon(lambda: link.lost(OSError(rc, os.strerror(rc))))
             return link
-        link = Link(self, sock, owner, connecting=rc != 0)
-        link.send(hello)
-        return link
+        return Link(self, sock, owner, connecting=rc != 0)
 
     # ----------------------------------------------------------------- running
     def _enter(self) -> None:
@@ -495,14 +553,50 @@ class Engine:
         self._wake_flag = False
 
     def _on_accept(self, _mask: int) -> None:
-        while True:
+        while self._accepting:
+            if len(self.greeters) >= MAX_PENDING and not self._drop_stale():
+                oldest = next(iter(self.greeters))
+                self._pause_accept(oldest.born + PENDING_GRACE - time.monotonic())
+                return
             try:
-                sock, _ = self.listener.accept()
+                sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                # Out of descriptors (EMFILE...): a busy loop on a listener that stays
+                # readable would only log; free a stale handshake and pause instead.
+                self._drop_stale()
+                self._accept_backoff = min(ACCEPT_BACKOFF_MAX, max(0.01, 2 * self._accept_backoff))
+                self.strangers(
+                    logging.WARNING,
+                    "soft RDMA: accept on port %d failed (%s); pausing it %.2f s",
+                    self.port,
+                    exc,
+                    self._accept_backoff,
+                )
+                self._pause_accept(self._accept_backoff)
                 return
-            _Greeter(self, sock)
+            self._accept_backoff = 0.0
+            _Greeter(self, sock, f"{addr[0]}:{addr[1]}")
+
+    def _drop_stale(self) -> bool:
+        """Drop the oldest handshake if it has been silent for PENDING_GRACE seconds."""
+        oldest = next(iter(self.greeters), None)
+        if oldest is None or time.monotonic() - oldest.born < PENDING_GRACE:
+            return False
+        oldest.drop(f"silent for {PENDING_GRACE:g} s while {MAX_PENDING} handshakes wait")
+        return True
+
+    def _pause_accept(self, seconds: float) -> None:
+        if self._accepting:
+            self._accepting = False
+            self.sel.unregister(self.listener)
+        self.call_later(max(0.01, seconds), self._resume_accept)
+
+    def _resume_accept(self) -> None:
+        if not self._accepting and not self._closed:
+            self._accepting = True
+            self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
 
     # ----------------------------------------------------------------- closing
     def close(self) -> None:
@@ -529,35 +623,62 @@ class Engine:
 
 
 class _Greeter:
-    """Reads the hello of an accepted connection and hands it to the named QP."""
+    """Serves the handshake of an accepted connection, then hands it to the named QP."""
 
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket, peer: str) -> None:
         self.engine = engine
+        self.peer = peer
+        self.born = time.monotonic()
+        self.nonce = secrets.token_bytes(16)
         self.buf = bytearray(HELLO.size)
+        engine.greeters[self] = None
         self.link = Link(engine, sock, self)
         self.link.expect(memoryview(self.buf), self._on_hello)
+        self.link.send(CHALLENGE.pack(CHALLENGE_MAGIC, HELLO_VERSION, self.nonce))
+        engine.call_later(HANDSHAKE_SECONDS, self._expire)
 
     def _on_hello(self) -> None:
+        eng = self.engine
+        eng.greeters.pop(self, None)
         magic, version, dst_qpn, src_qpn, src_gid, src_lid, tag = HELLO.unpack(self.buf)
-        qp = self.engine.ctx.qps.get(dst_qpn)
-        if magic != HELLO_MAGIC or version != HELLO_VERSION or qp is None:
-            log.debug("soft RDMA: dropping a connection for unknown QP %#x", dst_qpn)
-            self.link.close()
+        if magic != HELLO_MAGIC or version != HELLO_VERSION:
+            self.drop(f"not a soft RDMA hello (magic {bytes(magic)!r}, version {version})")
             return
-        want = hello(self.engine.ctx.secret, dst_qpn, src_qpn, bytes(src_gid), src_lid)
+        want = hello(eng.ctx.secret, self.nonce, dst_qpn, src_qpn, bytes(src_gid), src_lid)
         if not hmac.compare_digest(bytes(tag), want[-32:]):
-            log.warning(
-                "soft RDMA: dropping a connection to QP %#x that does not hold the job's secret",
-                dst_qpn,
+            self.drop(
+                f"its hello for QP {dst_qpn:#x} does not answer the challenge under the job's secret"
             )
-            self.link.close()
+            return
+        qp = eng.ctx.qps.get(dst_qpn)
+        if qp is None:
+            self.drop(f"no QP {dst_qpn:#x} here", logging.DEBUG)
+            return
+        self.link.send(ack(eng.ctx.secret, bytes(tag)))
+        if self.link.closed:
             return
         self.link.owner = None
         self.link.pause()
         qp._attach_inbound(self.link, src_qpn, bytes(src_gid), src_lid)  # type: ignore[attr-defined]
 
+    def _expire(self) -> None:
+        if self in self.engine.greeters:
+            self.drop(f"no hello within {HANDSHAKE_SECONDS:g} s")
+
+    def drop(self, why: str, level: int = logging.WARNING) -> None:
+        self.engine.greeters.pop(self, None)
+        self.engine.strangers(
+            level,
+            "soft RDMA: dropping a connection from %s to port %d: %s",
+            self.peer,
+            self.engine.port,
+            why,
+        )
+        self.link.owner = None
+        self.link.close(flush=False)  # a stranger that reads nothing must not hold us up
+
     def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
-        pass
+        self.engine.greeters.pop(self, None)
 
     def after_read(self) -> None:
         pass

@@ -16,10 +16,12 @@ forever).
 from __future__ import annotations
 
 import errno
+import hmac
 import struct
 from collections import deque
 from typing import TYPE_CHECKING
 
+from transports.rdma.soft import engine as eng
 from transports.rdma.soft import enums as e
 from transports.rdma.soft.engine import Link, hello
 
@@ -86,6 +88,7 @@ class Requester:
         self.rnr_left = qp.attr.rnr_retry
         self.rnr_wait = False
         self.link: Link | None = None
+        self.ready = False  # the handshake on ``link`` is done: requests may go
         self._hdr = bytearray(RESP.size)
         a = qp.attr
         # Transport timer: connect attempts to an unreachable host are retried for
@@ -100,14 +103,43 @@ class Requester:
 
     # ----------------------------------------------------------------- connect
     def _connect(self) -> None:
+        """Connect to the peer's context and run the handshake (see :mod:`.engine`)."""
         qp = self.qp
         ah = qp.attr.ah_attr
         host = ah.dgid.ipv4() if ah.is_global else None
+        self.ready = False
+        link = self.link = self.engine.connect(host or "127.0.0.1", ah.dlid, self)
+        buf = bytearray(eng.CHALLENGE.size)
+        link.expect(memoryview(buf), lambda: self._on_challenge(link, buf))
+        self.engine.call_later(eng.HANDSHAKE_SECONDS, lambda: self._handshake_expired(link))
+
+    def _on_challenge(self, link: Link, buf: bytearray) -> None:
+        magic, version, nonce = eng.CHALLENGE.unpack(buf)
+        if magic != eng.CHALLENGE_MAGIC or version != eng.HELLO_VERSION:
+            link.lost(
+                ConnectionError(f"the peer's port sent no soft RDMA challenge ({bytes(magic)!r})")
+            )
+            return
+        qp = self.qp
         greeting = hello(
-            qp.ctx.secret, qp.attr.dest_qp_num, qp.qp_num, bytes(qp.ctx.gid), qp.ctx.lid
+            qp.ctx.secret, nonce, qp.attr.dest_qp_num, qp.qp_num, bytes(qp.ctx.gid), qp.ctx.lid
         )
-        self.link = self.engine.connect(host or "127.0.0.1", ah.dlid, self, greeting)
-        self.link.expect(memoryview(self._hdr), self._on_resp)
+        want = eng.ack(qp.ctx.secret, greeting[-32:])
+        got = bytearray(eng.ACK.size)
+        link.expect(memoryview(got), lambda: self._on_ack(link, got, want))
+        link.send(greeting)
+
+    def _on_ack(self, link: Link, got: bytearray, want: bytes) -> None:
+        if not hmac.compare_digest(bytes(got), want):
+            link.lost(ConnectionError("the peer's port answered without the job's secret"))
+            return
+        self.ready = True
+        link.expect(memoryview(self._hdr), self._on_resp)
+        self.pump()
+
+    def _handshake_expired(self, link: Link) -> None:
+        if link is self.link and not self.ready and not link.closed:
+            link.lost(TimeoutError(f"no handshake within {eng.HANDSHAKE_SECONDS:g} s"))
 
     def on_link_lost(self, link: Link, exc: BaseException | None) -> None:
         if link is not self.link or self.qp.qp_state == e.IBV_QPS_ERR:
@@ -146,7 +178,7 @@ class Requester:
         if qp.qp_state == e.IBV_QPS_ERR:
             qp._to_error()
             return
-        if self.link is None or self.rnr_wait:
+        if self.link is None or self.rnr_wait or not self.ready:
             return
         while qp.sq and qp.qp_state == e.IBV_QPS_RTS:
             rec = qp.sq.popleft()
@@ -258,7 +290,7 @@ class Requester:
 
     def _resend(self) -> None:
         self.rnr_wait = False
-        if self.qp.qp_state != e.IBV_QPS_RTS or self.link is None:
+        if self.qp.qp_state != e.IBV_QPS_RTS or self.link is None or not self.ready:
             return
         for rec in self.inflight:
             self._transmit(rec)
