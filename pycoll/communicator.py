@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -39,7 +40,7 @@ from pycoll.gpu import setup as gpu_setup
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
 from pycoll.rendezvous import Bootstrap
 from pycoll.tune import Tuner, tunable
-from transports.base import Backoff, Deadline
+from transports.base import Backoff, Deadline, TagMismatchError
 from transports.base import TransportError as WireError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,27 @@ _COLL_IDS = {
 }
 _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
+_M32 = 0xFFFFFFFF
+#: Fingerprints of pycoll's own exchanges inside a call, which every rank makes
+#: whatever it was called with (PYCOLL_CHECK's, a tuner's agreement).
+_CHECK_FP = 0x43484B31  # "CHK1"
+_AGREE_FP = 0x41475231  # "AGR1"
+#: Fingerprints of calls this rank made, kept to name a peer's call in a mismatch.
+FINGERPRINTS_MAX = 256
+
+
+def fingerprint(collective: str, count: int, dtype: Any, op: ReduceOp | None, root: int) -> int:
+    """The 32-bit fingerprint of a call: what every rank of a matched call
+    shares (the collective, count, dtype, op and root; not the algorithm, which
+    ``auto`` may vary per call, nor the arrays).
+
+    It travels with every message of the call (the high half of its tag, the
+    low half the call's sequence number) and is folded into the group
+    segment's chain (:mod:`transports.shm_group`).  Derived from the names of
+    the dtype and op, so new ones need no table here."""
+    dt = "-" if dtype is None else np.dtype(dtype).name
+    key = f"{collective}|{count}|{dt}|{'-' if op is None else op.value}|{root}"
+    return zlib.crc32(key.encode())
 
 
 class Request:
@@ -117,6 +139,11 @@ class Call:
     op: ReduceOp | None
     root: int
     algorithm: str
+
+    @property
+    def fp(self) -> int:
+        """Its :func:`fingerprint`."""
+        return fingerprint(self.collective, self.count, self.dtype, self.op, self.root)
 
 
 #: The flight recorder keeps each call as a list ``[seq, call, started, ended,
@@ -354,6 +381,21 @@ def _unwrapped(run: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _rejects(slow: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's slow path, whose rejected calls still count (:meth:`Communicator._reject`)."""
+
+    @functools.wraps(slow)
+    def checked(self: Communicator, *args: Any) -> Any:
+        try:
+            return slow(self, *args)
+        except InvalidArgumentError as exc:
+            if not getattr(exc, "_counted", False):  # else _execute counted it
+                self._reject(slow.__name__[1:].removesuffix("_slow"))
+            raise
+
+    return checked
+
+
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -397,6 +439,11 @@ class Communicator:
         self._closed = False
         self._failed: BaseException | None = None
         self._seq = 0
+        # the current call's message tag and fingerprint (_execute sets them for
+        # _links; plans' steps set their own), and the calls seen, by fingerprint
+        self._tag = 0
+        self._fp = 0
+        self._fps: dict[int, Call] = {}
         self._recent: collections.deque[list[Any]] = collections.deque(maxlen=32)
         # More ranks on a host than cores they may run on?  The waiting policy
         # follows this rank's host; the algorithms follow every rank's verdict
@@ -488,6 +535,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._allreduce_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
 
+    @_rejects
     def _allreduce_slow(
         self,
         sendbuf: Any,
@@ -576,6 +624,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._allgather_slow(sendbuf, recvbuf, algorithm, async_op, stream)
 
+    @_rejects
     def _allgather_slow(
         self,
         sendbuf: Any,
@@ -654,6 +703,7 @@ class Communicator:
                 return self._replay(kd, buf, None)
         return self._broadcast_slow(buf, root, algorithm, async_op, stream)
 
+    @_rejects
     def _broadcast_slow(
         self,
         buf: Any,
@@ -729,6 +779,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._reduce_scatter_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
 
+    @_rejects
     def _reduce_scatter_slow(
         self,
         sendbuf: Any,
@@ -822,6 +873,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._reduce_slow(sendbuf, recvbuf, root, op, algorithm, async_op, stream)
 
+    @_rejects
     def _reduce_slow(
         self,
         sendbuf: Any,
@@ -1120,6 +1172,9 @@ class Communicator:
     def _agree(self, v: np.ndarray) -> np.ndarray:
         """``v`` summed over the ranks, the same bits on each (a tuner's round ends)."""
         out = np.empty_like(v)
+        L = self._links(v.dtype, ReduceOp.SUM)
+        # every rank agrees at the same call, by whichever path it runs it
+        L.tag, L.fp = (_AGREE_FP << 32) | (self._seq & _M32), _AGREE_FP
         a = cost.choose(
             "allreduce",
             self._candidates_for("allreduce"),
@@ -1127,7 +1182,7 @@ class Communicator:
             v.nbytes,
             self.config.chunk_bytes,
         )
-        algorithms.get("allreduce", a)(self._links(v.dtype, ReduceOp.SUM), v, out)
+        algorithms.get("allreduce", a)(L, v, out)
         return out
 
     def _via_host(self, what: str, requested: str, nbytes: int) -> bool:
@@ -1190,6 +1245,7 @@ class Communicator:
             )
             self._links_cache[key] = L
         L.deadline.at = time.monotonic() + self.config.timeout  # a fresh deadline, no allocation
+        L.tag, L.fp = self._tag, self._fp  # the running call's (see _execute)
         L._backoff = (
             self._polite if threading.current_thread() is not self._caller else self._backoff
         )
@@ -1266,9 +1322,12 @@ class Communicator:
         algo: str,
     ) -> Any:
         self._check_open(what)
-        self._seq += 1
+        self._seq = seq = self._seq + 1
         call = Call(what, x.count, x.dtype, op, root, algo)
-        rec: list[Any] = [self._seq, call, monotonic(), None, "running"]
+        fp = self._fp = call.fp
+        self._tag = (fp << 32) | (seq & _M32)  # what _links gives this call's messages
+        self._seen(call)
+        rec: list[Any] = [seq, call, monotonic(), None, "running"]
         self._recent.append(rec)
         trace = log.isEnabledFor(TRACE)
         if trace:
@@ -1316,13 +1375,18 @@ class Communicator:
         Transport errors become pycoll's; every error but a user error leaves the
         communicator unusable.
         """
-        if isinstance(exc, WireError):
+        if isinstance(exc, TagMismatchError):
+            err2 = self._mismatch(rec, exc)
+            err2.__cause__ = exc
+            exc = err2
+        elif isinstance(exc, WireError):
             where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
             err = from_transport(exc, self.rank, where, self._kinds)
             err.__cause__ = exc
             exc = err
         rec[_STATUS] = f"failed: {type(exc).__name__}"
         if isinstance(exc, InvalidArgumentError):
+            exc._counted = True  # type: ignore[attr-defined]  # this call took its number
             raise exc
         self._failed = exc
         self._plans.clear()
@@ -1343,7 +1407,84 @@ class Communicator:
             # Raised, so not logged at ERROR too (the user would see it twice).
             log.info("rank %d raises: %s", self.rank, exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
+        if isinstance(exc, CollectiveMismatchError) and self._wiring is not None:
+            # The peers may wait for bytes this rank will never send, or have
+            # more of the mismatched call to run: closing every connection and
+            # the group makes them fail now (a peer gone), not at the timeout.
+            self._wiring.close()
+            self._wiring = None
+            self._conns = {}
         raise exc
+
+    def _reject(self, what: str) -> None:
+        """Count a call that was rejected for its arguments: it takes a sequence
+        number (and a step of the group's chain) as if it had run.
+
+        Ranks that all reject a call stay in step.  A rank that alone rejects it
+        and goes on is then one call apart from the others, and its next
+        collective raises :class:`CollectiveMismatchError` on every rank instead
+        of pairing its calls with the others' previous ones, off by one for the
+        rest of the job.  Behind queued asynchronous calls it counts in turn."""
+        with self._lock:
+            if self._inflight:
+                assert self._executor is not None
+                self._inflight += 1
+                self._executor.submit(self._skip, what).add_done_callback(self._done)
+                return
+        self._skip(what)
+
+    def _skip(self, what: str) -> None:
+        self._seq += 1
+        now = monotonic()
+        self._recent.append(
+            [
+                self._seq,
+                Call(what, 0, None, None, 0, "-"),
+                now,
+                now,
+                "rejected: InvalidArgumentError",
+            ]
+        )
+        if self._group is not None and self._wiring is not None:
+            self._group.skip(zlib.crc32(f"rejected|{what}".encode()))
+
+    def _seen(self, call: Call) -> None:
+        """Keep ``call`` by fingerprint, to name a peer's call in a mismatch."""
+        fps = self._fps
+        fp = call.fp
+        if fp not in fps:
+            _make_room(fps, FINGERPRINTS_MAX)
+            fps[fp] = call
+
+    def _mismatch(self, rec: list[Any], exc: TagMismatchError) -> CollectiveMismatchError:
+        """The error for a message (or a group step) whose tag says another call."""
+        call: Call = rec[_CALL]
+        here = f"rank {self.rank}: {call.collective} #{rec[_SEQ]}"
+        p = exc.peer
+        if exc.transport == "shm" and "group:" in str(exc):  # the group's chain of calls
+            why = str(exc)
+        else:
+            got_seq, got_fp = exc.got & _M32, exc.got >> 32
+            mine_seq, mine_fp = exc.expected & _M32, exc.expected >> 32
+            theirs = self._fps.get(got_fp)
+            desc = _describe(theirs) if theirs is not None else f"fingerprint {got_fp:#010x}"
+            why = (
+                f"rank {p} sent a message of its call #{got_seq} ({desc}) where this rank "
+                f"runs call #{mine_seq} ({_describe(call)})"
+            )
+            if got_seq != mine_seq:
+                why += (
+                    f"; the ranks are {abs(got_seq - mine_seq)} call(s) apart (one skipped, or "
+                    "alone rejected, a call)"
+                )
+            elif got_fp == mine_fp:
+                why += "; the same call, another message: do the ranks run the same algorithm?"
+        return CollectiveMismatchError(
+            f"{here}: mismatched collectives: {why} (via {exc.transport})",
+            rank=self.rank,
+            ranks=() if p is None else (p,),
+            transport=exc.transport,
+        )
 
     # ------------------------------------------------------------------ fast path
     def _plannable(
@@ -1537,10 +1678,12 @@ class Communicator:
             return tuner.over([self._step(what, a, dtype, op, count, root) for a in tuner.names])
         L = self._links(dtype, op)
         bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
+        fp = fingerprint(what, count, dtype, op, root)  # made once: a call adds a store
         if algo == "direct":
-            fast = direct.prepare(what, L, bo, timeout, count, root)
+            fast = direct.prepare(what, L, bo, timeout, count, root, fp)
             if fast is not None:
                 return fast
+        hi = fp << 32
         g = algorithms.get(what, algo)
         dl = L.deadline
         # the algorithms' signatures: broadcast is in place (b is None), reduce has a root
@@ -1552,6 +1695,7 @@ class Communicator:
         def step(a: Any, b: Any) -> None:
             dl.at = monotonic() + timeout
             L._backoff = bo  # an asynchronous call may have left another one
+            L.tag, L.fp = hi | (self._seq & _M32), fp  # _replay has counted this call
             g(L, *args(a, b))
 
         return step
@@ -1802,6 +1946,7 @@ class Communicator:
             return
         sig = np.array(
             [
+                seq,
                 _COLL_IDS[call.collective],
                 x.count,
                 _DTYPE_IDS.get(x.dtype, 0),
@@ -1815,8 +1960,10 @@ class Communicator:
             sig[1] = x.count
         allsig = np.empty((self.size, sig.size), np.int64)
         allsig[self.rank] = sig
-        algorithms.get("allgather", "ring")(self._links(sig.dtype, None), sig, allsig.reshape(-1))
-        names = ("collective", "count", "dtype", "op", "root", "algorithm")
+        L = self._links(sig.dtype, None)
+        L.tag, L.fp = _CHECK_FP << 32, _CHECK_FP  # the same on every rank, whatever its call
+        algorithms.get("allgather", "ring")(L, sig, allsig.reshape(-1))
+        names = ("sequence number", "collective", "count", "dtype", "op", "root", "algorithm")
         problems: list[str] = []
         odd: set[int] = set()
         for col, name in enumerate(names):
@@ -1879,6 +2026,11 @@ def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, .
     if type(recvbuf) is not np.ndarray:
         return None
     return (*x, recvbuf.dtype, recvbuf.shape, recvbuf.strides)
+
+
+def _describe(call: Call) -> str:
+    op = "" if call.op is None else f", op={call.op.value}"
+    return f"{call.collective}(count={call.count}, dtype={call.dtype}{op}, root={call.root})"
 
 
 def _algo_id(name: str) -> int:

@@ -22,6 +22,14 @@ sink that reduces gives NCCL's "reduce straight out of the slot" with no extra
 copy.  Pieces arrive in order, and every piece but the last starts and ends on a
 multiple of :data:`PIECE_ALIGN` bytes, so a sink can view them as any dtype.
 
+Each message carries a 64-bit *tag* that the sender passes to :meth:`Connection.isend`
+and the receiver to :meth:`Connection.irecv`; a transport puts it in the header it
+already sends with each message (a shm slot's metadata, a tcp frame, an RDMA
+slot header) and raises :class:`TagMismatchError`, before any byte reaches the
+sink, when the two differ.  The tag is opaque here (pycoll puts the call's
+sequence number and fingerprint in it), so two ranks that disagree on what they
+are doing fail loudly instead of pairing the wrong messages.
+
 Flow control rule the algorithms rely on: a posted send always completes once the
 peer has *posted* the matching receive, whatever the message size, as long as
 both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
@@ -73,6 +81,18 @@ class ConnectError(TransportError):
 
 class PeerClosedError(TransportError):
     """The peer went away: closed socket, dead process behind a segment, QP error."""
+
+
+class TagMismatchError(TransportError):
+    """A message arrived with another tag than the receive posted for it.
+
+    ``got`` is the sender's tag, ``expected`` the receiver's (64-bit integers).
+    """
+
+    def __init__(self, message: str, *, got: int, expected: int, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.got = got
+        self.expected = expected
 
 
 class TransportTimeout(TransportError):
@@ -273,6 +293,18 @@ def idle_round(
 
 
 # --------------------------------------------------------------------------- interface
+def tag_mismatch(transport: str, peer: int, got: int, expected: int) -> TagMismatchError:
+    """The error for a message from ``peer`` tagged ``got`` where ``expected`` was posted."""
+    return TagMismatchError(
+        f"{transport}: a message from peer {peer} carries tag {got:#018x} where the posted "
+        f"receive has {expected:#018x} (the two ranks disagree on the call)",
+        got=got,
+        expected=expected,
+        peer=peer,
+        transport=transport,
+    )
+
+
 @dataclass(frozen=True)
 class DeviceSpan:
     """A range of CUDA device memory, for connections that move GPU bytes directly.
@@ -340,23 +372,28 @@ class Connection(abc.ABC):
     peer: int = -1
 
     @abc.abstractmethod
-    def isend(self, data: memoryview) -> Request:
-        """Post a send of ``data`` (bytes, C-contiguous).  Do not touch it until done."""
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
+        """Post a send of ``data`` (bytes, C-contiguous).  Do not touch it until done.
 
-    @abc.abstractmethod
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
-        """Post a receive of ``nbytes``; each arriving piece goes to ``sink(offset, view)``.
-
-        The view is only valid during the call.
+        ``tag`` (64 bits) travels with the message; the matching receive must
+        name the same one (see the module docstring).
         """
 
-    def irecv_into(self, out: memoryview) -> Request:
+    @abc.abstractmethod
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
+        """Post a receive of ``nbytes``; each arriving piece goes to ``sink(offset, view)``.
+
+        The view is only valid during the call.  A message whose tag is not
+        ``tag`` raises :class:`TagMismatchError` and reaches no sink.
+        """
+
+    def irecv_into(self, out: memoryview, tag: int = 0) -> Request:
         """Post a receive straight into ``out`` (a byte view)."""
 
         def copy(off: int, piece: memoryview) -> None:
             out[off : off + len(piece)] = piece
 
-        return self.irecv(len(out), copy)
+        return self.irecv(len(out), copy, tag)
 
     #: True when :meth:`send_buffer` can give memory the peer maps too.
     shares_send_buffers: bool = False

@@ -41,6 +41,21 @@ class Group(Protocol):
     cma: bool  # whether posted ranges may be read and written (else all goes by slots)
     seq: int  # the last step this rank used
     ahead: int  # steps a rank may post before it has consumed them (at most slots)
+    # The chain of the calls' fingerprints as of the latest step, and as of the
+    # step of each slot index; a step does ``chain = (chain * chain_mul + fp) &
+    # chain_mask`` and ``chains[s % slots] = chain`` (what :meth:`step` does).
+    chain: int
+    chains: list[int]
+    chain_mul: int
+    chain_mask: int
+
+    def step(self, fingerprint: int) -> int:
+        """Take the next step (``seq + 1``) of a call with this fingerprint; return it."""
+        ...
+
+    def skip(self, fingerprint: int) -> None:
+        """Fold a call that took no step (one this rank rejected) into the chain."""
+        ...
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
         """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
@@ -60,7 +75,8 @@ class Group(Protocol):
         ...
 
     def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Until every rank of ``peers`` posted step ``seq``."""
+        """Until every rank of ``peers`` posted step ``seq``; a peer whose step ``seq``
+        has another chain raises :class:`transports.base.TagMismatchError`."""
         ...
 
     def wait_done(
@@ -108,10 +124,12 @@ class Links:
         "crowded",
         "deadline",
         "dtype",
+        "fp",
         "group",
         "rank",
         "reduce",
         "size",
+        "tag",
     )
 
     def __init__(
@@ -138,6 +156,10 @@ class Links:
         self._backoff = backoff
         self.group = group
         self.crowded = crowded
+        #: the tag of this call's messages, and its fingerprint for the group's
+        #: steps (the communicator sets both before each call)
+        self.tag = 0
+        self.fp = 0
 
     @property
     def backoff(self) -> Backoff:
@@ -147,7 +169,7 @@ class Links:
     # ----------------------------------------------------------------- posting
     def send(self, peer: int, a: Any) -> Request:
         """Post a send of array slice ``a``; it stays pending until waited on."""
-        req = self.conns[peer].isend(_bytes(a))
+        req = self.conns[peer].isend(_bytes(a), self.tag)
         self._pending.append(req)
         return req
 
@@ -158,7 +180,7 @@ class Links:
 
     def recv(self, peer: int, out: Any) -> Request:
         """Post a receive into array slice ``out``."""
-        return self.conns[peer].irecv_into(_bytes(out))
+        return self.conns[peer].irecv_into(_bytes(out), self.tag)
 
     def recv_reduce(self, peer: int, out: Any, local: Any, incoming_first: bool = False) -> Request:
         """Post a receive that computes ``out = local OP incoming`` (or
@@ -181,7 +203,7 @@ class Links:
                 j = i + len(piece) // isz
                 f(local[i:j], np.frombuffer(piece, dtype), out=out[i:j])
 
-        return self.conns[peer].irecv(out.nbytes, sink)
+        return self.conns[peer].irecv(out.nbytes, sink, self.tag)
 
     # ----------------------------------------------------------------- waiting
     def wait(self, *reqs: Request) -> None:
