@@ -1541,6 +1541,7 @@ class Communicator:
         return dx, Buffer(_RECVBUF, _unowned(out.flat), out.device, out.logical)
 
     def _keep(self, key: tuple[Any, ...], p: _Plan) -> _Plan:
+        self._seen(p.call)
         plans = self._weak_plans if p.weak else self._plans
         _make_room(plans, WEAK_PLAN_MAX if p.weak else PLAN_MAX)
         if p.weak:
@@ -1645,7 +1646,9 @@ class Communicator:
         else:
             xw = not given and (what == "allreduce" or (what == "reduce" and is_root))
         ow = given and (what != "reduce" or is_root)
-        return _Kind(what, run, x, rop, root, algo, xw, ow)
+        kind = _Kind(what, run, x, rop, root, algo, xw, ow)
+        self._seen(kind.call)
+        return kind
 
     def _step(
         self,
