@@ -401,7 +401,14 @@ class Communicator:
 
     Create it with :func:`pycoll.init`.  Every collective validates its
     arguments before any byte moves, and all ranks of the group must call the
-    same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
+    same collectives in the same order.  The guard that is always on sees it
+    where they do not: each message carries its call's tag (sequence number and
+    :func:`fingerprint`), each group step a chain of fingerprints, and a rank
+    that meets another raises :class:`CollectiveMismatchError` and closes its
+    connections so that its peers fail too.  A call rejected for its arguments
+    counts as a call (:meth:`_reject`).  ``PYCOLL_CHECK=1`` compares every
+    rank's call (and sequence number) before it runs, for a message that names
+    each rank's arguments.
     """
 
     def __init__(self, bootstrap: Bootstrap, config: Config) -> None:

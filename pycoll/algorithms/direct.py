@@ -22,6 +22,11 @@ each (an allgather writes up to ``G.ahead`` rounds before it reads any); so do
 mid-sized allreduces and reduces where ranks outnumber cores
 (``ROUNDS_CROWDED_*``).
 
+Every step is taken with the call's fingerprint (``L.fp``, or ``fp`` of
+:func:`prepare`), which the group folds into the word a rank posts; a reader
+waits for the word its own step has, so ranks that run different calls raise
+instead of reading each other's slots (:mod:`pycoll.algorithms.links`' Group).
+
 Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
 and every element is reduced by one rank only (or by every rank identically), so
 all ranks hold the same bits.
