@@ -97,7 +97,8 @@ _RANGE = struct.Struct("<QQ")
 #: The posted word: the step below bit 40, the chain of fingerprints above.
 STEP_BITS = 40
 _STEP_MASK = (1 << STEP_BITS) - 1
-CHAIN_MASK = (1 << (64 - STEP_BITS)) - 1
+#: The chain as kept: already in place above the step, so a word is ``chain | step``.
+CHAIN_MASK = ((1 << 64) - 1) ^ _STEP_MASK
 #: What a chain folds in per step: ``chain * CHAIN_MUL + fingerprint`` (an odd
 #: factor: one step's different fingerprints never give the same chain).
 CHAIN_MUL = 5
@@ -172,10 +173,12 @@ class ShmGroup:
         self._my_posted = [c.store for c in self._posted[rank]]
         self._my_done = self._done[rank].store
         #: the chain of fingerprints as of this rank's latest step, and as of the
-        #: step of each slot index (what that step's posted word holds)
+        #: step of each slot index (what that step's posted word holds), kept
+        #: above STEP_BITS as in the word
         self.chain = 0
         self.chains = [0] * K
-        self.chain_mul, self.chain_mask = CHAIN_MUL, CHAIN_MASK  # for inlined steps
+        # for steps written out by the caller (post_word, wait_word)
+        self.chain_mul, self.chain_mask, self.step_bits = CHAIN_MUL, CHAIN_MASK, STEP_BITS
         # what we know for sure of each rank's "done", to skip loads, and the
         # least of it over the peers as last computed (it only grows)
         self._known_done = [0] * n
@@ -360,14 +363,14 @@ class ShmGroup:
         """
         s = self.seq = self.seq + 1
         self.chains[s % self.slots] = self.chain = (
-            self.chain * CHAIN_MUL + fingerprint
+            self.chain * CHAIN_MUL + (fingerprint << STEP_BITS)
         ) & CHAIN_MASK
         return s
 
     def skip(self, fingerprint: int) -> None:
         """Fold a call that took no step into the chain (a call this rank rejected):
         a peer that ran it instead then meets another chain at its next step."""
-        self.chain = (self.chain * CHAIN_MUL + fingerprint) & CHAIN_MASK
+        self.chain = (self.chain * CHAIN_MUL + (fingerprint << STEP_BITS)) & CHAIN_MASK
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
@@ -384,11 +387,31 @@ class ShmGroup:
             _RANGE.pack_into(self._mm, off, addr, nbytes)
         if consumed:
             self._my_done(seq - 1)
-        self._my_posted[i]((self.chains[i] << STEP_BITS) | seq)
+        self._my_posted[i](self.chains[i] | seq)
 
     def done(self, seq: int) -> None:
         """Say that this rank has finished reading everything of step ``seq``."""
         self._my_done(seq)
+
+    def post_word(self, i: int, word: int, seq: int) -> None:
+        """:meth:`post` of step ``seq`` (slot index ``i``, no range, consumed) whose
+        posted word ``word`` the caller made as :meth:`step` would: the prepared
+        steps of the direct algorithms, which compute it once for both calls."""
+        self._my_done(seq - 1)
+        self._my_posted[i](word)
+
+    def wait_word(
+        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """:meth:`wait` for the step of posted word ``word`` (slot index ``i``)."""
+        posted = self._posted
+        known = self._known_done
+        sure = (word & _STEP_MASK) - self.ahead
+        for j in peers:
+            if posted[j][i].load() != word:
+                self._wait_posted(j, i, word, deadline, backoff)
+            if known[j] < sure:  # noqa: PLR1730 (as in wait)
+                known[j] = sure
 
     def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
         """Wait until every rank of ``peers`` posted step ``seq``.
@@ -400,7 +423,7 @@ class ShmGroup:
         posted = self._posted
         known = self._known_done
         i = seq % self.slots
-        word = (self.chains[i] << STEP_BITS) | seq
+        word = self.chains[i] | seq
         sure = seq - self.ahead  # what a peer that posted ``seq`` has consumed
         for j in peers:
             if posted[j][i].load() != word:

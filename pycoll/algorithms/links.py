@@ -42,12 +42,15 @@ class Group(Protocol):
     seq: int  # the last step this rank used
     ahead: int  # steps a rank may post before it has consumed them (at most slots)
     # The chain of the calls' fingerprints as of the latest step, and as of the
-    # step of each slot index; a step does ``chain = (chain * chain_mul + fp) &
-    # chain_mask`` and ``chains[s % slots] = chain`` (what :meth:`step` does).
+    # step of each slot index, kept above ``step_bits``; a step does ``chain =
+    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % slots]
+    # = chain`` (what :meth:`step` does; steps written out for post_word and
+    # wait_word need not keep ``chains``), and its posted word is ``chain | s``.
     chain: int
     chains: list[int]
     chain_mul: int
     chain_mask: int
+    step_bits: int
 
     def step(self, fingerprint: int) -> int:
         """Take the next step (``seq + 1``) of a call with this fingerprint; return it."""
@@ -72,6 +75,16 @@ class Group(Protocol):
 
     def done(self, seq: int) -> None:
         """This rank has finished reading everything of step ``seq``."""
+        ...
+
+    def post_word(self, i: int, word: int, seq: int) -> None:
+        """``post(seq)`` with its posted word made by the caller (``i = seq % slots``)."""
+        ...
+
+    def wait_word(
+        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """``wait`` for the step of the caller-made posted word ``word``."""
         ...
 
     def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
