@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
-_VERSION = 2
+_VERSION = 3
 _PAGE = 4096
 _HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, nslots, slot_bytes
 _CTRL0 = 4096

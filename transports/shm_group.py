@@ -88,7 +88,7 @@ SLOTS = 8
 AHEAD = 4
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 3
+_VERSION = 4
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
