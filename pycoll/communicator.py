@@ -161,7 +161,8 @@ PLAN_MAX = 32
 #: a call with them and 66-69 without (the same arrays each call: 12.8).
 STEPS_MAX = 64
 #: ``auto`` keeps a tuner (or its absence) for the first this many kinds of call
-#: (collective, size, dtype, op, root); later kinds take the model's choice.
+#: (collective, size, dtype, op, root); later kinds take the model's choice and
+#: are not kept (the cache never grows past this).
 TUNERS_MAX = 256
 #: Plans of larger arrays, which hold no memory (not even scratch): more of
 #: them, so that a training step's gradient buckets keep theirs.  (Making a plan costs a few
@@ -1088,18 +1089,23 @@ class Communicator:
             return self._tuners[key]
         except KeyError:
             pass
+        if len(self._tuners) >= TUNERS_MAX:
+            # Later kinds are left to the model and not recorded: the cache stays
+            # bounded, and every rank, making the same calls, stops at the same kind.
+            # (No tuner is ever evicted: plans of one rank may hold one that another
+            # rank would make afresh, and their schedules would part.)
+            return None
         t = None
-        if len(self._tuners) < TUNERS_MAX:
-            names = cost.contenders(
-                what,
-                self._candidates_for(what),
-                self.size,
-                nbytes,
-                self.config.chunk_bytes,
-            )
-            if len(names) > 1:
-                label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
-                t = Tuner(label, names, self._agree)
+        names = cost.contenders(
+            what,
+            self._candidates_for(what),
+            self.size,
+            nbytes,
+            self.config.chunk_bytes,
+        )
+        if len(names) > 1:
+            label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
+            t = Tuner(label, names, self._agree)
         self._tuners[key] = t
         return t
 

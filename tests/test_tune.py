@@ -472,3 +472,34 @@ def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
                 return sum(t is not None for t in c._tuners.values())
 
             assert run_ranks(2, body) == [0, 0], (cfg, algo)
+
+
+@pytest.mark.timeout(120)
+def test_caches_stay_bounded_under_calls_of_random_sizes() -> None:
+    """Every kind of call (size) once: auto's tuner cache and the fast path's
+    caches keep at most their limits, and every result is right."""
+    from pycoll import communicator as cm
+
+    n, kinds = 2, cm.TUNERS_MAX + 300
+    sizes = np.random.default_rng(12).permutation(np.arange(1, kinds + 1))
+    with communicators(n) as comms:
+
+        def body(r: int) -> dict[str, int]:
+            c = comms[r]
+            for k in sizes:
+                x = np.full(int(k), r + 1, np.int32)
+                g = c.allgather(x)
+                assert g.shape == (n, k) and (g == np.arange(1, n + 1)[:, None]).all()
+            return {
+                "tuners": len(c._tuners),
+                "tuned": len(c._tuned),
+                "plans": len(c._plans) + len(c._weak_plans),
+                "steps": len(c._steps),
+                "kinds": len(c._kinds_made),
+            }
+
+        got = run_ranks(n, body)
+    for g in got:
+        assert g["tuners"] <= cm.TUNERS_MAX and g["tuned"] <= cm.TUNERS_MAX, g
+        assert g["plans"] <= cm.PLAN_MAX + cm.WEAK_PLAN_MAX, g
+        assert g["steps"] <= cm.STEPS_MAX and g["kinds"] <= cm.KINDS_MAX, g
