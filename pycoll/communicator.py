@@ -1887,9 +1887,44 @@ def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, .
     return (*x, recvbuf.dtype, recvbuf.shape, recvbuf.strides)
 
 
+def _known_algorithms() -> tuple[str, ...]:
+    """Every algorithm name of every collective, sorted: the same on every rank."""
+    return tuple(sorted({n for c in _COLL_IDS for n in algorithms.names(c)} | {"dissemination"}))
+
+
+#: The flag of an ``auto[a,b,...]`` id (a tuner's contenders, see _algo_id).
+_TUNED_ID = 1 << 60
+
+
 def _algo_id(name: str) -> int:
-    # stable across processes (str hash() is salted per process)
+    """An algorithm's name as a number every rank computes alike (str hash() is
+    salted per process).  A tuner's ``auto[a,b,...]`` packs its contenders'
+    indices into :func:`_known_algorithms`, 4 bits each in order, so that
+    :func:`_decoder` gives the name back; any other name is a CRC."""
+    if name.startswith("auto[") and name.endswith("]"):
+        known = _known_algorithms()
+        parts = name[5:-1].split(",")
+        if len(known) < 16 and len(parts) <= 14 and all(a in known for a in parts):
+            v = _TUNED_ID
+            for i, a in enumerate(parts):
+                v |= (known.index(a) + 1) << (4 * i)
+            return v
     return zlib.crc32(name.encode()) & 0xFFFF
+
+
+def _tuned_name(v: int) -> str | None:
+    """The ``auto[...]`` name of an id :func:`_algo_id` packed, else None."""
+    if v & ~(_TUNED_ID - 1) != _TUNED_ID:
+        return None
+    known, parts = _known_algorithms(), []
+    v &= _TUNED_ID - 1
+    while v:
+        i = (v & 0xF) - 1
+        if not 0 <= i < len(known):
+            return None
+        parts.append(known[i])
+        v >>= 4
+    return f"auto[{','.join(parts)}]"
 
 
 def _decoder(name: str) -> Callable[[int], object]:
@@ -1903,9 +1938,8 @@ def _decoder(name: str) -> Callable[[int], object]:
         inv3 = {v: k.value for k, v in _OP_IDS.items()}
         return lambda v: inv3.get(v, "-")
     if name == "algorithm":
-        known = {n for c in _COLL_IDS for n in algorithms.names(c)} | {"dissemination"}
-        inv4 = {_algo_id(n): n for n in known}
-        return lambda v: inv4.get(v, v)
+        inv4 = {_algo_id(n): n for n in _known_algorithms()}
+        return lambda v: inv4.get(v) or _tuned_name(v) or v
     return lambda v: v
 
 

@@ -503,3 +503,30 @@ def test_caches_stay_bounded_under_calls_of_random_sizes() -> None:
         assert g["tuners"] <= cm.TUNERS_MAX and g["tuned"] <= cm.TUNERS_MAX, g
         assert g["plans"] <= cm.PLAN_MAX + cm.WEAK_PLAN_MAX, g
         assert g["steps"] <= cm.STEPS_MAX and g["kinds"] <= cm.KINDS_MAX, g
+
+
+@pytest.mark.timeout(60)
+def test_check_names_a_tuned_algorithm_rather_than_a_number() -> None:
+    """PYCOLL_CHECK=1: where one rank names an algorithm and the other's ``auto``
+    tunes, the mismatch names both, ``auto[...]`` with its contenders."""
+    n = 2
+    with communicators(n, check=True) as comms:
+        avail = comms[0]._candidates_for("allgather")
+        chunk = comms[0].config.chunk_bytes
+        block = next(
+            b
+            for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+            if len(cost.contenders("allgather", avail, n, b, chunk)) > 1
+        )
+
+        def body(r: int) -> str:
+            x = np.zeros(block // 4, np.int32)
+            try:
+                comms[r].allgather(x, algorithm="ring" if r == 0 else "auto")
+            except pycoll.CollectiveMismatchError as exc:
+                return str(exc)
+            return "no error"
+
+        said = run_ranks(n, body)
+    for msg in said:
+        assert "ranks [0]: ring; ranks [1]: auto[" in msg, msg
