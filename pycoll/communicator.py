@@ -13,7 +13,7 @@ import weakref
 import zlib
 from _thread import get_ident
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import monotonic
 from typing import Any, NoReturn
@@ -76,6 +76,8 @@ class Request:
             CollectiveTimeout: still running after ``timeout`` seconds (the
                 collective itself goes on, bounded by PYCOLL_TIMEOUT; its
                 ``missing`` is empty, for no rank is known to be late).
+            CommunicatorClosedError: ``abort()`` or ``close()`` ended it, or
+                dropped it before it started.
         """
         try:
             return self._future.result(timeout)
@@ -85,6 +87,13 @@ class Request:
                 "it goes on (PYCOLL_TIMEOUT bounds it)",
                 rank=self._rank,
             ) from None
+        except CancelledError:
+            raise self._dropped() from None
+
+    def _dropped(self) -> CommunicatorClosedError:
+        return CommunicatorClosedError(
+            f"rank {self._rank}: {self._what}: the communicator was aborted before it started"
+        )
 
     def test(self) -> bool:
         return self._future.done()
@@ -100,6 +109,8 @@ class Request:
     def exception(self) -> BaseException | None:
         if not self._future.done():
             return None
+        if self._future.cancelled():
+            return self._dropped()
         return self._future.exception()
 
     def __repr__(self) -> str:
@@ -396,6 +407,7 @@ class Communicator:
             bootstrap.close()
             raise
         self._closed = False
+        self._aborted = False
         self._failed: BaseException | None = None
         self._seq = 0
         self._recent: collections.deque[list[Any]] = collections.deque(maxlen=32)
@@ -929,7 +941,13 @@ class Communicator:
         self._bootstrap.close()
 
     def abort(self) -> None:
-        """Tear down at once without waiting for peers or queued collectives."""
+        """Tear down at once without waiting for peers or queued collectives.
+
+        A collective it interrupts on this rank (on another thread, or queued)
+        raises :class:`CommunicatorClosedError`, whatever the transport; peers
+        waiting on this rank raise :class:`PeerAbortedError`.
+        """
+        self._aborted = True
         self._closed = True
         self._plans.clear()
         self._weak_plans.clear()
@@ -1322,8 +1340,17 @@ class Communicator:
         Transport errors become pycoll's; every error but a user error leaves the
         communicator unusable.
         """
-        if isinstance(exc, WireError):
-            where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
+        where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
+        if self._closed and not isinstance(exc, (PycollError, KeyboardInterrupt)):
+            # close() or abort() tore the connections down under the collective:
+            # one class whatever the transport made of it (its error is the cause)
+            how = "aborted" if self._aborted else "closed"
+            err: PycollError = CommunicatorClosedError(
+                f"rank {self.rank}: {where}: the communicator was {how} while it ran"
+            )
+            err.__cause__ = exc
+            exc = err
+        elif isinstance(exc, WireError):
             err = from_transport(exc, self.rank, where, self._kinds)
             err.__cause__ = exc
             exc = err

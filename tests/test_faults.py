@@ -339,3 +339,51 @@ def test_full_dev_shm_falls_back_to_tcp_at_once(tmp_path: Path) -> None:
         assert o["init_s"] < 5, o  # less than one timeout
     assert "shm unavailable" in stderr and "/dev/shm has only" in stderr, stderr
     assert "rank 0: rank 0:" not in stderr + str(res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("transport", "algorithm"), [("shm", "ring"), ("shm", "direct"), ("tcp", "ring")]
+)
+def test_abort_raises_one_class_whatever_the_transport(transport: str, algorithm: str) -> None:
+    """What abort() interrupts on its own rank (a running request, a queued one, a
+    blocking call on another thread) raises CommunicatorClosedError on every
+    transport; the peer that then calls raises PeerAbortedError."""
+    import threading
+
+    import numpy as np
+
+    import pycoll
+    from tests.inproc import communicators
+
+    with communicators(2, transports=(transport,), timeout=20) as comms:
+        c = comms[0]
+        x = np.ones(1 << 16, np.float32)
+        running = c.allreduce(x, async_op=True, algorithm=algorithm)  # rank 1 never joins
+        queued = c.allreduce(np.ones(4, np.float32), async_op=True, algorithm=algorithm)
+        time.sleep(0.3)
+        c.abort()
+        for req in (running, queued):
+            with pytest.raises(pycoll.CommunicatorClosedError, match="aborted"):
+                req.wait(10)
+            assert isinstance(req.exception(), pycoll.CommunicatorClosedError)
+        with pytest.raises(pycoll.PeerAbortedError) as info:
+            for _ in range(3):  # the first may pair with what rank 0 had posted
+                comms[1].allreduce(x, algorithm=algorithm)
+        assert info.value.peer == 0, info.value
+
+    with communicators(2, transports=(transport,), timeout=20) as comms:
+        got: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                comms[0].allreduce(np.ones(1 << 16, np.float32), algorithm=algorithm)
+            except BaseException as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        time.sleep(0.3)
+        comms[0].abort()
+        t.join(10)
+        assert len(got) == 1 and isinstance(got[0], pycoll.CommunicatorClosedError), got
