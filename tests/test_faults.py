@@ -387,3 +387,42 @@ def test_abort_raises_one_class_whatever_the_transport(transport: str, algorithm
         comms[0].abort()
         t.join(10)
         assert len(got) == 1 and isinstance(got[0], pycoll.CommunicatorClosedError), got
+
+
+#: What a thread may see when two threads share a communicator at once: the
+#: overlap itself, the communicator it left unusable, or a peer that failed of it.
+_THREAD_ERRORS = {
+    "ConcurrentCallError",
+    "CommunicatorClosedError",
+    "PeerAbortedError",
+    "CollectiveTimeout",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_threads_at_once_never_return_a_wrong_result(tmp_path, transport):
+    """Two threads x 200 allreduces on one communicator, at once: every result
+    a thread gets is right, and a thread that stops says why with a pycoll error."""
+    res = run(f"threads-{transport}", 2, tmp_path)
+    assert set(res) == {0, 1}, res
+    errors = set()
+    for r, o in res.items():
+        assert not o["hung"], (r, o)
+        for t, got in o["threads"].items():
+            assert got["wrong"] == 0, (r, t, got)
+            assert got["ok"] == 200 or got["error"] in _THREAD_ERRORS, (r, t, got)
+            errors.add(got["error"])
+    # they did overlap (200 calls each): it was seen, and named
+    assert "ConcurrentCallError" in errors, res
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_threads_taking_turns_share_a_communicator(tmp_path, transport):
+    """The same calls, each after the other thread's returned: all 400 are right."""
+    res = run(f"turns-{transport}", 2, tmp_path)
+    assert set(res) == {0, 1}, res
+    for r, o in res.items():
+        for t, got in o["threads"].items():
+            assert (got["ok"], got["wrong"], got["error"]) == (200, 0, None), (r, t, got)

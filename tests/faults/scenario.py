@@ -233,7 +233,64 @@ def check() -> None:
     report(**res)
 
 
+def threads(transport: str, turns: bool) -> None:
+    """Two threads make 200 allreduces each on one communicator: at once, or
+    taking turns (each call after the other thread's returned).  Each thread
+    reports its correct and wrong results and the error that stopped it."""
+    comm = pycoll.init(timeout=10, transports=(transport,))
+    calls, k = 200, 16
+    weight = sum(r + 1 for r in range(SIZE))
+    turn = threading.Condition()
+    state = {"next": 0}
+    out: dict[str, dict[str, object]] = {}
+
+    def body(t: int) -> None:
+        got: dict[str, object] = {"ok": 0, "wrong": 0, "error": None, "message": ""}
+        out[str(t)] = got
+        x = np.empty(k, np.float64)
+        try:
+            for i in range(calls):
+                if turns:
+                    with turn:
+                        turn.wait_for(lambda: state["next"] == 2 * i + t, timeout=60)
+                v = float(t * 100000 + i)
+                # the same array each call replays a plan; every third call a fresh one
+                a = x if i % 3 else np.empty(k, np.float64)
+                a[:] = v * (RANK + 1)
+                res = comm.allreduce(a)
+                if np.array_equal(res, np.full(k, v * weight)):
+                    got["ok"] += 1  # type: ignore[operator]
+                else:
+                    got["wrong"] += 1  # type: ignore[operator]
+                if turns:
+                    with turn:
+                        state["next"] += 1
+                        turn.notify_all()
+        except Exception as exc:
+            got["error"] = type(exc).__name__
+            got["message"] = str(exc)
+            if turns:  # let the other thread go on to its own end
+                with turn:
+                    state["next"] = 1 << 30
+                    turn.notify_all()
+
+    start = time.monotonic()
+    ths = [threading.Thread(target=body, args=(t,), name=f"user{t}") for t in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(90)
+    res: dict[str, object] = {"threads": out, "elapsed": time.monotonic() - start}
+    res["hung"] = [th.name for th in ths if th.is_alive()]
+    report(**res)
+    os._exit(0)  # a peer may still wait on this rank: MPI_Finalize would wait for it
+
+
 {
+    "threads-shm": lambda: threads("shm", False),
+    "threads-tcp": lambda: threads("tcp", False),
+    "turns-shm": lambda: threads("shm", True),
+    "turns-tcp": lambda: threads("tcp", True),
     "kill-shm": lambda: kill("shm", "ring"),
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
