@@ -7,7 +7,6 @@ import ctypes
 import logging
 import os
 import threading
-import time
 import traceback
 import weakref
 import zlib
@@ -1197,7 +1196,10 @@ class Communicator:
         return "ring" if algo == "direct" else algo
 
     def _links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
-        """The Links for (dtype, op), reused across calls with a fresh deadline.
+        """The Links for (dtype, op), reused across calls.
+
+        Their deadline is PYCOLL_TIMEOUT of inactivity: each wait re-arms it
+        (:meth:`transports.base.Deadline.overdue`), so a call sets none.
 
         Only one collective runs at a time (async ones on the worker thread, and
         blocking ones inline only while none is queued), and each one ends with
@@ -1210,7 +1212,7 @@ class Communicator:
                 self.rank,
                 self.size,
                 self._conns,
-                Deadline(None),
+                Deadline(None, self.config.timeout),
                 self.config.chunk_bytes,
                 dtype,
                 None if op is None else ufunc(op),
@@ -1219,7 +1221,6 @@ class Communicator:
                 self._crowded,
             )
             self._links_cache[key] = L
-        L.deadline.at = time.monotonic() + self.config.timeout  # a fresh deadline, no allocation
         L._backoff = (
             self._polite if threading.current_thread() is not self._caller else self._backoff
         )
@@ -1614,7 +1615,7 @@ class Communicator:
         tuner: Tuner | None = None,
     ) -> Callable[[Any, Any], None]:
         """``step(x, out)``: algorithm ``algo`` of ``what`` on flat host arrays,
-        with a fresh deadline each call (the body of a plan, size > 1); with a
+        (the body of a plan, size > 1); with a
         ``tuner``, the algorithm it names for each call.
 
         A step depends on none of the arrays, so plans of the same kind of call
@@ -1633,13 +1634,12 @@ class Communicator:
         if tuner is not None:
             return tuner.over([self._step(what, a, dtype, op, count, root) for a in tuner.names])
         L = self._links(dtype, op)
-        bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
+        bo = L.backoff  # the waiting policy of this thread
         if algo == "direct":
-            fast = direct.prepare(what, L, bo, timeout, count, root)
+            fast = direct.prepare(what, L, bo, count, root)
             if fast is not None:
                 return fast
         g = algorithms.get(what, algo)
-        dl = L.deadline
         # the algorithms' signatures: broadcast is in place (b is None), reduce has a root
         args: Callable[[Any, Any], tuple[Any, ...]] = {
             "broadcast": lambda a, b: (a, root),
@@ -1647,7 +1647,6 @@ class Communicator:
         }.get(what, lambda a, b: (a, b))
 
         def step(a: Any, b: Any) -> None:
-            dl.at = monotonic() + timeout
             L._backoff = bo  # an asynchronous call may have left another one
             g(L, *args(a, b))
 
@@ -1887,7 +1886,7 @@ class Communicator:
         if got:  # else nobody answered: the peers we waited on are all we know
             exc.missing = tuple(missing) or exc.waiting_on
         exc.args = (
-            f"{exc.args[0]} after {self.config.timeout:g} s (PYCOLL_TIMEOUT); "
+            f"{exc.args[0]}: no progress for {self.config.timeout:g} s (PYCOLL_TIMEOUT); "
             f"ranks that did not arrive at {cur.collective} #{cur.seq}: {list(exc.missing)}; "
             f"status: {'; '.join(status.values())}; recent collectives on rank {self.rank}: "
             + " | ".join(self.recent()[-4:]),

@@ -426,3 +426,18 @@ def test_two_threads_taking_turns_share_a_communicator(tmp_path, transport):
     for r, o in res.items():
         for t, got in o["threads"].items():
             assert (got["ok"], got["wrong"], got["error"]) == (200, 0, None), (r, t, got)
+
+
+@pytest.mark.timeout(300)
+def test_timeout_is_inactivity_not_a_deadline_per_collective(tmp_path):
+    """PYCOLL_TIMEOUT=1: a 1.5 GiB tcp allreduce that takes longer than 1 s but
+    keeps moving completes, right; a peer stopped by SIGSTOP is named within
+    about the timeout (plus the status exchange's grace)."""
+    res = run("progress-tcp", 2, tmp_path, SCENARIO_MIB="1536")
+    assert set(res) == {0, 1}, res
+    for r, o in res.items():
+        assert o["large"]["error"] is None and o["large"]["right"], (r, o["large"])
+    o = res[0]["stopped"]
+    assert o["error"] == "CollectiveTimeout" and o["missing"] == [1], o
+    assert "no progress for 1 s" in o["message"], o
+    assert o["elapsed"] < 6, o

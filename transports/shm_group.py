@@ -409,8 +409,8 @@ class ShmGroup:
             while (v := c.load()) < seq:
                 bo.pause()
                 n = bo._n
-                if n > spins and n % 64 == 0:
-                    self._check(j, counters, seq, deadline)
+                if n > spins and n % 64 == 0:  # the first check follows progress
+                    self._check(j, counters, seq, deadline, n <= spins + 64)
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -421,14 +421,21 @@ class ShmGroup:
         if self._closed:
             raise TransportError("group segment is closed", peer=j, transport=TRANSPORT)
 
-    def _check(self, j: int, counters: list[_atomic.Counter], seq: int, deadline: Deadline) -> None:
+    def _check(
+        self,
+        j: int,
+        counters: list[_atomic.Counter],
+        seq: int,
+        deadline: Deadline,
+        fresh: bool = False,
+    ) -> None:
         self._check_open(j)
         if counters[j].load() >= seq:
             return
         _segment.check_alive(
             self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
         )
-        if deadline.expired():
+        if deadline.overdue(fresh):
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
     # ------------------------------------------------------------------ closing

@@ -286,7 +286,44 @@ def threads(transport: str, turns: bool) -> None:
     os._exit(0)  # a peer may still wait on this rank: MPI_Finalize would wait for it
 
 
+def progress(transport: str, mib: int) -> None:
+    """PYCOLL_TIMEOUT=1 s: a large allreduce that takes longer but keeps moving
+    completes; then rank 1 stops (SIGSTOP) and rank 0 raises within about 1 s."""
+    pids = WORLD.allgather(os.getpid())
+    comm = pycoll.init(timeout=1, transports=(transport,))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    x = np.full((mib << 20) // 4, RANK + 1, np.float32)
+    res: dict[str, object] = {}
+    start = time.monotonic()
+    try:
+        comm.allreduce(x, algorithm="ring")
+        res["large"] = outcome(None, start)
+        res["large"]["right"] = bool((x == SIZE * (SIZE + 1) // 2).all())  # type: ignore[index]
+    except pycoll.PycollError as exc:
+        res["large"] = outcome(exc, start)
+        report(**res)
+        os._exit(0)
+    del x
+    WORLD.Barrier()
+    y = np.ones(1 << 16, np.float32)
+    if RANK == 1:
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+    start = time.monotonic()
+    err = None
+    try:
+        for _ in range(1000000):
+            comm.allreduce(y)
+    except pycoll.PycollError as exc:
+        err = exc
+    res["stopped"] = outcome(err, start)
+    if RANK == 0:
+        os.kill(pids[1], signal.SIGCONT)
+    report(**res)
+    os._exit(0)
+
+
 {
+    "progress-tcp": lambda: progress("tcp", int(os.environ.get("SCENARIO_MIB", "512"))),
     "threads-shm": lambda: threads("shm", False),
     "threads-tcp": lambda: threads("tcp", False),
     "turns-shm": lambda: threads("shm", True),
