@@ -372,6 +372,17 @@ class Communicator:
     Create it with :func:`pycoll.init`.  Every collective validates its
     arguments before any byte moves, and all ranks of the group must call the
     same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
+
+    Threads: any thread may call, one collective at a time; with several
+    threads the program makes the order the same on every rank (each call after
+    the last returned, or ``async_op=True`` calls, which run in submission order
+    on the worker thread, blocking calls made meanwhile after them).  A call
+    that enters while another thread's collective runs raises
+    :class:`ConcurrentCallError`, so does the one it overlapped when it ends,
+    and the communicator is unusable: overlapping calls have no order every rank
+    shares, and pycoll never pairs them by chance.  The check is a lock taken
+    without waiting (0.1 us a call).  ``PYCOLL_TIMEOUT`` counts seconds without
+    progress (:class:`transports.base.Deadline`).
     """
 
     def __init__(self, bootstrap: Bootstrap, config: Config) -> None:
