@@ -7,6 +7,7 @@
     ├── UnsupportedError                         a valid request this build/machine cannot do
     ├── CommunicatorClosedError                  used after close() / after a failure
     ├── CollectiveMismatchError                  ranks called different collectives, or out of step
+    ├── ConcurrentCallError                      two threads ran collectives on one communicator at once
     └── TransportError                           a connection failed: rank, peer, transport, errno
         ├── ConnectError                         set-up failed, or no transport reaches a peer
         ├── PeerAbortedError                     a peer exited or aborted
@@ -93,6 +94,17 @@ class CollectiveMismatchError(_Located):
     ) -> None:
         super().__init__(message, rank=rank, peer=ranks[0] if ranks else None, transport=transport)
         self.ranks = tuple(ranks)
+
+
+class ConcurrentCallError(_Located):
+    """Two threads ran collectives on one communicator at the same time.
+
+    Collectives pair up across ranks by the order in which they run, and calls
+    that overlap on one rank have no order that every rank shares: both calls
+    fail (the one that entered second at once, the one already running when it
+    ends) and the communicator is unusable, rather than pair a call with another
+    rank's different one.  ``rank``: this rank; ``peer`` and ``transport``: None.
+    """
 
 
 class TransportError(_Located):

@@ -41,7 +41,7 @@ import abc
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -152,15 +152,46 @@ class Backoff:
 
 @dataclass
 class Deadline:
-    """An absolute monotonic deadline; ``None`` seconds means never."""
+    """When a wait gives up: at a monotonic time, or after a stretch without progress.
+
+    ``at``: the monotonic time (``None``: never).  With ``idle`` seconds set it
+    is an inactivity timeout, as NCCL's and torch's watchdogs keep: every check
+    of a waiter that progressed since its last one (:meth:`overdue` with
+    ``fresh``, or a new ``activity`` count) moves ``at`` to ``idle`` seconds
+    ahead, so a slow transfer that keeps moving never times out and a peer that
+    stopped does within about ``idle`` seconds.  ``watch``, when set, is called
+    at every check and may raise (a failure known elsewhere ends the wait).
+    """
 
     at: float | None
+    idle: float | None = None
+    watch: Callable[[], None] | None = None
+    _seen: int = field(default=0, repr=False)
 
     @classmethod
-    def after(cls, seconds: float | None) -> Deadline:
-        return cls(None if seconds is None else time.monotonic() + seconds)
+    def after(cls, seconds: float | None, idle: bool = False) -> Deadline:
+        """``seconds`` from now; ``idle``: and as many again after each progress."""
+        at = None if seconds is None else time.monotonic() + seconds
+        return cls(at, seconds if idle else None)
 
     def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def overdue(self, fresh: bool, activity: int = 0) -> bool:
+        """A waiter's periodic check: whether to give up now.
+
+        Args:
+            fresh: the waiter progressed since its previous check (its first
+                check since it last reset its backoff).
+            activity: a count that grows while bytes move (see
+                :attr:`Request.activity`); a change counts as progress.
+        """
+        if self.watch is not None:
+            self.watch()
+        if self.idle is not None and (fresh or activity != self._seen):
+            self._seen = activity
+            self.at = time.monotonic() + self.idle
+            return False
         return self.at is not None and time.monotonic() >= self.at
 
 
@@ -171,6 +202,9 @@ class Request(abc.ABC):
     peer: int = -1
     _error: BaseException | None = None
     _done: bool = False
+    #: grows while the request's bytes move before it completes (a transport that
+    #: moves a message piece by piece says so; see :meth:`Deadline.overdue`)
+    activity: int = 0
 
     @abc.abstractmethod
     def _progress(self) -> bool:
@@ -266,7 +300,9 @@ def idle_round(
     """Back off after a round that made no progress; now and then check health.
 
     Every 64th slow round (after the spin phase) asks each pending request's
-    peer whether it is still alive and checks the deadline.  In the sleep phase
+    peer whether it is still alive and checks the deadline; the first such
+    check after progress (a reset of ``bo``) counts as progress for an
+    inactivity deadline, and so does a change in the requests' ``activity``.  In the sleep phase
     a pending request's optional ``block(seconds)`` replaces the sleep, so a
     transport that can wait for its next event (the soft RDMA provider's CQ)
     wakes when it arrives rather than when the nap ends.
@@ -287,7 +323,7 @@ def idle_round(
             check = getattr(r, "check_peer", None)
             if check is not None:
                 check()
-        if deadline.expired():
+        if deadline.overdue(n <= bo.spins + 64, sum(r.activity for r in pending)):
             peers = sorted({r.peer for r in pending})
             raise TransportTimeout(f"timed out waiting for peer(s) {peers}", pending=peers)
 

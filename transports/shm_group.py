@@ -508,7 +508,7 @@ class ShmGroup:
                         return
                     if last & _STEP_MASK > seq:
                         raise self._mismatch(j, last, word)
-                    self._check(j, deadline)
+                    self._check(j, deadline, n <= spins + 64)
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -545,7 +545,7 @@ class ShmGroup:
                 bo.pause()
                 n = bo._n
                 if n > spins and n % 64 == 0 and counters[j].load() < seq:
-                    self._check(j, deadline)
+                    self._check(j, deadline, n <= spins + 64)  # the first check follows progress
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -556,12 +556,12 @@ class ShmGroup:
         if self._closed:
             raise TransportError("group segment is closed", peer=j, transport=TRANSPORT)
 
-    def _check(self, j: int, deadline: Deadline) -> None:
+    def _check(self, j: int, deadline: Deadline, fresh: bool = False) -> None:
         self._check_open(j)
         _segment.check_alive(
             self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
         )
-        if deadline.expired():
+        if deadline.overdue(fresh):
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
     # ------------------------------------------------------------------ closing

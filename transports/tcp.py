@@ -1024,6 +1024,10 @@ class _SendReq(Request):
             self._conn._progress()
         return self._left == 0
 
+    @property
+    def activity(self) -> int:  # type: ignore[override]
+        return self._conn.moves
+
     def check_peer(self) -> None:
         self._conn._check_pending(lambda: self._left == 0)
 
@@ -1057,6 +1061,10 @@ class _RecvReq(Request):
         if not self.finished:
             self._conn._progress()
         return self.finished
+
+    @property
+    def activity(self) -> int:  # type: ignore[override]
+        return self._conn.moves
 
     def check_peer(self) -> None:
         self._conn._check_pending(lambda: self.finished)
@@ -1104,6 +1112,7 @@ class TcpConnection(Connection):
         self._recv_seq = 0
         self._error: TransportError | None = None
         self._closed = False
+        self.moves = 0  # progress rounds that moved bytes (a request's ``activity``)
 
     # ----------------------------------------------------------------- posting
     def isend(self, data: memoryview, tag: int = 0) -> Request:
@@ -1181,6 +1190,8 @@ class TcpConnection(Connection):
             )
             self._fail(err)
             raise err from exc
+        if any_moved:
+            self.moves += 1
         return any_moved
 
     def _fail(self, exc: TransportError) -> None:

@@ -47,7 +47,6 @@ barrier: every rank publishes a step and waits for everyone's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -459,13 +458,7 @@ def barrier(L: Links) -> None:
 
 # ------------------------------------------------------------------ prepared
 def prepare(
-    collective: str,
-    L: Links,
-    backoff: Backoff,
-    timeout: float,
-    count: int,
-    root: int = 0,
-    fp: int = 0,
+    collective: str, L: Links, backoff: Backoff, count: int, root: int = 0, fp: int = 0
 ) -> Callable[[Any, Any], None] | None:
     """The one-step slot path of ``collective`` with everything but the buffers
     worked out in advance, or None where it does not apply.
@@ -474,10 +467,10 @@ def prepare(
     buffers again and again: the returned ``run(x, out)`` (``run(buf, None)`` for
     broadcast) does exactly what the registered algorithm does for ``count``
     input elements of ``L.dtype`` that fit one slot, in a handful of Python-level
-    calls.  Each call sets ``L.deadline`` ``timeout`` seconds ahead.  ``fp``: the
-    call's fingerprint, which each step folds into the group's chain as
-    :meth:`~pycoll.algorithms.links.Group.step` does (written out here, a store
-    and a compare more a step than with no fingerprint).
+    calls.  ``L.deadline`` is an inactivity timeout that every wait re-arms, so
+    a call sets none.  ``fp``: the call's fingerprint, which each step folds into
+    the group's chain as :meth:`~pycoll.algorithms.links.Group.step` does
+    (written out here, a store and a compare more a step than with no fingerprint).
     """
     G = L.group
     n, r = L.size, L.rank
@@ -509,7 +502,6 @@ def prepare(
         lo_r, hi_r = b[r], b[r + 1]
 
         def run_split(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
@@ -544,7 +536,6 @@ def prepare(
         rows = tuple(list(v) for v in views)
 
         def run_reduce_root(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
@@ -564,7 +555,6 @@ def prepare(
         reader = collective == "allreduce" or r == root
 
         def run_reduce(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
@@ -584,7 +574,6 @@ def prepare(
         blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
         def run_allgather(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
@@ -607,7 +596,6 @@ def prepare(
         if r == root:
 
             def run_root(buf: Any, _: Any) -> None:
-                dl.at = monotonic() + timeout
                 s = G.seq = G.seq + 1
                 c = G.chain = (G.chain * mul + fpw) & cmask
                 i = s % K
@@ -620,7 +608,6 @@ def prepare(
             return run_root
 
         def run_leaf(buf: Any, _: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
@@ -638,7 +625,6 @@ def prepare(
         parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
 
         def run_reduce_scatter(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K

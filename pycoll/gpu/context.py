@@ -388,7 +388,7 @@ class DeviceCall:
             ctx.size,
             self._conns,
             ctx.dconns,
-            Deadline.after(ctx.timeout),
+            Deadline.after(ctx.timeout, idle=True),
             ctx.chunk_bytes,
             dt,
             None if op is None else dreduce.reducer(op, dt),
@@ -406,7 +406,7 @@ class DeviceCall:
             ctx.size,
             ctx.dconns,
             ctx.stream(),
-            Deadline.after(ctx.timeout),
+            Deadline.after(ctx.timeout, idle=True),
             ctx.scratch(),
             ctx.shared_device,
         )
