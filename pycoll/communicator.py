@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import os
 import threading
-import time
 import traceback
 import weakref
 import zlib
 from _thread import get_ident
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import monotonic
 from typing import Any, NoReturn
@@ -31,6 +31,7 @@ from pycoll.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
     CommunicatorClosedError,
+    ConcurrentCallError,
     InvalidArgumentError,
     PycollError,
     from_transport,
@@ -40,7 +41,7 @@ from pycoll.gpu.jobs import Job
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
 from pycoll.rendezvous import Bootstrap
 from pycoll.tune import Tuner, tunable
-from transports.base import Backoff, Deadline
+from transports.base import Backoff, Deadline, TagMismatchError
 from transports.base import TransportError as WireError
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,27 @@ _COLL_IDS = {
 _WORKER = "pycoll-progress"  # the name of the worker (progress) thread
 _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
+_M32 = 0xFFFFFFFF
+#: Fingerprints of pycoll's own exchanges inside a call, which every rank makes
+#: whatever it was called with (PYCOLL_CHECK's, a tuner's agreement).
+_CHECK_FP = 0x43484B31  # "CHK1"
+_AGREE_FP = 0x41475231  # "AGR1"
+#: Fingerprints of calls this rank made, kept to name a peer's call in a mismatch.
+FINGERPRINTS_MAX = 256
+
+
+def fingerprint(collective: str, count: int, dtype: Any, op: ReduceOp | None, root: int) -> int:
+    """The 32-bit fingerprint of a call: what every rank of a matched call
+    shares (the collective, count, dtype, op and root; not the algorithm, which
+    ``auto`` may vary per call, nor the arrays).
+
+    It travels with every message of the call (the high half of its tag, the
+    low half the call's sequence number) and is folded into the group
+    segment's chain (:mod:`transports.shm_group`).  Derived from the names of
+    the dtype and op, so new ones need no table here."""
+    dt = "-" if dtype is None else np.dtype(dtype).name
+    key = f"{collective}|{count}|{dt}|{'-' if op is None else op.value}|{root}"
+    return zlib.crc32(key.encode())
 
 
 class Request:
@@ -78,6 +100,8 @@ class Request:
             CollectiveTimeout: still running after ``timeout`` seconds (the
                 collective itself goes on, bounded by PYCOLL_TIMEOUT; its
                 ``missing`` is empty, for no rank is known to be late).
+            CommunicatorClosedError: ``abort()`` or ``close()`` ended it, or
+                dropped it before it started.
         """
         try:
             return self._future.result(timeout)
@@ -87,6 +111,13 @@ class Request:
                 "it goes on (PYCOLL_TIMEOUT bounds it)",
                 rank=self._rank,
             ) from None
+        except CancelledError:
+            raise self._dropped() from None
+
+    def _dropped(self) -> CommunicatorClosedError:
+        return CommunicatorClosedError(
+            f"rank {self._rank}: {self._what}: the communicator was aborted before it started"
+        )
 
     def test(self) -> bool:
         return self._future.done()
@@ -102,6 +133,8 @@ class Request:
     def exception(self) -> BaseException | None:
         if not self._future.done():
             return None
+        if self._future.cancelled():
+            return self._dropped()
         return self._future.exception()
 
     def __repr__(self) -> str:
@@ -172,6 +205,11 @@ class Call:
     root: int
     algorithm: str
 
+    @property
+    def fp(self) -> int:
+        """Its :func:`fingerprint`."""
+        return fingerprint(self.collective, self.count, self.dtype, self.op, self.root)
+
 
 #: The flight recorder keeps each call as a list ``[seq, call, started, ended,
 #: status]`` (a :class:`Record` when read): the fast path makes one every call,
@@ -215,7 +253,8 @@ PLAN_MAX = 32
 #: a call with them and 66-69 without (the same arrays each call: 12.8).
 STEPS_MAX = 64
 #: ``auto`` keeps a tuner (or its absence) for the first this many kinds of call
-#: (collective, size, dtype, op, root); later kinds take the model's choice.
+#: (collective, size, dtype, op, root); later kinds take the model's choice and
+#: are not kept (the cache never grows past this).
 TUNERS_MAX = 256
 #: Plans of larger arrays, which hold no memory (not even scratch): more of
 #: them, so that a training step's gradient buckets keep theirs.  (Making a plan costs a few
@@ -408,12 +447,45 @@ def _unwrapped(run: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _rejects(slow: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's slow path, whose rejected calls still count (:meth:`Communicator._reject`)."""
+
+    @functools.wraps(slow)
+    def checked(self: Communicator, *args: Any) -> Any:
+        try:
+            return slow(self, *args)
+        except InvalidArgumentError as exc:
+            if not getattr(exc, "_counted", False):  # else _execute counted it
+                self._reject(slow.__name__[1:].removesuffix("_slow"))
+            raise
+
+    return checked
+
+
 class Communicator:
     """A group of ranks that run collectives together.
 
     Create it with :func:`pycoll.init`.  Every collective validates its
     arguments before any byte moves, and all ranks of the group must call the
-    same collectives in the same order (``PYCOLL_CHECK=1`` verifies it).
+    same collectives in the same order.  The guard that is always on sees it
+    where they do not: each message carries its call's tag (sequence number and
+    :func:`fingerprint`), each group step a chain of fingerprints, and a rank
+    that meets another raises :class:`CollectiveMismatchError` and closes its
+    connections so that its peers fail too.  A call rejected for its arguments
+    counts as a call (:meth:`_reject`).  ``PYCOLL_CHECK=1`` compares every
+    rank's call (and sequence number) before it runs, for a message that names
+    each rank's arguments.
+
+    Threads: any thread may call, one collective at a time; with several
+    threads the program makes the order the same on every rank (each call after
+    the last returned, or ``async_op=True`` calls, which run in submission order
+    on the worker thread, blocking calls made meanwhile after them).  A call
+    that enters while another thread's collective runs raises
+    :class:`ConcurrentCallError`, so does the one it overlapped when it ends,
+    and the communicator is unusable: overlapping calls have no order every rank
+    shares, and pycoll never pairs them by chance.  The check is a lock taken
+    without waiting.  ``PYCOLL_TIMEOUT`` counts seconds without
+    progress (:class:`transports.base.Deadline`).
     """
 
     def __init__(self, bootstrap: Bootstrap, config: Config) -> None:
@@ -449,10 +521,16 @@ class Communicator:
             bootstrap.close()
             raise
         self._closed = False
+        self._aborted = False
         self._failed: BaseException | None = None
         # a device collective failed on the progress thread and no call has raised it yet
         self._unseen = False
         self._seq = 0
+        # the current call's message tag and fingerprint (_execute sets them for
+        # _links; plans' steps set their own), and the calls seen, by fingerprint
+        self._tag = 0
+        self._fp = 0
+        self._fps: dict[int, Call] = {}
         self._recent: collections.deque[list[Any]] = collections.deque(maxlen=32)
         # More ranks on a host than cores they may run on?  The waiting policy
         # follows this rank's host; the algorithms follow every rank's verdict
@@ -478,6 +556,12 @@ class Communicator:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._lock = threading.Lock()
+        # Held while a collective runs, inline or on the worker (see the class
+        # docstring): taken without waiting, so that a second thread's call fails
+        # rather than interleave.  On the 2-core machine it made a replayed
+        # 8 B allreduce at n = 1 0.2-0.3 us slower (0.90-0.98 against 1.19-1.39 us).
+        busy = threading.Lock()
+        self._enter, self._leave = busy.acquire, busy.release
         # side channel for naming the culprits of a timeout (pycoll.diagnose)
         self._status = StatusChannel(bootstrap)
 
@@ -544,6 +628,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._allreduce_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
 
+    @_rejects
     def _allreduce_slow(
         self,
         sendbuf: Any,
@@ -630,6 +715,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._allgather_slow(sendbuf, recvbuf, algorithm, async_op, stream)
 
+    @_rejects
     def _allgather_slow(
         self,
         sendbuf: Any,
@@ -706,6 +792,7 @@ class Communicator:
                 return self._replay(kd, buf, None)
         return self._broadcast_slow(buf, root, algorithm, async_op, stream)
 
+    @_rejects
     def _broadcast_slow(
         self,
         buf: Any,
@@ -788,6 +875,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._reduce_scatter_slow(sendbuf, recvbuf, op, algorithm, async_op, stream)
 
+    @_rejects
     def _reduce_scatter_slow(
         self,
         sendbuf: Any,
@@ -877,6 +965,7 @@ class Communicator:
                 return self._replay(kd, sendbuf, recvbuf)
         return self._reduce_slow(sendbuf, recvbuf, root, op, algorithm, async_op, stream)
 
+    @_rejects
     def _reduce_slow(
         self,
         sendbuf: Any,
@@ -997,7 +1086,13 @@ class Communicator:
             ) from self._failed
 
     def abort(self) -> None:
-        """Tear down at once without waiting for peers or queued collectives."""
+        """Tear down at once without waiting for peers or queued collectives.
+
+        A collective it interrupts on this rank (on another thread, or queued)
+        raises :class:`CommunicatorClosedError`, whatever the transport; peers
+        waiting on this rank raise :class:`PeerAbortedError`.
+        """
+        self._aborted = True
         self._closed = True
         self._plans.clear()
         self._weak_plans.clear()
@@ -1159,18 +1254,23 @@ class Communicator:
             return self._tuners[key]
         except KeyError:
             pass
+        if len(self._tuners) >= TUNERS_MAX:
+            # Later kinds are left to the model and not recorded: the cache stays
+            # bounded, and every rank, making the same calls, stops at the same kind.
+            # (No tuner is ever evicted: plans of one rank may hold one that another
+            # rank would make afresh, and their schedules would part.)
+            return None
         t = None
-        if len(self._tuners) < TUNERS_MAX:
-            names = cost.contenders(
-                what,
-                self._candidates_for(what),
-                self.size,
-                nbytes,
-                self.config.chunk_bytes,
-            )
-            if len(names) > 1:
-                label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
-                t = Tuner(label, names, self._agree)
+        names = cost.contenders(
+            what,
+            self._candidates_for(what),
+            self.size,
+            nbytes,
+            self.config.chunk_bytes,
+        )
+        if len(names) > 1:
+            label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")
+            t = Tuner(label, names, self._agree)
         self._tuners[key] = t
         return t
 
@@ -1191,6 +1291,9 @@ class Communicator:
     def _agree(self, v: np.ndarray) -> np.ndarray:
         """``v`` summed over the ranks, the same bits on each (a tuner's round ends)."""
         out = np.empty_like(v)
+        L = self._links(v.dtype, ReduceOp.SUM)
+        # every rank agrees at the same call, by whichever path it runs it
+        L.tag, L.fp = (_AGREE_FP << 32) | (self._seq & _M32), _AGREE_FP
         a = cost.choose(
             "allreduce",
             self._candidates_for("allreduce"),
@@ -1198,7 +1301,7 @@ class Communicator:
             v.nbytes,
             self.config.chunk_bytes,
         )
-        algorithms.get("allreduce", a)(self._links(v.dtype, ReduceOp.SUM), v, out)
+        algorithms.get("allreduce", a)(L, v, out)
         return out
 
     def _via_host(self, what: str, requested: str, nbytes: int) -> bool:
@@ -1238,7 +1341,10 @@ class Communicator:
         return "ring" if algo == "direct" else algo
 
     def _links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
-        """The Links for (dtype, op), reused across calls with a fresh deadline.
+        """The Links for (dtype, op), reused across calls.
+
+        Their deadline is PYCOLL_TIMEOUT of inactivity: each wait re-arms it
+        (:meth:`transports.base.Deadline.overdue`), so a call sets none.
 
         Only one collective runs at a time (async ones on the worker thread, and
         blocking ones inline only while none is queued), and each one ends with
@@ -1251,7 +1357,7 @@ class Communicator:
                 self.rank,
                 self.size,
                 self._conns,
-                Deadline(None),
+                Deadline(None, self.config.timeout),
                 self.config.chunk_bytes,
                 dtype,
                 None if op is None else ufunc(op),
@@ -1260,7 +1366,7 @@ class Communicator:
                 self._crowded,
             )
             self._links_cache[key] = L
-        L.deadline.at = time.monotonic() + self.config.timeout  # a fresh deadline, no allocation
+        L.tag, L.fp = self._tag, self._fp  # the running call's (see _execute)
         L._backoff = (
             self._polite if threading.current_thread() is not self._caller else self._backoff
         )
@@ -1423,19 +1529,29 @@ class Communicator:
         algo: str,
     ) -> Any:
         self._check_open(what)
-        self._seq += 1
-        call = Call(what, x.count, x.dtype, op, root, algo)
-        rec: list[Any] = [self._seq, call, monotonic(), None, "running"]
-        self._recent.append(rec)
-        trace = log.isEnabledFor(TRACE)
-        if trace:
-            log.log(TRACE, "start %s", Record(*rec))
+        if not self._enter(False):
+            self._intruded(what)
         try:
-            if self.config.check:
-                self._check_match(self._seq, call, x, op)
-            result = run()
-        except BaseException as exc:
-            self._fail(rec, exc)
+            self._seq = seq = self._seq + 1
+            call = Call(what, x.count, x.dtype, op, root, algo)
+            fp = self._fp = call.fp
+            self._tag = (fp << 32) | (seq & _M32)  # what _links gives this call's messages
+            self._seen(call)
+            rec: list[Any] = [seq, call, monotonic(), None, "running"]
+            self._recent.append(rec)
+            trace = log.isEnabledFor(TRACE)
+            if trace:
+                log.log(TRACE, "start %s", Record(*rec))
+            try:
+                if self.config.check:
+                    self._check_match(self._seq, call, x, op)
+                result = run()
+            except BaseException as exc:
+                self._fail(rec, exc)
+        finally:
+            self._leave()
+        if self._failed is not None:  # another thread's call came in meanwhile
+            self._overlapped(rec)
         rec[_ENDED] = monotonic()
         rec[_STATUS] = "ok"
         if trace:
@@ -1447,17 +1563,24 @@ class Communicator:
         does, minus the checks that its making already did.  ``sendbuf`` and
         ``recvbuf``: what the caller passed (a weak plan returns them by
         reference, see :class:`_Held`; a kind runs on them)."""
-        self._seq = seq = self._seq + 1
-        rec: list[Any] = [seq, p.call, monotonic(), None, "running"]
-        self._recent.append(rec)
-        trace = log.isEnabledFor(TRACE)
-        if trace:
-            log.log(TRACE, "start %s", Record(*rec))
+        if not self._enter(False):
+            self._intruded(p.call.collective)
         try:
-            run: Any = p.run  # a plan's takes no arguments, a kind's the caller's arrays
-            result = run() if type(p) is _Plan else run(sendbuf, recvbuf)
-        except BaseException as exc:
-            self._fail(rec, exc)
+            self._seq = seq = self._seq + 1
+            rec: list[Any] = [seq, p.call, monotonic(), None, "running"]
+            self._recent.append(rec)
+            trace = log.isEnabledFor(TRACE)
+            if trace:
+                log.log(TRACE, "start %s", Record(*rec))
+            try:
+                run: Any = p.run  # a plan's takes no arguments, a kind's the caller's arrays
+                result = run() if type(p) is _Plan else run(sendbuf, recvbuf)
+            except BaseException as exc:
+                self._fail(rec, exc)
+        finally:
+            self._leave()
+        if self._failed is not None:  # another thread's call came in meanwhile
+            self._overlapped(rec)
         rec[_ENDED] = monotonic()
         rec[_STATUS] = "ok"
         if trace:
@@ -1466,6 +1589,52 @@ class Communicator:
             return sendbuf
         return recvbuf if result is _RECVBUF else result
 
+    def _intruded(self, what: str) -> NoReturn:
+        """A call found another thread's collective running: fail it, and leave
+        the communicator unusable so that the running one fails too (its peers
+        may have paired it with a different call)."""
+        cur = self._recent[-1] if self._recent else None
+        running = f" (#{cur[_SEQ]} {cur[_CALL].collective})" if cur is not None else ""
+        err = ConcurrentCallError(
+            f"rank {self.rank}: {what}: called while another thread's collective{running} "
+            "runs on this communicator; collectives pair up across ranks by their order, and "
+            "calls that overlap have none that every rank shares, so both fail and the "
+            "communicator is unusable.  Call collectives from one thread at a time (the "
+            "next after the last returned), or queue them with async_op=True",
+            rank=self.rank,
+        )
+        if self._failed is None:
+            self._failed = err
+        self._forget_plans()
+        log.error("%s", err)
+        raise err
+
+    def _overlapped(self, rec: list[Any]) -> NoReturn:
+        """Collective ``rec`` ran while the communicator failed on another thread
+        (a call that overlapped it, see :meth:`_intruded`): its result is not
+        to be trusted."""
+        failed = self._failed
+        rec[_STATUS] = "failed: overlapped"
+        if isinstance(failed, ConcurrentCallError):
+            err: PycollError = ConcurrentCallError(
+                f"rank {self.rank}: {rec[_CALL].collective} #{rec[_SEQ]}: another thread "
+                "called a collective while this one ran; its result cannot be trusted "
+                f"(peers may have paired it with another call): {failed}",
+                rank=self.rank,
+            )
+        else:
+            err = CommunicatorClosedError(
+                f"rank {self.rank}: {rec[_CALL].collective} #{rec[_SEQ]}: the communicator "
+                f"failed on another thread while this collective ran: {failed}"
+            )
+        raise err from failed
+
+    def _forget_plans(self) -> None:
+        self._plans.clear()
+        self._weak_plans.clear()
+        self._steps.clear()  # they hold views of the group segment too
+        self._kinds_made.clear()  # ... and so do the kinds' steps
+
     def _fail(self, rec: list[Any], exc: BaseException) -> NoReturn:
         """Record the failure of collective ``rec`` (its flight recorder entry)
         and raise it as a pycoll error.
@@ -1473,19 +1642,31 @@ class Communicator:
         Transport errors become pycoll's; every error but a user error leaves the
         communicator unusable.
         """
-        if isinstance(exc, WireError):
-            where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
+        where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
+        if isinstance(exc, TagMismatchError):
+            mis = self._mismatch(rec, exc)
+            mis.__cause__ = exc
+            exc = mis
+        elif self._closed and not isinstance(exc, (PycollError, KeyboardInterrupt)):
+            # close() or abort() tore the connections down under the collective:
+            # one class whatever the transport made of it (its error is the cause)
+            how = "aborted" if self._aborted else "closed"
+            err: PycollError = CommunicatorClosedError(
+                f"rank {self.rank}: {where}: the communicator was {how} while it ran"
+            )
+            err.__cause__ = exc
+            exc = err
+        elif isinstance(exc, WireError):
             err = from_transport(exc, self.rank, where, self._kinds)
             err.__cause__ = exc
             exc = err
         rec[_STATUS] = f"failed: {type(exc).__name__}"
         if isinstance(exc, InvalidArgumentError):
+            exc._counted = True  # type: ignore[attr-defined]  # this call took its number
             raise exc
-        self._failed = exc
-        self._plans.clear()
-        self._weak_plans.clear()
-        self._steps.clear()  # they hold views of the group segment too
-        self._kinds_made.clear()  # ... and so do the kinds' steps
+        if self._failed is None:
+            self._failed = exc
+        self._forget_plans()
         # The finished frames below us may hold views of shared segments (a slot
         # the collective was reading); the error outlives them in the Request, in
         # _failed and in the caller's hands, so drop their locals (the traceback's
@@ -1500,7 +1681,84 @@ class Communicator:
             # Raised, so not logged at ERROR too (the user would see it twice).
             log.info("rank %d raises: %s", self.rank, exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
+        if isinstance(exc, CollectiveMismatchError) and self._wiring is not None:
+            # The peers may wait for bytes this rank will never send, or have
+            # more of the mismatched call to run: closing every connection and
+            # the group makes them fail now (a peer gone), not at the timeout.
+            self._wiring.close()
+            self._wiring = None
+            self._conns = {}
         raise exc
+
+    def _reject(self, what: str) -> None:
+        """Count a call that was rejected for its arguments: it takes a sequence
+        number (and a step of the group's chain) as if it had run.
+
+        Ranks that all reject a call stay in step.  A rank that alone rejects it
+        and goes on is then one call apart from the others, and its next
+        collective raises :class:`CollectiveMismatchError` on every rank instead
+        of pairing its calls with the others' previous ones, off by one for the
+        rest of the job.  Behind queued asynchronous calls it counts in turn."""
+        with self._lock:
+            if self._inflight:
+                assert self._executor is not None
+                self._inflight += 1
+                self._executor.submit(self._skip, what).add_done_callback(self._done)
+                return
+        self._skip(what)
+
+    def _skip(self, what: str) -> None:
+        self._seq += 1
+        now = monotonic()
+        self._recent.append(
+            [
+                self._seq,
+                Call(what, 0, None, None, 0, "-"),
+                now,
+                now,
+                "rejected: InvalidArgumentError",
+            ]
+        )
+        if self._group is not None and self._wiring is not None:
+            self._group.skip(zlib.crc32(f"rejected|{what}".encode()))
+
+    def _seen(self, call: Call) -> None:
+        """Keep ``call`` by fingerprint, to name a peer's call in a mismatch."""
+        fps = self._fps
+        fp = call.fp
+        if fp not in fps:
+            _make_room(fps, FINGERPRINTS_MAX)
+            fps[fp] = call
+
+    def _mismatch(self, rec: list[Any], exc: TagMismatchError) -> CollectiveMismatchError:
+        """The error for a message (or a group step) whose tag says another call."""
+        call: Call = rec[_CALL]
+        here = f"rank {self.rank}: {call.collective} #{rec[_SEQ]}"
+        p = exc.peer
+        if exc.transport == "shm" and "group:" in str(exc):  # the group's chain of calls
+            why = str(exc)
+        else:
+            got_seq, got_fp = exc.got & _M32, exc.got >> 32
+            mine_seq, mine_fp = exc.expected & _M32, exc.expected >> 32
+            theirs = self._fps.get(got_fp)
+            desc = _describe(theirs) if theirs is not None else f"fingerprint {got_fp:#010x}"
+            why = (
+                f"rank {p} sent a message of its call #{got_seq} ({desc}) where this rank "
+                f"runs call #{mine_seq} ({_describe(call)})"
+            )
+            if got_seq != mine_seq:
+                why += (
+                    f"; the ranks are {abs(got_seq - mine_seq)} call(s) apart (one skipped, or "
+                    "alone rejected, a call)"
+                )
+            elif got_fp == mine_fp:
+                why += "; the same call, another message: do the ranks run the same algorithm?"
+        return CollectiveMismatchError(
+            f"{here}: mismatched collectives: {why} (via {exc.transport})",
+            rank=self.rank,
+            ranks=() if p is None else (p,),
+            transport=exc.transport,
+        )
 
     # ------------------------------------------------------------------ fast path
     def _plannable(
@@ -1548,6 +1806,7 @@ class Communicator:
         return dx, Buffer(_RECVBUF, _unowned(out.flat), out.device, out.logical)
 
     def _keep(self, key: tuple[Any, ...], p: _Plan) -> _Plan:
+        self._seen(p.call)
         plans = self._weak_plans if p.weak else self._plans
         _make_room(plans, WEAK_PLAN_MAX if p.weak else PLAN_MAX)
         if p.weak:
@@ -1652,7 +1911,9 @@ class Communicator:
         else:
             xw = not given and (what == "allreduce" or (what == "reduce" and is_root))
         ow = given and (what != "reduce" or is_root)
-        return _Kind(what, run, x, rop, root, algo, xw, ow)
+        kind = _Kind(what, run, x, rop, root, algo, xw, ow)
+        self._seen(kind.call)
+        return kind
 
     def _step(
         self,
@@ -1665,7 +1926,7 @@ class Communicator:
         tuner: Tuner | None = None,
     ) -> Callable[[Any, Any], None]:
         """``step(x, out)``: algorithm ``algo`` of ``what`` on flat host arrays,
-        with a fresh deadline each call (the body of a plan, size > 1); with a
+        (the body of a plan, size > 1); with a
         ``tuner``, the algorithm it names for each call.
 
         A step depends on none of the arrays, so plans of the same kind of call
@@ -1684,13 +1945,14 @@ class Communicator:
         if tuner is not None:
             return tuner.over([self._step(what, a, dtype, op, count, root) for a in tuner.names])
         L = self._links(dtype, op)
-        bo, timeout = L.backoff, self.config.timeout  # the waiting policy of this thread
+        bo = L.backoff  # the waiting policy of this thread
+        fp = fingerprint(what, count, dtype, op, root)  # made once: a call adds a store
         if algo == "direct":
-            fast = direct.prepare(what, L, bo, timeout, count, root)
+            fast = direct.prepare(what, L, bo, count, root, fp)
             if fast is not None:
                 return fast
+        hi = fp << 32
         g = algorithms.get(what, algo)
-        dl = L.deadline
         # the algorithms' signatures: broadcast is in place (b is None), reduce has a root
         args: Callable[[Any, Any], tuple[Any, ...]] = {
             "broadcast": lambda a, b: (a, root),
@@ -1698,8 +1960,8 @@ class Communicator:
         }.get(what, lambda a, b: (a, b))
 
         def step(a: Any, b: Any) -> None:
-            dl.at = monotonic() + timeout
             L._backoff = bo  # an asynchronous call may have left another one
+            L.tag, L.fp = hi | (self._seq & _M32), fp  # _replay has counted this call
             g(L, *args(a, b))
 
         return step
@@ -1938,7 +2200,7 @@ class Communicator:
         if got:  # else nobody answered: the peers we waited on are all we know
             exc.missing = tuple(missing) or exc.waiting_on
         exc.args = (
-            f"{exc.args[0]} after {self.config.timeout:g} s (PYCOLL_TIMEOUT); "
+            f"{exc.args[0]}: no progress for {self.config.timeout:g} s (PYCOLL_TIMEOUT); "
             f"ranks that did not arrive at {cur.collective} #{cur.seq}: {list(exc.missing)}; "
             f"status: {'; '.join(status.values())}; recent collectives on rank {self.rank}: "
             + " | ".join(self.recent()[-4:]),
@@ -1950,6 +2212,7 @@ class Communicator:
             return
         sig = np.array(
             [
+                seq,
                 _COLL_IDS[call.collective],
                 x.count,
                 _DTYPE_IDS.get(x.dtype, 0),
@@ -1963,8 +2226,10 @@ class Communicator:
             sig[1] = x.count
         allsig = np.empty((self.size, sig.size), np.int64)
         allsig[self.rank] = sig
-        algorithms.get("allgather", "ring")(self._links(sig.dtype, None), sig, allsig.reshape(-1))
-        names = ("collective", "count", "dtype", "op", "root", "algorithm")
+        L = self._links(sig.dtype, None)
+        L.tag, L.fp = _CHECK_FP << 32, _CHECK_FP  # the same on every rank, whatever its call
+        algorithms.get("allgather", "ring")(L, sig, allsig.reshape(-1))
+        names = ("sequence number", "collective", "count", "dtype", "op", "root", "algorithm")
         problems: list[str] = []
         odd: set[int] = set()
         for col, name in enumerate(names):
@@ -2029,9 +2294,49 @@ def _kind_key(head: tuple[Any, ...], sendbuf: Any, recvbuf: Any) -> tuple[Any, .
     return (*x, recvbuf.dtype, recvbuf.shape, recvbuf.strides)
 
 
+def _describe(call: Call) -> str:
+    op = "" if call.op is None else f", op={call.op.value}"
+    return f"{call.collective}(count={call.count}, dtype={call.dtype}{op}, root={call.root})"
+
+
+def _known_algorithms() -> tuple[str, ...]:
+    """Every algorithm name of every collective, sorted: the same on every rank."""
+    return tuple(sorted({n for c in _COLL_IDS for n in algorithms.names(c)} | {"dissemination"}))
+
+
+#: The flag of an ``auto[a,b,...]`` id (a tuner's contenders, see _algo_id).
+_TUNED_ID = 1 << 60
+
+
 def _algo_id(name: str) -> int:
-    # stable across processes (str hash() is salted per process)
+    """An algorithm's name as a number every rank computes alike (str hash() is
+    salted per process).  A tuner's ``auto[a,b,...]`` packs its contenders'
+    indices into :func:`_known_algorithms`, 4 bits each in order, so that
+    :func:`_decoder` gives the name back; any other name is a CRC."""
+    if name.startswith("auto[") and name.endswith("]"):
+        known = _known_algorithms()
+        parts = name[5:-1].split(",")
+        if len(known) < 16 and len(parts) <= 14 and all(a in known for a in parts):
+            v = _TUNED_ID
+            for i, a in enumerate(parts):
+                v |= (known.index(a) + 1) << (4 * i)
+            return v
     return zlib.crc32(name.encode()) & 0xFFFF
+
+
+def _tuned_name(v: int) -> str | None:
+    """The ``auto[...]`` name of an id :func:`_algo_id` packed, else None."""
+    if v & ~(_TUNED_ID - 1) != _TUNED_ID:
+        return None
+    known, parts = _known_algorithms(), []
+    v &= _TUNED_ID - 1
+    while v:
+        i = (v & 0xF) - 1
+        if not 0 <= i < len(known):
+            return None
+        parts.append(known[i])
+        v >>= 4
+    return f"auto[{','.join(parts)}]"
 
 
 def _decoder(name: str) -> Callable[[int], object]:
@@ -2045,9 +2350,8 @@ def _decoder(name: str) -> Callable[[int], object]:
         inv3 = {v: k.value for k, v in _OP_IDS.items()}
         return lambda v: inv3.get(v, "-")
     if name == "algorithm":
-        known = {n for c in _COLL_IDS for n in algorithms.names(c)} | {"dissemination"}
-        inv4 = {_algo_id(n): n for n in known}
-        return lambda v: inv4.get(v, v)
+        inv4 = {_algo_id(n): n for n in _known_algorithms()}
+        return lambda v: inv4.get(v) or _tuned_name(v) or v
     return lambda v: v
 
 

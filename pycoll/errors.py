@@ -6,7 +6,8 @@
     ├── InvalidArgumentError (also ValueError)   bad input, raised before any byte moves
     ├── UnsupportedError                         a valid request this build/machine cannot do
     ├── CommunicatorClosedError                  used after close() / after a failure
-    ├── CollectiveMismatchError                  ranks called different collectives (PYCOLL_CHECK=1)
+    ├── CollectiveMismatchError                  ranks called different collectives, or out of step
+    ├── ConcurrentCallError                      two threads ran collectives on one communicator at once
     └── TransportError                           a connection failed: rank, peer, transport, errno
         ├── ConnectError                         set-up failed, or no transport reaches a peer
         ├── PeerAbortedError                     a peer exited or aborted
@@ -67,19 +68,43 @@ class CommunicatorClosedError(PycollError):
 
 
 class CollectiveMismatchError(_Located):
-    """Ranks called different collectives, counts, dtypes, ops or roots.
+    """Ranks called different collectives, counts, dtypes, ops or roots, or are
+    out of step (one skipped a call).
+
+    Found by the guard that every message carries (its tag, see
+    :func:`pycoll.communicator.fingerprint`), or by ``PYCOLL_CHECK=1``'s
+    comparison before the call.
 
     Attributes:
         rank: this rank.
-        ranks: every rank whose call differs from this rank's.
+        ranks: every rank whose call differs from this rank's (as far as this
+            rank knows: the guard names the peer whose message said so).
         peer: the first of them (None if none differs from this rank's call).
-        transport: None; the mismatch is found over the group's bootstrap, not a
-            connection.
+        transport: the connection the mismatched message came by, or None
+            (PYCOLL_CHECK's comparison).
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, ranks: Sequence[int] = ()) -> None:
-        super().__init__(message, rank=rank, peer=ranks[0] if ranks else None)
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        ranks: Sequence[int] = (),
+        transport: str | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, peer=ranks[0] if ranks else None, transport=transport)
         self.ranks = tuple(ranks)
+
+
+class ConcurrentCallError(_Located):
+    """Two threads ran collectives on one communicator at the same time.
+
+    Collectives pair up across ranks by the order in which they run, and calls
+    that overlap on one rank have no order that every rank shares: both calls
+    fail (the one that entered second at once, the one already running when it
+    ends) and the communicator is unusable, rather than pair a call with another
+    rank's different one.  ``rank``: this rank; ``peer`` and ``transport``: None.
+    """
 
 
 class TransportError(_Located):
@@ -126,8 +151,15 @@ class CollectiveTimeout(TransportError):
 
 def from_transport(
     exc: tb.TransportError, rank: int, what: str, transport_of: dict[int, str]
-) -> TransportError:
+) -> TransportError | CollectiveMismatchError:
     """The pycoll exception for a :mod:`transports` exception (raise it ``from exc``)."""
+    if isinstance(exc, tb.TagMismatchError):
+        return CollectiveMismatchError(
+            f"rank {rank}: {what}: mismatched collectives: {exc}",
+            rank=rank,
+            ranks=() if exc.peer is None else (exc.peer,),
+            transport=exc.transport,
+        )
     if isinstance(exc, tb.TransportTimeout):
         peers = list(exc.pending)
         via = ", ".join(f"{p}={transport_of.get(p, '?')}" for p in peers)

@@ -339,3 +339,105 @@ def test_full_dev_shm_falls_back_to_tcp_at_once(tmp_path: Path) -> None:
         assert o["init_s"] < 5, o  # less than one timeout
     assert "shm unavailable" in stderr and "/dev/shm has only" in stderr, stderr
     assert "rank 0: rank 0:" not in stderr + str(res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("transport", "algorithm"), [("shm", "ring"), ("shm", "direct"), ("tcp", "ring")]
+)
+def test_abort_raises_one_class_whatever_the_transport(transport: str, algorithm: str) -> None:
+    """What abort() interrupts on its own rank (a running request, a queued one, a
+    blocking call on another thread) raises CommunicatorClosedError on every
+    transport; the peer that then calls raises PeerAbortedError."""
+    import threading
+
+    import numpy as np
+
+    import pycoll
+    from tests.inproc import communicators
+
+    with communicators(2, transports=(transport,), timeout=20) as comms:
+        c = comms[0]
+        x = np.ones(1 << 16, np.float32)
+        running = c.allreduce(x, async_op=True, algorithm=algorithm)  # rank 1 never joins
+        queued = c.allreduce(np.ones(4, np.float32), async_op=True, algorithm=algorithm)
+        time.sleep(0.3)
+        c.abort()
+        for req in (running, queued):
+            with pytest.raises(pycoll.CommunicatorClosedError, match="aborted"):
+                req.wait(10)
+            assert isinstance(req.exception(), pycoll.CommunicatorClosedError)
+        with pytest.raises(pycoll.PeerAbortedError) as info:
+            for _ in range(3):  # the first may pair with what rank 0 had posted
+                comms[1].allreduce(x, algorithm=algorithm)
+        assert info.value.peer == 0, info.value
+
+    with communicators(2, transports=(transport,), timeout=20) as comms:
+        got: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                comms[0].allreduce(np.ones(1 << 16, np.float32), algorithm=algorithm)
+            except BaseException as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        time.sleep(0.3)
+        comms[0].abort()
+        t.join(10)
+        assert len(got) == 1 and isinstance(got[0], pycoll.CommunicatorClosedError), got
+
+
+#: What a thread may see when two threads share a communicator at once: the
+#: overlap itself, the communicator it left unusable, or a peer that failed of it.
+_THREAD_ERRORS = {
+    "ConcurrentCallError",
+    "CommunicatorClosedError",
+    "PeerAbortedError",
+    "CollectiveTimeout",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_threads_at_once_never_return_a_wrong_result(tmp_path, transport):
+    """Two threads x 200 allreduces on one communicator, at once: every result
+    a thread gets is right, and a thread that stops says why with a pycoll error."""
+    res = run(f"threads-{transport}", 2, tmp_path)
+    assert set(res) == {0, 1}, res
+    errors = set()
+    for r, o in res.items():
+        assert not o["hung"], (r, o)
+        for t, got in o["threads"].items():
+            assert got["wrong"] == 0, (r, t, got)
+            assert got["ok"] == 200 or got["error"] in _THREAD_ERRORS, (r, t, got)
+            errors.add(got["error"])
+    # they did overlap (200 calls each): it was seen, and named
+    assert "ConcurrentCallError" in errors, res
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_threads_taking_turns_share_a_communicator(tmp_path, transport):
+    """The same calls, each after the other thread's returned: all 400 are right."""
+    res = run(f"turns-{transport}", 2, tmp_path)
+    assert set(res) == {0, 1}, res
+    for r, o in res.items():
+        for t, got in o["threads"].items():
+            assert (got["ok"], got["wrong"], got["error"]) == (200, 0, None), (r, t, got)
+
+
+@pytest.mark.timeout(300)
+def test_timeout_is_inactivity_not_a_deadline_per_collective(tmp_path):
+    """PYCOLL_TIMEOUT=1: a 1.5 GiB tcp allreduce that takes longer than 1 s but
+    keeps moving completes, right; a peer stopped by SIGSTOP is named within
+    about the timeout (plus the status exchange's grace)."""
+    res = run("progress-tcp", 2, tmp_path, SCENARIO_MIB="1536")
+    assert set(res) == {0, 1}, res
+    for r, o in res.items():
+        assert o["large"]["error"] is None and o["large"]["right"], (r, o["large"])
+    o = res[0]["stopped"]
+    assert o["error"] == "CollectiveTimeout" and o["missing"] == [1], o
+    assert "no progress for 1 s" in o["message"], o
+    assert o["elapsed"] < 6, o

@@ -36,7 +36,7 @@ from transports.base import (
 )
 from transports.rdma.transport import BLOB_CRC, BLOB_HEADER, Endpoint
 from transports.shm import ShmTransport, _Identity
-from transports.tcp import _FRAME, FRAME_MAGIC, TcpConnection, TcpTransport, decode_blob
+from transports.tcp import _FRAME, TcpConnection, TcpTransport, decode_blob, frame_header
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -235,8 +235,7 @@ def _frames(nbytes: int, seq: int = 0) -> list[bytes]:
     payload = bytes((i * 7 + 3) & 0xFF for i in range(nbytes))
     for off in range(0, nbytes, CHUNK):
         n = min(CHUNK, nbytes - off)
-        head = struct.pack("<HHIQQI", FRAME_MAGIC, 0, seq, nbytes, off, n)
-        out.append(head + struct.pack("<I", zlib.crc32(head)) + payload[off : off + n])
+        out.append(frame_header(seq, nbytes, off, n, 0) + payload[off : off + n])
     return out
 
 
@@ -264,13 +263,13 @@ def frame_stream(draw: st.DrawFn) -> tuple[int, bytes, bool]:
         j = draw(st.integers(0, len(frames) - 1))
         f = bytearray(frames[j])
         fields = list(_FRAME.unpack(bytes(f[: _FRAME.size])))
-        k = draw(st.sampled_from([1, 2, 3, 4, 5]))
+        k = draw(st.sampled_from([1, 2, 3, 4, 5, 6]))
         v = draw(st.sampled_from([0, 1, 2**16 - 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1, CHUNK + 1]))
-        limit = [0xFFFF, 0xFFFF, 2**32 - 1, 2**64 - 1, 2**64 - 1, 2**32 - 1][k]
+        limit = [0xFFFF, 0xFFFF, 2**32 - 1, 2**64 - 1, 2**64 - 1, 2**32 - 1, 2**64 - 1][k]
         fields[k] = min(v, limit)
         if fields == list(_FRAME.unpack(bytes(f[: _FRAME.size]))):
             fields[k] ^= 1
-        head = struct.pack("<HHIQQI", *fields[:6])
+        head = struct.pack("<HHIQQIQ", *fields[:7])
         frames[j] = head + struct.pack("<I", zlib.crc32(head)) + bytes(f[_FRAME.size :])
         valid = k == 1  # the flags field is not interpreted
         return nbytes, b"".join(frames), valid

@@ -472,3 +472,61 @@ def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
                 return sum(t is not None for t in c._tuners.values())
 
             assert run_ranks(2, body) == [0, 0], (cfg, algo)
+
+
+@pytest.mark.timeout(120)
+def test_caches_stay_bounded_under_calls_of_random_sizes() -> None:
+    """Every kind of call (size) once: auto's tuner cache and the fast path's
+    caches keep at most their limits, and every result is right."""
+    from pycoll import communicator as cm
+
+    n, kinds = 2, cm.TUNERS_MAX + 300
+    sizes = np.random.default_rng(12).permutation(np.arange(1, kinds + 1))
+    with communicators(n) as comms:
+
+        def body(r: int) -> dict[str, int]:
+            c = comms[r]
+            for k in sizes:
+                x = np.full(int(k), r + 1, np.int32)
+                g = c.allgather(x)
+                assert g.shape == (n, k) and (g == np.arange(1, n + 1)[:, None]).all()
+            return {
+                "tuners": len(c._tuners),
+                "tuned": len(c._tuned),
+                "plans": len(c._plans) + len(c._weak_plans),
+                "steps": len(c._steps),
+                "kinds": len(c._kinds_made),
+            }
+
+        got = run_ranks(n, body)
+    for g in got:
+        assert g["tuners"] <= cm.TUNERS_MAX and g["tuned"] <= cm.TUNERS_MAX, g
+        assert g["plans"] <= cm.PLAN_MAX + cm.WEAK_PLAN_MAX, g
+        assert g["steps"] <= cm.STEPS_MAX and g["kinds"] <= cm.KINDS_MAX, g
+
+
+@pytest.mark.timeout(60)
+def test_check_names_a_tuned_algorithm_rather_than_a_number() -> None:
+    """PYCOLL_CHECK=1: where one rank names an algorithm and the other's ``auto``
+    tunes, the mismatch names both, ``auto[...]`` with its contenders."""
+    n = 2
+    with communicators(n, check=True) as comms:
+        avail = comms[0]._candidates_for("allgather")
+        chunk = comms[0].config.chunk_bytes
+        block = next(
+            b
+            for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+            if len(cost.contenders("allgather", avail, n, b, chunk)) > 1
+        )
+
+        def body(r: int) -> str:
+            x = np.zeros(block // 4, np.int32)
+            try:
+                comms[r].allgather(x, algorithm="ring" if r == 0 else "auto")
+            except pycoll.CollectiveMismatchError as exc:
+                return str(exc)
+            return "no error"
+
+        said = run_ranks(n, body)
+    for msg in said:
+        assert "ranks [0]: ring; ranks [1]: auto[" in msg, msg

@@ -33,6 +33,7 @@ def test_public_surface_is_pinned() -> None:
             "CollectiveTimeout",
             "Communicator",
             "CommunicatorClosedError",
+            "ConcurrentCallError",
             "Config",
             "ConnectError",
             "InvalidArgumentError",
@@ -81,6 +82,7 @@ def test_error_tree() -> None:
         pycoll.CollectiveMismatchError,
         pycoll.UnsupportedError,
         pycoll.CommunicatorClosedError,
+        pycoll.ConcurrentCallError,
     ):
         assert issubclass(e, PycollError)
     assert issubclass(pycoll.ConnectError, pycoll.TransportError)

@@ -22,6 +22,14 @@ sink that reduces gives NCCL's "reduce straight out of the slot" with no extra
 copy.  Pieces arrive in order, and every piece but the last starts and ends on a
 multiple of :data:`PIECE_ALIGN` bytes, so a sink can view them as any dtype.
 
+Each message carries a 64-bit *tag* that the sender passes to :meth:`Connection.isend`
+and the receiver to :meth:`Connection.irecv`; a transport puts it in the header it
+already sends with each message (a shm slot's metadata, a tcp frame, an RDMA
+slot header) and raises :class:`TagMismatchError`, before any byte reaches the
+sink, when the two differ.  The tag is opaque here (pycoll puts the call's
+sequence number and fingerprint in it), so two ranks that disagree on what they
+are doing fail loudly instead of pairing the wrong messages.
+
 Flow control rule the algorithms rely on: a posted send always completes once the
 peer has *posted* the matching receive, whatever the message size, as long as
 both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
@@ -33,7 +41,7 @@ import abc
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -73,6 +81,18 @@ class ConnectError(TransportError):
 
 class PeerClosedError(TransportError):
     """The peer went away: closed socket, dead process behind a segment, QP error."""
+
+
+class TagMismatchError(TransportError):
+    """A message arrived with another tag than the receive posted for it.
+
+    ``got`` is the sender's tag, ``expected`` the receiver's (64-bit integers).
+    """
+
+    def __init__(self, message: str, *, got: int, expected: int, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.got = got
+        self.expected = expected
 
 
 class TransportTimeout(TransportError):
@@ -132,15 +152,46 @@ class Backoff:
 
 @dataclass
 class Deadline:
-    """An absolute monotonic deadline; ``None`` seconds means never."""
+    """When a wait gives up: at a monotonic time, or after a stretch without progress.
+
+    ``at``: the monotonic time (``None``: never).  With ``idle`` seconds set it
+    is an inactivity timeout, as NCCL's and torch's watchdogs keep: every check
+    of a waiter that progressed since its last one (:meth:`overdue` with
+    ``fresh``, or a new ``activity`` count) moves ``at`` to ``idle`` seconds
+    ahead, so a slow transfer that keeps moving never times out and a peer that
+    stopped does within about ``idle`` seconds.  ``watch``, when set, is called
+    at every check and may raise (a failure known elsewhere ends the wait).
+    """
 
     at: float | None
+    idle: float | None = None
+    watch: Callable[[], None] | None = None
+    _seen: int = field(default=0, repr=False)
 
     @classmethod
-    def after(cls, seconds: float | None) -> Deadline:
-        return cls(None if seconds is None else time.monotonic() + seconds)
+    def after(cls, seconds: float | None, idle: bool = False) -> Deadline:
+        """``seconds`` from now; ``idle``: and as many again after each progress."""
+        at = None if seconds is None else time.monotonic() + seconds
+        return cls(at, seconds if idle else None)
 
     def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def overdue(self, fresh: bool, activity: int = 0) -> bool:
+        """A waiter's periodic check: whether to give up now.
+
+        Args:
+            fresh: the waiter progressed since its previous check (its first
+                check since it last reset its backoff).
+            activity: a count that grows while bytes move (see
+                :attr:`Request.activity`); a change counts as progress.
+        """
+        if self.watch is not None:
+            self.watch()
+        if self.idle is not None and (fresh or activity != self._seen):
+            self._seen = activity
+            self.at = time.monotonic() + self.idle
+            return False
         return self.at is not None and time.monotonic() >= self.at
 
 
@@ -151,6 +202,9 @@ class Request(abc.ABC):
     peer: int = -1
     _error: BaseException | None = None
     _done: bool = False
+    #: grows while the request's bytes move before it completes (a transport that
+    #: moves a message piece by piece says so; see :meth:`Deadline.overdue`)
+    activity: int = 0
 
     @abc.abstractmethod
     def _progress(self) -> bool:
@@ -246,7 +300,9 @@ def idle_round(
     """Back off after a round that made no progress; now and then check health.
 
     Every 64th slow round (after the spin phase) asks each pending request's
-    peer whether it is still alive and checks the deadline.  In the sleep phase
+    peer whether it is still alive and checks the deadline; the first such
+    check after progress (a reset of ``bo``) counts as progress for an
+    inactivity deadline, and so does a change in the requests' ``activity``.  In the sleep phase
     a pending request's optional ``block(seconds)`` replaces the sleep, so a
     transport that can wait for its next event (the soft RDMA provider's CQ)
     wakes when it arrives rather than when the nap ends.
@@ -267,12 +323,24 @@ def idle_round(
             check = getattr(r, "check_peer", None)
             if check is not None:
                 check()
-        if deadline.expired():
+        if deadline.overdue(n <= bo.spins + 64, sum(r.activity for r in pending)):
             peers = sorted({r.peer for r in pending})
             raise TransportTimeout(f"timed out waiting for peer(s) {peers}", pending=peers)
 
 
 # --------------------------------------------------------------------------- interface
+def tag_mismatch(transport: str, peer: int, got: int, expected: int) -> TagMismatchError:
+    """The error for a message from ``peer`` tagged ``got`` where ``expected`` was posted."""
+    return TagMismatchError(
+        f"{transport}: a message from peer {peer} carries tag {got:#018x} where the posted "
+        f"receive has {expected:#018x} (the two ranks disagree on the call)",
+        got=got,
+        expected=expected,
+        peer=peer,
+        transport=transport,
+    )
+
+
 @dataclass(frozen=True)
 class DeviceSpan:
     """A range of CUDA device memory, for connections that move GPU bytes directly.
@@ -340,23 +408,28 @@ class Connection(abc.ABC):
     peer: int = -1
 
     @abc.abstractmethod
-    def isend(self, data: memoryview) -> Request:
-        """Post a send of ``data`` (bytes, C-contiguous).  Do not touch it until done."""
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
+        """Post a send of ``data`` (bytes, C-contiguous).  Do not touch it until done.
 
-    @abc.abstractmethod
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
-        """Post a receive of ``nbytes``; each arriving piece goes to ``sink(offset, view)``.
-
-        The view is only valid during the call.
+        ``tag`` (64 bits) travels with the message; the matching receive must
+        name the same one (see the module docstring).
         """
 
-    def irecv_into(self, out: memoryview) -> Request:
+    @abc.abstractmethod
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
+        """Post a receive of ``nbytes``; each arriving piece goes to ``sink(offset, view)``.
+
+        The view is only valid during the call.  A message whose tag is not
+        ``tag`` raises :class:`TagMismatchError` and reaches no sink.
+        """
+
+    def irecv_into(self, out: memoryview, tag: int = 0) -> Request:
         """Post a receive straight into ``out`` (a byte view)."""
 
         def copy(off: int, piece: memoryview) -> None:
             out[off : off + len(piece)] = piece
 
-        return self.irecv(len(out), copy)
+        return self.irecv(len(out), copy, tag)
 
     #: True when :meth:`send_buffer` can give memory the peer maps too.
     shares_send_buffers: bool = False

@@ -426,14 +426,14 @@ class CudaIpcConnection(Connection):
         _exit.watch(self)
 
     # ------------------------------------------------------------------ host memory
-    def isend(self, data: memoryview) -> Request:
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
         raise TransportError(
             "cuda_ipc moves device memory only; host buffers use shm",
             peer=self.peer,
             transport=NAME,
         )
 
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         raise TransportError(
             "cuda_ipc moves device memory only; host buffers use shm",
             peer=self.peer,

@@ -11,6 +11,7 @@ Layout (offsets in bytes)::
     0      header: magic, version, nslots, slot_bytes, identity (at 32), pid,
            "closed" flag and shared send buffer's handle per side
     4096   direction 0 (lo -> hi) control: head, tail (own cache lines), slot metadata
+           (piece length, offset, descriptor address, the message's tag)
     6144   direction 1 (hi -> lo) control
     8192   direction 0 slots, then direction 1 slots; each slot is slot_bytes + 4096
 
@@ -65,13 +66,14 @@ from transports.base import (
     Transport,
     TransportError,
     TransportOptions,
+    tag_mismatch,
 )
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
-_VERSION = 2
+_VERSION = 3
 _PAGE = 4096
 _HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, nslots, slot_bytes
 _CTRL0 = 4096
@@ -86,9 +88,9 @@ _CMA_OFF = (768, 896)
 _MAPADDR_OFF = (1024, 1152)
 # per side: the handle (descriptor + 1) of the side's shared send buffer, 0 before
 _SBUF_FD_OFF = (1280, 1408)
-# piece length, offset within the slot, and (for a direct-read descriptor) the
-# address of the bytes in the sender's memory, else 0
-_META = struct.Struct("<QQQ")
+# piece length, offset within the slot, (for a direct-read descriptor) the
+# address of the bytes in the sender's memory, else 0, and the message's tag
+_META = struct.Struct("<QQQQ")
 #: Messages at least this large go by a direct-read descriptor when the receiver
 #: can read the sender's memory (cross-memory attach).
 CMA_MIN_BYTES = 256 << 10
@@ -165,7 +167,8 @@ class ShmTransport(Transport):
     def __init__(self, options: TransportOptions) -> None:
         super().__init__(options)
         self._me = _Identity(options.rank, secrets.token_bytes(8))
-        self.nslots = max(2, options.nslots)
+        # the slots' metadata must fit the control block after head and tail
+        self.nslots = min(max(2, options.nslots), (_CTRL_SIZE - 256) // _META.size)
         slot = max(_PAGE, options.slot_bytes // _PAGE * _PAGE)
         # Containers often give /dev/shm only 64 MiB.  If every pair of ranks were on
         # this host, all segments together should take at most half of what is free.
@@ -382,23 +385,23 @@ class ShmConnection(Connection):
         _exit.watch(self)
 
     # ------------------------------------------------------------------ posting
-    def isend(self, data: memoryview) -> Request:
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
         self._check_open()
         n = data.nbytes
         if n == 0:
             return DoneRequest(self.peer)
-        req = _ShmSend(self, np.frombuffer(data, dtype=np.uint8))
+        req = _ShmSend(self, np.frombuffer(data, dtype=np.uint8), tag)
         self._sends.append(req)
         return req
 
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
-        return self._irecv(nbytes, sink, None)
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
+        return self._irecv(nbytes, sink, None, tag)
 
-    def irecv_into(self, out: memoryview) -> Request:
+    def irecv_into(self, out: memoryview, tag: int = 0) -> Request:
         def copy(off: int, piece: memoryview) -> None:
             out[off : off + len(piece)] = piece
 
-        return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8))
+        return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8), tag)
 
     shares_send_buffers = True
 
@@ -432,13 +435,13 @@ class ShmConnection(Connection):
     def recv_buffer(self) -> np.ndarray | None:
         return self._rbuf  # type: ignore[no-any-return]
 
-    def _irecv(self, nbytes: int, sink: Sink, dest: Any) -> Request:
+    def _irecv(self, nbytes: int, sink: Sink, dest: Any, tag: int) -> Request:
         self._check_open()
         if nbytes == 0:
             return DoneRequest(self.peer)
         if self._cma_min and not self._cma_me.load():
             self._probe()
-        req = _ShmRecv(self, nbytes, sink, dest)
+        req = _ShmRecv(self, nbytes, sink, dest, tag)
         self._recvs.append(req)
         return req
 
@@ -483,7 +486,9 @@ class ShmConnection(Connection):
                 # A descriptor: the send completes when the receiver says so (tail
                 # passes this slot).
                 slot = head % out.nslots
-                _META.pack_into(self._mm, out.meta_off + _META.size * slot, total, *described)
+                _META.pack_into(
+                    self._mm, out.meta_off + _META.size * slot, total, *described, req.tag
+                )
                 head += 1
                 out.head.store(head)
                 self._sent = head
@@ -500,7 +505,7 @@ class ShmConnection(Connection):
                 slot = head % out.nslots
                 start = out.base + slot * out.stride
                 out.data[start + o : start + o + n] = piece
-                _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0)
+                _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0, req.tag)
                 head += 1
                 out.head.store(head)
                 req.off += n
@@ -524,7 +529,9 @@ class ShmConnection(Connection):
             tail = self._recvd
             while req.off < req.nbytes and tail < head:
                 slot = tail % inn.nslots
-                n, o, addr = _META.unpack_from(self._mm, inn.meta_off + _META.size * slot)
+                n, o, addr, tag = _META.unpack_from(self._mm, inn.meta_off + _META.size * slot)
+                if tag != req.tag:  # before any byte reaches the sink
+                    raise tag_mismatch("shm", self.peer, tag, req.tag)
                 if o == _IN_SBUF or addr:
                     if o == _IN_SBUF:
                         self._take_shared(req, n, addr)
@@ -692,9 +699,10 @@ class ShmConnection(Connection):
 
 
 class _ShmSend(QueuedRequest):
-    def __init__(self, conn: ShmConnection, src: Any) -> None:
+    def __init__(self, conn: ShmConnection, src: Any, tag: int) -> None:
         super().__init__(conn, conn._progress_sends)
         self.src = src
+        self.tag = tag
         # where the bytes sit (page offset of slot copies, descriptors); small
         # messages skip the lookup, which costs as much as their copy, unless this
         # side has a shared send buffer, which they may come from
@@ -705,8 +713,11 @@ class _ShmSend(QueuedRequest):
 
 
 class _ShmRecv(QueuedRequest):
-    def __init__(self, conn: ShmConnection, nbytes: int, sink: Sink, dest: Any = None) -> None:
+    def __init__(
+        self, conn: ShmConnection, nbytes: int, sink: Sink, dest: Any = None, tag: int = 0
+    ) -> None:
         super().__init__(conn, conn._progress_recvs)
+        self.tag = tag
         self.nbytes = nbytes
         self.sink = sink
         self.dest = dest

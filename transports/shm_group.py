@@ -12,18 +12,28 @@ Nothing is ever named in ``/dev/shm``, so a kill at any moment leaks nothing
 Layout (offsets in bytes)::
 
     0        header: magic, version, ranks, slot_bytes, slots (K), identity (at 32)
-    4096     control, LINE bytes a rank (160 + 16 K, rounded up to 64): "posted"
-             and "done" counters on their own cache lines, then pid, pid
-             namespace, a "closed" flag, the address of the rank's mapping (for
-             the direct-read probe) and a posted (address, length) range per
-             slot index
+    4096     control, LINE bytes a rank: K "posted" words (one per slot index),
+             the "done" counter on its own cache line, then pid, pid namespace,
+             a "closed" flag, the address of the rank's mapping (for the
+             direct-read probe), and a posted (address, length) range per slot
+             index
     DATA0    slots: rank j's slot i at DATA0 + (K j + i) * slot_bytes
 
 Protocol.  Every rank counts the same sequence numbers (one per step of a
 collective).  For step ``s`` a rank writes its slot ``s % K`` (or its posted
-range ``s % K``) and then stores ``posted = s`` with release semantics; a reader
-loads ``posted`` with acquire semantics (:mod:`transports._atomic`), then reads
-the slot or the range.  A reader that has finished with everything of step
+range ``s % K``) and then stores its posted word ``s % K`` with release
+semantics; a reader loads that word with acquire semantics
+(:mod:`transports._atomic`), then reads the slot or the range.
+
+The posted word is the step in its low 40 bits and, above them, a 24-bit
+*chain*: each step folds the fingerprint of the call it belongs to (an integer
+the caller passes to :meth:`ShmGroup.step`) into the chain of the steps before.
+A reader waits for the very word its own step has, so two ranks that run
+different calls, or whose earlier calls differed (even calls that moved no byte
+between them, such as two broadcasts from different roots), raise
+:class:`~transports.base.TagMismatchError` at the first step where one waits for
+the other, instead of reading each other's bytes.  A rank seen past a step it
+never posted is a mismatch too (it runs another collective).  A reader that has finished with everything of step
 ``s`` stores ``done = s``; :meth:`ShmGroup.post` of step ``s`` stores
 ``done = s - 1`` first, unless the caller says it has not consumed that step
 yet.  A rank may post up to ``ahead`` (``min(AHEAD, K)``) steps it has not
@@ -62,6 +72,7 @@ from transports.base import (
     ConnectError,
     Deadline,
     PeerClosedError,
+    TagMismatchError,
     TransportError,
     TransportTimeout,
 )
@@ -77,18 +88,38 @@ SLOTS = 8
 AHEAD = 4
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 3
+_VERSION = 4
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
 _CTRL0 = 4096
-_POSTED, _DONE, _PID, _PIDNS, _CLOSED, _MAPADDR, _RANGES = 0, 64, 128, 136, 144, 152, 160
 _RANGE = struct.Struct("<QQ")
+#: The posted word: the step below bit 40, the chain of fingerprints above.
+STEP_BITS = 40
+_STEP_MASK = (1 << STEP_BITS) - 1
+#: The chain as kept: already in place above the step, so a word is ``chain | step``.
+CHAIN_MASK = ((1 << 64) - 1) ^ _STEP_MASK
+#: What a chain folds in per step: ``chain * CHAIN_MUL + fingerprint`` (an odd
+#: factor: one step's different fingerprints never give the same chain).
+CHAIN_MUL = 5
+
+
+def _up64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _offsets(slots: int) -> tuple[int, int, int, int, int, int, int]:
+    """Offsets in a rank's control line (posted words, done, pid, pid namespace,
+    closed, mapping address, ranges) and the line's length."""
+    done = _up64(8 * slots)  # the posted words, then done on its own cache line
+    pid = done + 64
+    ranges = pid + 64
+    return done, pid, pid + 8, pid + 16, pid + 24, ranges, _up64(ranges + slots * _RANGE.size)
 
 
 def _line(slots: int) -> int:
-    """Bytes of a rank's control line: the fields, then a range per slot."""
-    return -(-(_RANGES + slots * _RANGE.size) // 64) * 64
+    """Bytes of a rank's control line."""
+    return _offsets(slots)[-1]
 
 
 def _data0(size: int, slots: int) -> int:
@@ -127,14 +158,27 @@ class ShmGroup:
         self.handle = b""
         _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
         self.ahead = min(AHEAD, self.slots)
-        n, self._line = self.size, _line(self.slots)
-        ln = self._line
+        K = self.slots
+        done_off, self._pid_off, pidns_off, closed_off, mapaddr_off, self._ranges_off, ln = (
+            _offsets(K)
+        )
+        n, self._line = self.size, ln
         self._buf = np.frombuffer(mm, np.uint8)
-        self._posted = [_atomic.Counter(mm, _CTRL0 + j * ln + _POSTED) for j in range(n)]
-        self._done = [_atomic.Counter(mm, _CTRL0 + j * ln + _DONE) for j in range(n)]
-        self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + _CLOSED) for j in range(n)]
-        self._my_posted = self._posted[rank].store
+        # posted[j][i]: rank j's posted word of slot index i
+        self._posted = [
+            [_atomic.Counter(mm, _CTRL0 + j * ln + 8 * i) for i in range(K)] for j in range(n)
+        ]
+        self._done = [_atomic.Counter(mm, _CTRL0 + j * ln + done_off) for j in range(n)]
+        self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + closed_off) for j in range(n)]
+        self._my_posted = [c.store for c in self._posted[rank]]
         self._my_done = self._done[rank].store
+        #: the chain of fingerprints as of this rank's latest step, and as of the
+        #: step of each slot index (what that step's posted word holds), kept
+        #: above STEP_BITS as in the word
+        self.chain = 0
+        self.chains = [0] * K
+        # for steps written out by the caller (post_word, wait_word)
+        self.chain_mul, self.chain_mask, self.step_bits = CHAIN_MUL, CHAIN_MASK, STEP_BITS
         # what we know for sure of each rank's "done", to skip loads, and the
         # least of it over the peers as last computed (it only grows)
         self._known_done = [0] * n
@@ -146,11 +190,12 @@ class ShmGroup:
         self.cma = False
         self.seq = 0
         self._closed = False
+        self._mapaddr_off = mapaddr_off
         line = _CTRL0 + rank * ln
-        struct.pack_into("<Q", mm, line + _PIDNS, _segment.ns_inode("pid"))
-        struct.pack_into("<Q", mm, line + _MAPADDR, self._buf.__array_interface__["data"][0])
+        struct.pack_into("<Q", mm, line + pidns_off, _segment.ns_inode("pid"))
+        struct.pack_into("<Q", mm, line + mapaddr_off, self._buf.__array_interface__["data"][0])
         # the pid last: a peer that sees it sees the rest of our line
-        _atomic.Counter(mm, line + _PID).store(os.getpid())
+        _atomic.Counter(mm, line + self._pid_off).store(os.getpid())
         _exit.watch(self)
 
     # ------------------------------------------------------------------ set-up
@@ -237,7 +282,9 @@ class ShmGroup:
             pid = self.pid(j)
             if not pid:
                 return False, f"rank {j} runs in another pid namespace"
-            addr = struct.unpack_from("<Q", self._mm, _CTRL0 + j * self._line + _MAPADDR)[0]
+            addr = struct.unpack_from("<Q", self._mm, _CTRL0 + j * self._line + self._mapaddr_off)[
+                0
+            ]
             try:
                 _cma.read(pid, addr, got.__array_interface__["data"][0], 8)
             except OSError as exc:
@@ -255,7 +302,7 @@ class ShmGroup:
         pid = self._pids[j]
         if not pid:
             line = _CTRL0 + j * self._line
-            pid, ns = struct.unpack_from("<QQ", self._mm, line + _PID)
+            pid, ns = struct.unpack_from("<QQ", self._mm, line + self._pid_off)
             if ns != _segment.ns_inode("pid"):
                 return 0
             self._pids[j] = pid
@@ -306,6 +353,25 @@ class ShmGroup:
                 self._wait(self._done, j, need, deadline, backoff)
         self._done_floor = min([known[j] for j in self._peers], default=need)
 
+    def step(self, fingerprint: int) -> int:
+        """Take the next step, of a call whose fingerprint is ``fingerprint``
+        (an integer that every rank computes alike for the same call); return it.
+
+        The step's posted word carries the chain of every step's fingerprint so
+        far (see the module docstring).  ``pycoll.algorithms.direct``'s
+        prepared steps do the same inline.
+        """
+        s = self.seq = self.seq + 1
+        self.chains[s % self.slots] = self.chain = (
+            self.chain * CHAIN_MUL + (fingerprint << STEP_BITS)
+        ) & CHAIN_MASK
+        return s
+
+    def skip(self, fingerprint: int) -> None:
+        """Fold a call that took no step into the chain (a call this rank rejected):
+        a peer that ran it instead then meets another chain at its next step."""
+        self.chain = (self.chain * CHAIN_MUL + (fingerprint << STEP_BITS)) & CHAIN_MASK
+
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
         read ``[addr, addr + nbytes)`` of this process's memory until they are done.
@@ -315,25 +381,53 @@ class ShmGroup:
         (else it says so later with :meth:`done`; it must have consumed step
         ``seq - ahead``).
         """
+        i = seq % self.slots
         if nbytes:
-            off = _CTRL0 + self.rank * self._line + _RANGES + (seq % self.slots) * _RANGE.size
+            off = _CTRL0 + self.rank * self._line + self._ranges_off + i * _RANGE.size
             _RANGE.pack_into(self._mm, off, addr, nbytes)
         if consumed:
             self._my_done(seq - 1)
-        self._my_posted(seq)
+        self._my_posted[i](self.chains[i] | seq)
 
     def done(self, seq: int) -> None:
         """Say that this rank has finished reading everything of step ``seq``."""
         self._my_done(seq)
 
-    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Wait until every rank of ``peers`` posted step ``seq``."""
+    def post_word(self, i: int, word: int, seq: int) -> None:
+        """:meth:`post` of step ``seq`` (slot index ``i``, no range, consumed) whose
+        posted word ``word`` the caller made as :meth:`step` would: the prepared
+        steps of the direct algorithms, which compute it once for both calls."""
+        self._my_done(seq - 1)
+        self._my_posted[i](word)
+
+    def wait_word(
+        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """:meth:`wait` for the step of posted word ``word`` (slot index ``i``)."""
         posted = self._posted
         known = self._known_done
+        sure = (word & _STEP_MASK) - self.ahead
+        for j in peers:
+            if posted[j][i].load() != word:
+                self._wait_posted(j, i, word, deadline, backoff)
+            if known[j] < sure:  # noqa: PLR1730 (as in wait)
+                known[j] = sure
+
+    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Wait until every rank of ``peers`` posted step ``seq``.
+
+        Raises:
+            TagMismatchError: a peer posted step ``seq`` with another chain of
+                fingerprints, or went past it without posting it.
+        """
+        posted = self._posted
+        known = self._known_done
+        i = seq % self.slots
+        word = self.chains[i] | seq
         sure = seq - self.ahead  # what a peer that posted ``seq`` has consumed
         for j in peers:
-            if posted[j].load() < seq:
-                self._wait(posted, j, seq, deadline, backoff)
+            if posted[j][i].load() != word:
+                self._wait_posted(j, i, word, deadline, backoff)
             if known[j] < sure:  # noqa: PLR1730 (max() costs 0.15 us, this 0.03)
                 known[j] = sure
 
@@ -370,7 +464,7 @@ class ShmGroup:
         self, copy: Callable[..., None], what: str, j: int, seq: int, offset: int, local: Any
     ) -> None:
         addr, nbytes = _RANGE.unpack_from(
-            self._mm, _CTRL0 + j * self._line + _RANGES + (seq % self.slots) * _RANGE.size
+            self._mm, _CTRL0 + j * self._line + self._ranges_off + (seq % self.slots) * _RANGE.size
         )
         n = local.nbytes
         if offset < 0 or offset + n > nbytes:
@@ -394,6 +488,47 @@ class ShmGroup:
             ) from exc
 
     # ------------------------------------------------------------------ waiting
+    def _wait_posted(self, j: int, i: int, word: int, deadline: Deadline, bo: Backoff) -> None:
+        """Until rank ``j``'s posted word ``i`` is ``word``; raise where it cannot be."""
+        c = self._posted[j][i]
+        seq = word & _STEP_MASK
+        bo.reset()
+        spins = bo.spins
+        try:
+            while (v := c.load()) != word:
+                if v & _STEP_MASK >= seq:  # this step, another chain (or past it)
+                    raise self._mismatch(j, v, word)
+                bo.pause()
+                n = bo._n
+                if n > spins and n % 64 == 0:
+                    # Past this step without posting it: it runs another call.
+                    # (Steps are posted in order: read the others first.)
+                    last = max((x.load() for x in self._posted[j]), key=_STEP_MASK.__and__)
+                    if c.load() == word:
+                        return
+                    if last & _STEP_MASK > seq:
+                        raise self._mismatch(j, last, word)
+                    self._check(j, deadline, n <= spins + 64)
+        except ValueError:  # the counters' memory went under us
+            self._check_open(j)
+            raise
+
+    def _mismatch(self, j: int, got: int, want: int) -> TagMismatchError:
+        s, c = got & _STEP_MASK, got >> STEP_BITS
+        seq, chain = want & _STEP_MASK, want >> STEP_BITS
+        if s == seq:
+            what = f"posted step {s} with fingerprint chain {c:#08x}, this rank's is {chain:#08x}"
+        else:
+            what = f"posted step {s} (chain {c:#08x}) but never step {seq}"
+        return TagMismatchError(
+            f"group: rank {j} {what}: the ranks' collectives differ (at this call, or at an "
+            "earlier one that moved no byte between them)",
+            got=got,
+            expected=want,
+            peer=j,
+            transport=TRANSPORT,
+        )
+
     def _wait(
         self,
         counters: list[_atomic.Counter],
@@ -409,8 +544,8 @@ class ShmGroup:
             while (v := c.load()) < seq:
                 bo.pause()
                 n = bo._n
-                if n > spins and n % 64 == 0:
-                    self._check(j, counters, seq, deadline)
+                if n > spins and n % 64 == 0 and counters[j].load() < seq:
+                    self._check(j, deadline, n <= spins + 64)  # the first check follows progress
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -421,14 +556,12 @@ class ShmGroup:
         if self._closed:
             raise TransportError("group segment is closed", peer=j, transport=TRANSPORT)
 
-    def _check(self, j: int, counters: list[_atomic.Counter], seq: int, deadline: Deadline) -> None:
+    def _check(self, j: int, deadline: Deadline, fresh: bool = False) -> None:
         self._check_open(j)
-        if counters[j].load() >= seq:
-            return
         _segment.check_alive(
             self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
         )
-        if deadline.expired():
+        if deadline.overdue(fresh):
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
     # ------------------------------------------------------------------ closing
@@ -447,9 +580,10 @@ class ShmGroup:
             self._closed_flag[self.rank].store(1)
         except ValueError:
             pass
-        for c in (*self._posted, *self._done, *self._closed_flag):
+        for c in (*(w for ws in self._posted for w in ws), *self._done, *self._closed_flag):
             c.release_buffer()
-        self._my_posted = self._my_done = _closed  # they held the counters' memory
+        self._my_posted = [_closed] * self.slots  # they held the counters' memory
+        self._my_done = _closed
         self._views.clear()
         self._buf = None  # type: ignore[assignment]
         try:

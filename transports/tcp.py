@@ -32,9 +32,11 @@ Connection setup
 Data path
     A connection owns ``tcp_nsocks`` sockets (like ``NCCL_NSOCKS_PERTHREAD``).
     Each message is cut into chunks of ``slot_bytes``; chunk ``j`` travels on
-    socket ``j % nsocks`` behind a 32-byte frame header (sequence number, message
-    size, offset, length, CRC of the header), so a desynchronised or corrupted
-    stream raises :class:`TransportError` instead of hanging.  Receivers read each
+    socket ``j % nsocks`` behind a 40-byte frame header (sequence number, message
+    size, offset, length, the message's tag, CRC of the header), so a
+    desynchronised or corrupted stream raises :class:`TransportError` instead of
+    hanging, and a message tagged otherwise than its receive raises
+    :class:`~transports.base.TagMismatchError`.  Receivers read each
     chunk into a per-socket staging slot and hand it to the sink in offset order;
     bytes are only read once the matching receive is posted, and any request's
     progress drives the whole connection in both directions, which is what makes
@@ -75,6 +77,7 @@ from transports.base import (
     Transport,
     TransportError,
     TransportOptions,
+    tag_mismatch,
 )
 
 __all__ = ["TcpConnection", "TcpTransport", "select_interfaces"]
@@ -146,10 +149,19 @@ _HELLO_LEN = _HELLO_BODY.size + 32
 _ACK = struct.Struct("<4s32s")
 
 FRAME_MAGIC = 0x5043  # "PC"
-# magic, flags, sequence, message bytes, offset, length, crc32 of the rest
-_FRAME = struct.Struct("<HHIQQII")
-_FRAME_CRC_SPAN = _FRAME.size - 4
+# magic, flags, sequence, message bytes, offset, length, the message's tag, and
+# the crc32 of the rest
+_FRAME_HEAD = struct.Struct("<HHIQQIQ")
+_FRAME = struct.Struct("<HHIQQIQI")
+_FRAME_CRC_SPAN = _FRAME_HEAD.size
 HDR = _FRAME.size
+
+
+def frame_header(seq: int, total: int, off: int, length: int, tag: int) -> bytes:
+    """The header of a chunk of ``length`` bytes at ``off`` of message ``seq``."""
+    head = _FRAME_HEAD.pack(FRAME_MAGIC, 0, seq, total, off, length, tag)
+    return head + struct.pack("<I", zlib.crc32(head))
+
 
 # Linux ioctl numbers (<linux/sockios.h>) and interface flags (<net/if.h>).
 _SIOCGIFCONF = 0x8912
@@ -1012,6 +1024,10 @@ class _SendReq(Request):
             self._conn._progress()
         return self._left == 0
 
+    @property
+    def activity(self) -> int:  # type: ignore[override]
+        return self._conn.moves
+
     def check_peer(self) -> None:
         self._conn._check_pending(lambda: self._left == 0)
 
@@ -1027,10 +1043,11 @@ class _Chunk:
 
 
 class _RecvReq(Request):
-    def __init__(self, conn: TcpConnection, seq: int, nbytes: int, sink: Sink) -> None:
+    def __init__(self, conn: TcpConnection, seq: int, nbytes: int, sink: Sink, tag: int) -> None:
         self.peer = conn.peer
         self._conn = conn
         self.seq = seq
+        self.tag = tag
         self.nbytes = nbytes
         self.sink = sink
         self.chunks: list[_Chunk] = []
@@ -1044,6 +1061,10 @@ class _RecvReq(Request):
         if not self.finished:
             self._conn._progress()
         return self.finished
+
+    @property
+    def activity(self) -> int:  # type: ignore[override]
+        return self._conn.moves
 
     def check_peer(self) -> None:
         self._conn._check_pending(lambda: self.finished)
@@ -1091,9 +1112,10 @@ class TcpConnection(Connection):
         self._recv_seq = 0
         self._error: TransportError | None = None
         self._closed = False
+        self.moves = 0  # progress rounds that moved bytes (a request's ``activity``)
 
     # ----------------------------------------------------------------- posting
-    def isend(self, data: memoryview) -> Request:
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
         """Post a send of ``data``; it goes out as chunks spread over the sockets."""
         self._usable()
         mv = memoryview(data)
@@ -1110,12 +1132,11 @@ class TcpConnection(Connection):
         for j in range(nchunks):
             off = j * self.chunk
             length = min(self.chunk, n - off)
-            head = struct.pack("<HHIQQI", FRAME_MAGIC, 0, seq, n, off, length)
-            hdr = head + struct.pack("<I", zlib.crc32(head))
+            hdr = frame_header(seq, n, off, length, tag)
             self._sendq[j % nsocks].append(_Frame(req, hdr, mv[off : off + length]))
         return req
 
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         """Post a receive of ``nbytes``; pieces go to ``sink`` in offset order."""
         self._usable()
         if nbytes < 0:
@@ -1124,7 +1145,7 @@ class TcpConnection(Connection):
         self._recv_seq += 1
         if nbytes == 0:
             return DoneRequest(self.peer)
-        req = _RecvReq(self, seq, nbytes, sink)
+        req = _RecvReq(self, seq, nbytes, sink, tag)
         nsocks = len(self._socks)
         for j in range(-(-nbytes // self.chunk)):
             off = j * self.chunk
@@ -1169,6 +1190,8 @@ class TcpConnection(Connection):
             )
             self._fail(err)
             raise err from exc
+        if any_moved:
+            self.moves += 1
         return any_moved
 
     def _fail(self, exc: TransportError) -> None:
@@ -1278,13 +1301,15 @@ class TcpConnection(Connection):
         return moved
 
     def _check_header(self, hdr: bytearray, ch: _Chunk) -> None:
-        magic, _flags, seq, total, off, length, crc = _FRAME.unpack(hdr)
+        magic, _flags, seq, total, off, length, tag, crc = _FRAME.unpack(hdr)
         if magic != FRAME_MAGIC or crc != zlib.crc32(memoryview(hdr)[:_FRAME_CRC_SPAN]):
             raise TransportError(
                 f"tcp stream from rank {self.peer} is corrupted (bad frame header)",
                 peer=self.peer,
                 transport=NAME,
             )
+        if tag != ch.req.tag:  # before any byte reaches the sink
+            raise tag_mismatch(NAME, self.peer, tag, ch.req.tag)
         want = (ch.req.seq, ch.req.nbytes, ch.offset, ch.length)
         if (seq, total, off, length) != want:
             raise TransportError(

@@ -22,6 +22,11 @@ each (an allgather writes up to ``G.ahead`` rounds before it reads any); so do
 mid-sized allreduces and reduces where ranks outnumber cores
 (``ROUNDS_CROWDED_*``).
 
+Every step is taken with the call's fingerprint (``L.fp``, or ``fp`` of
+:func:`prepare`), which the group folds into the word a rank posts; a reader
+waits for the word its own step has, so ranks that run different calls raise
+instead of reading each other's slots (:mod:`pycoll.algorithms.links`' Group).
+
 Reductions combine the contributions in rank order, ``((x0 OP x1) OP x2) ...``,
 and every element is reduced by one rank only (or by every rank identically), so
 all ranks hold the same bits.
@@ -42,7 +47,6 @@ barrier: every rank publishes a step and waits for everyone's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -115,28 +119,30 @@ def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> 
 ALLGATHER_SLOT_ROUNDS = 3
 
 
-def _step(G: Group) -> int:
-    G.seq += 1
-    return G.seq
+def _step(L: Links, G: Group) -> int:
+    """The next step, of the call whose fingerprint ``L.fp`` holds (see
+    :class:`~pycoll.algorithms.links.Group`: a peer that runs another call waits
+    for another posted word, and raises)."""
+    return G.step(L.fp)
 
 
 def _post_buffer(L: Links, G: Group, a: Any) -> int:
     """Take the next step, claim it and post where ``a`` lies for the peers to read
     (or write)."""
-    s = _step(G)
+    s = _step(L, G)
     G.claim(s, L.deadline, L.backoff)
     G.post(s, _addr(a), a.nbytes)
     return s
 
 
 # ------------------------------------------------------------------ by slots
-def _rounds(G: Group, dtype: Any, total: int, per_round: int, width: int = 1) -> Any:
+def _rounds(L: Links, G: Group, dtype: Any, total: int, per_round: int, width: int = 1) -> Any:
     """The slot rounds of a message of ``total`` elements, ``per_round`` a round:
     ``(lo, hi, s, views)`` with the step ``s`` taken and ``views[j]`` rank j's slot
     for it, ``width * (hi - lo)`` elements long."""
     for lo in range(0, total, per_round):
         hi = min(lo + per_round, total)
-        s = _step(G)
+        s = _step(L, G)
         yield lo, hi, s, G.views(dtype, width * (hi - lo))[s % G.slots]
 
 
@@ -151,7 +157,7 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
     if root is None and split_allreduce(n, min(x.size, per_round) * x.itemsize, L.crowded):
         _slot_allreduce_split(L, G, x, out, per_round)
         return
-    for lo, hi, s, v in _rounds(G, x.dtype, x.size, per_round):
+    for lo, hi, s, v in _rounds(L, G, x.dtype, x.size, per_round):
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
         G.post(s)
@@ -170,7 +176,7 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
     assert f is not None
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
-    for lo, hi, s, v in _rounds(G, x.dtype, x.size, per_round):
+    for lo, hi, s, v in _rounds(L, G, x.dtype, x.size, per_round):
         b = segments(0, hi - lo, n)
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
@@ -180,7 +186,7 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
         acc = out[lo + b[r] : lo + b[r + 1]]
         reduce_rows(f, [row[seg] for row in v], acc)
         G.done(s)
-        t = _step(G)
+        t = _step(L, G)
         G.claim(t, dl, bo)
         w = G.views(x.dtype, hi - lo)[t % G.slots]
         w[r][seg] = acc
@@ -211,7 +217,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
             G.done(s)
         unread.clear()
 
-    for rnd in _rounds(G, x.dtype, k, per_round):
+    for rnd in _rounds(L, G, x.dtype, k, per_round):
         lo, hi, s, v = rnd
         G.claim(s, dl, bo)
         v[r][...] = x[lo:hi]
@@ -225,7 +231,8 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
 def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
     r = L.rank
     dl, bo = L.deadline, L.backoff
-    for lo, hi, s, v in _rounds(G, buf.dtype, buf.size, max(1, G.slot_bytes // buf.itemsize)):
+    per_round = max(1, G.slot_bytes // buf.itemsize)
+    for lo, hi, s, v in _rounds(L, G, buf.dtype, buf.size, per_round):
         if r == root:
             G.claim(s, dl, bo)
             v[r][...] = buf[lo:hi]
@@ -245,7 +252,7 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = out.size
-    for lo, hi, s, v in _rounds(G, x.dtype, k, max(1, G.slot_bytes // x.itemsize // n), n):
+    for lo, hi, s, v in _rounds(L, G, x.dtype, k, max(1, G.slot_bytes // x.itemsize // n), n):
         c = hi - lo
         G.claim(s, dl, bo)
         mine = v[r]
@@ -394,7 +401,7 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
         G.done(s)
         G.wait_done(others, s, dl, bo)
     else:
-        s = _post_buffer(L, G, buf) if tail else _step(G)
+        s = _post_buffer(L, G, buf) if tail else _step(L, G)
         G.wait((root,), s, dl, bo)
         G.read(root, s, 0, buf[:cut])
         G.done(s)
@@ -433,7 +440,7 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
     if r == root:
         t = _post_buffer(L, G, out)
     else:
-        t = _step(G)
+        t = _step(L, G)
         G.claim(t, dl, bo)
         G.post(t)
         G.wait((root,), t, dl, bo)
@@ -444,14 +451,14 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
 @register("barrier", "direct")
 def barrier(L: Links) -> None:
     G = _group(L)
-    s = _step(G)
+    s = _step(L, G)
     G.post(s)
     G.wait(_others(L.size, L.rank), s, L.deadline, L.backoff)
 
 
 # ------------------------------------------------------------------ prepared
 def prepare(
-    collective: str, L: Links, backoff: Backoff, timeout: float, count: int, root: int = 0
+    collective: str, L: Links, backoff: Backoff, count: int, root: int = 0, fp: int = 0
 ) -> Callable[[Any, Any], None] | None:
     """The one-step slot path of ``collective`` with everything but the buffers
     worked out in advance, or None where it does not apply.
@@ -460,7 +467,10 @@ def prepare(
     buffers again and again: the returned ``run(x, out)`` (``run(buf, None)`` for
     broadcast) does exactly what the registered algorithm does for ``count``
     input elements of ``L.dtype`` that fit one slot, in a handful of Python-level
-    calls.  Each call sets ``L.deadline`` ``timeout`` seconds ahead.
+    calls.  ``L.deadline`` is an inactivity timeout that every wait re-arms, so
+    a call sets none.  ``fp``: the call's fingerprint, which each step folds into
+    the group's chain as :meth:`~pycoll.algorithms.links.Group.step` does
+    (written out here, a store and a compare more a step than with no fingerprint).
     """
     G = L.group
     n, r = L.size, L.rank
@@ -473,7 +483,9 @@ def prepare(
     mine = tuple(v[r] for v in views)
     others = tuple(_others(n, r))
     dl, bo, f = L.deadline, backoff, L.reduce
-    claim, post, wait, done = G.claim, G.post, G.wait, G.done
+    claim, done = G.claim, G.done
+    post_word, wait_word = G.post_word, G.wait_word
+    mul, cmask, fpw = G.chain_mul, G.chain_mask, fp << G.step_bits  # fp above the step
     # Each closure below writes out its step's start (deadline, step, claim, copy
     # in, post) rather than calling a shared helper: at n = 2 on the 2-core machine
     # the helper made an 8 B allreduce 4.00-4.05 us instead of 3.83-3.92 (three
@@ -490,23 +502,27 @@ def prepare(
         lo_r, hi_r = b[r], b[r + 1]
 
         def run_split(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
             claim(s, dl, bo)
-            mine[s % K][...] = x
-            post(s)
-            wait(others, s, dl, bo)
+            mine[i][...] = x
+            post_word(i, w, s)
+            wait_word(others, i, w, dl, bo)
             acc = out[lo_r:hi_r]
-            reduce_rows(f, parts[s % K], acc)
+            reduce_rows(f, parts[i], acc)
             done(s)
             t = G.seq = s + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            j2 = t % K
+            w2 = c | t
             claim(t, dl, bo)
-            mine[t % K][seg] = acc
-            post(t)
-            wait(others, t, dl, bo)
-            i = t % K
+            mine[j2][seg] = acc
+            post_word(j2, w2, t)
+            wait_word(others, j2, w2, dl, bo)
             for _j, lo, hi, theirs in outs:
-                out[lo:hi] = theirs[i]
+                out[lo:hi] = theirs[j2]
             done(t)
 
         return run_split
@@ -520,11 +536,12 @@ def prepare(
         rows = tuple(list(v) for v in views)
 
         def run_reduce_root(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
-            post(s)
-            wait(others, s, dl, bo)
+            c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
+            w = c | s
+            post_word(i, w, s)
+            wait_word(others, i, w, dl, bo)
             rw = rows[i]
             rw[r] = x
             reduce_rows(f, rw, out)
@@ -538,14 +555,16 @@ def prepare(
         reader = collective == "allreduce" or r == root
 
         def run_reduce(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
             claim(s, dl, bo)
-            mine[s % K][...] = x
-            post(s)
+            mine[i][...] = x
+            post_word(i, w, s)
             if reader:
-                wait(others, s, dl, bo)
-                reduce_rows(f, views[s % K], out)
+                wait_word(others, i, w, dl, bo)
+                reduce_rows(f, views[i], out)
             done(s)
 
         return run_reduce
@@ -555,13 +574,15 @@ def prepare(
         blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
         def run_allgather(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
             claim(s, dl, bo)
-            mine[s % K][...] = x
-            post(s)
-            v = views[s % K]
-            wait(others, s, dl, bo)
+            mine[i][...] = x
+            post_word(i, w, s)
+            v = views[i]
+            wait_word(others, i, w, dl, bo)
             for j, lo, hi in blocks:
                 out[lo:hi] = v[j]
             done(s)
@@ -575,20 +596,24 @@ def prepare(
         if r == root:
 
             def run_root(buf: Any, _: Any) -> None:
-                dl.at = monotonic() + timeout
                 s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                w = c | s
                 claim(s, dl, bo)
-                mine[s % K][...] = buf
-                post(s)
+                mine[i][...] = buf
+                post_word(i, w, s)
                 done(s)
 
             return run_root
 
         def run_leaf(buf: Any, _: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
-            wait(src, s, dl, bo)
-            buf[...] = theirs[s % K]
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
+            wait_word(src, i, w, dl, bo)
+            buf[...] = theirs[i]
             done(s)
 
         return run_leaf
@@ -600,13 +625,15 @@ def prepare(
         parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
 
         def run_reduce_scatter(x: Any, out: Any) -> None:
-            dl.at = monotonic() + timeout
             s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
             claim(s, dl, bo)
-            mine[s % K][...] = x
-            post(s)
-            wait(others, s, dl, bo)
-            reduce_rows(f, parts[s % K], out)
+            mine[i][...] = x
+            post_word(i, w, s)
+            wait_word(others, i, w, dl, bo)
+            reduce_rows(f, parts[i], out)
             done(s)
 
         return run_reduce_scatter

@@ -41,6 +41,24 @@ class Group(Protocol):
     cma: bool  # whether posted ranges may be read and written (else all goes by slots)
     seq: int  # the last step this rank used
     ahead: int  # steps a rank may post before it has consumed them (at most slots)
+    # The chain of the calls' fingerprints as of the latest step, and as of the
+    # step of each slot index, kept above ``step_bits``; a step does ``chain =
+    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % slots]
+    # = chain`` (what :meth:`step` does; steps written out for post_word and
+    # wait_word need not keep ``chains``), and its posted word is ``chain | s``.
+    chain: int
+    chains: list[int]
+    chain_mul: int
+    chain_mask: int
+    step_bits: int
+
+    def step(self, fingerprint: int) -> int:
+        """Take the next step (``seq + 1``) of a call with this fingerprint; return it."""
+        ...
+
+    def skip(self, fingerprint: int) -> None:
+        """Fold a call that took no step (one this rank rejected) into the chain."""
+        ...
 
     def views(self, dtype: Any, count: int) -> list[list[Any]]:
         """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
@@ -59,8 +77,19 @@ class Group(Protocol):
         """This rank has finished reading everything of step ``seq``."""
         ...
 
+    def post_word(self, i: int, word: int, seq: int) -> None:
+        """``post(seq)`` with its posted word made by the caller (``i = seq % slots``)."""
+        ...
+
+    def wait_word(
+        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """``wait`` for the step of the caller-made posted word ``word``."""
+        ...
+
     def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Until every rank of ``peers`` posted step ``seq``."""
+        """Until every rank of ``peers`` posted step ``seq``; a peer whose step ``seq``
+        has another chain raises :class:`transports.base.TagMismatchError`."""
         ...
 
     def wait_done(
@@ -108,10 +137,12 @@ class Links:
         "crowded",
         "deadline",
         "dtype",
+        "fp",
         "group",
         "rank",
         "reduce",
         "size",
+        "tag",
     )
 
     def __init__(
@@ -138,6 +169,10 @@ class Links:
         self._backoff = backoff
         self.group = group
         self.crowded = crowded
+        #: the tag of this call's messages, and its fingerprint for the group's
+        #: steps (the communicator sets both before each call)
+        self.tag = 0
+        self.fp = 0
 
     @property
     def backoff(self) -> Backoff:
@@ -147,7 +182,7 @@ class Links:
     # ----------------------------------------------------------------- posting
     def send(self, peer: int, a: Any) -> Request:
         """Post a send of array slice ``a``; it stays pending until waited on."""
-        req = self.conns[peer].isend(_bytes(a))
+        req = self.conns[peer].isend(_bytes(a), self.tag)
         self._pending.append(req)
         return req
 
@@ -158,7 +193,7 @@ class Links:
 
     def recv(self, peer: int, out: Any) -> Request:
         """Post a receive into array slice ``out``."""
-        return self.conns[peer].irecv_into(_bytes(out))
+        return self.conns[peer].irecv_into(_bytes(out), self.tag)
 
     def recv_reduce(self, peer: int, out: Any, local: Any, incoming_first: bool = False) -> Request:
         """Post a receive that computes ``out = local OP incoming`` (or
@@ -181,7 +216,7 @@ class Links:
                 j = i + len(piece) // isz
                 f(local[i:j], np.frombuffer(piece, dtype), out=out[i:j])
 
-        return self.conns[peer].irecv(out.nbytes, sink)
+        return self.conns[peer].irecv(out.nbytes, sink, self.tag)
 
     # ----------------------------------------------------------------- waiting
     def wait(self, *reqs: Request) -> None:

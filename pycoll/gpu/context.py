@@ -447,7 +447,7 @@ class DeviceCall(Job):
             ctx.size,
             self._conns,
             ctx.dconns,
-            Deadline.after(ctx.timeout),
+            Deadline.after(ctx.timeout, idle=True),
             ctx.chunk_bytes,
             dt,
             None if op is None else dreduce.reducer(op, dt),
@@ -465,7 +465,7 @@ class DeviceCall(Job):
             ctx.size,
             ctx.dconns,
             ctx.stream(),
-            Deadline.after(ctx.timeout),
+            Deadline.after(ctx.timeout, idle=True),
             ctx.scratch(),
             ctx.shared_device,
         )

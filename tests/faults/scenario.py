@@ -233,7 +233,101 @@ def check() -> None:
     report(**res)
 
 
+def threads(transport: str, turns: bool) -> None:
+    """Two threads make 200 allreduces each on one communicator: at once, or
+    taking turns (each call after the other thread's returned).  Each thread
+    reports its correct and wrong results and the error that stopped it."""
+    comm = pycoll.init(timeout=10, transports=(transport,))
+    calls, k = 200, 16
+    weight = sum(r + 1 for r in range(SIZE))
+    turn = threading.Condition()
+    state = {"next": 0}
+    out: dict[str, dict[str, object]] = {}
+
+    def body(t: int) -> None:
+        got: dict[str, object] = {"ok": 0, "wrong": 0, "error": None, "message": ""}
+        out[str(t)] = got
+        x = np.empty(k, np.float64)
+        try:
+            for i in range(calls):
+                if turns:
+                    with turn:
+                        turn.wait_for(lambda: state["next"] == 2 * i + t, timeout=60)
+                v = float(t * 100000 + i)
+                # the same array each call replays a plan; every third call a fresh one
+                a = x if i % 3 else np.empty(k, np.float64)
+                a[:] = v * (RANK + 1)
+                res = comm.allreduce(a)
+                if np.array_equal(res, np.full(k, v * weight)):
+                    got["ok"] += 1  # type: ignore[operator]
+                else:
+                    got["wrong"] += 1  # type: ignore[operator]
+                if turns:
+                    with turn:
+                        state["next"] += 1
+                        turn.notify_all()
+        except Exception as exc:
+            got["error"] = type(exc).__name__
+            got["message"] = str(exc)
+            if turns:  # let the other thread go on to its own end
+                with turn:
+                    state["next"] = 1 << 30
+                    turn.notify_all()
+
+    start = time.monotonic()
+    ths = [threading.Thread(target=body, args=(t,), name=f"user{t}") for t in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(90)
+    res: dict[str, object] = {"threads": out, "elapsed": time.monotonic() - start}
+    res["hung"] = [th.name for th in ths if th.is_alive()]
+    report(**res)
+    os._exit(0)  # a peer may still wait on this rank: MPI_Finalize would wait for it
+
+
+def progress(transport: str, mib: int) -> None:
+    """PYCOLL_TIMEOUT=1 s: a large allreduce that takes longer but keeps moving
+    completes; then rank 1 stops (SIGSTOP) and rank 0 raises within about 1 s."""
+    pids = WORLD.allgather(os.getpid())
+    comm = pycoll.init(timeout=1, transports=(transport,))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    x = np.full((mib << 20) // 4, RANK + 1, np.float32)
+    res: dict[str, object] = {}
+    start = time.monotonic()
+    try:
+        comm.allreduce(x, algorithm="ring")
+        res["large"] = outcome(None, start)
+        res["large"]["right"] = bool((x == SIZE * (SIZE + 1) // 2).all())  # type: ignore[index]
+    except pycoll.PycollError as exc:
+        res["large"] = outcome(exc, start)
+        report(**res)
+        os._exit(0)
+    del x
+    WORLD.Barrier()
+    y = np.ones(1 << 16, np.float32)
+    if RANK == 1:
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+    start = time.monotonic()
+    err = None
+    try:
+        for _ in range(1000000):
+            comm.allreduce(y)
+    except pycoll.PycollError as exc:
+        err = exc
+    res["stopped"] = outcome(err, start)
+    if RANK == 0:
+        os.kill(pids[1], signal.SIGCONT)
+    report(**res)
+    os._exit(0)
+
+
 {
+    "progress-tcp": lambda: progress("tcp", int(os.environ.get("SCENARIO_MIB", "512"))),
+    "threads-shm": lambda: threads("shm", False),
+    "threads-tcp": lambda: threads("tcp", False),
+    "turns-shm": lambda: threads("shm", True),
+    "turns-tcp": lambda: threads("tcp", True),
     "kill-shm": lambda: kill("shm", "ring"),
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),

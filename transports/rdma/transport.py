@@ -26,7 +26,13 @@ ranks that both isend large messages and then irecv never deadlock.
 
 The memory path (``rdma_memory``: dmabuf, gdr, host) decides how *GPU* buffers
 become visible to the NIC (:meth:`RdmaConnection.register`); slots and staging
-are host memory on every path.  A QP error becomes a
+are host memory on every path.
+
+Message tags (:meth:`Connection.isend`'s ``tag``) do not travel on this
+transport yet: the 32 bits of immediate data hold the sequence, flags and
+credits, and a slot header would change the slots' layout.  A receive checks a
+message's sequence number and size only, so mismatched calls of the same size
+are not caught here (pycoll's ``PYCOLL_CHECK=1`` still catches them).  A QP error becomes a
 :class:`~transports.base.PeerClosedError` naming the peer and the work
 completion status.
 
@@ -328,7 +334,9 @@ class RdmaConnection(Connection):
     # A zero-byte message moves nothing and needs no peer: it completes at once,
     # even when the peer has already finished its work and closed (a fast rank
     # may close before a slow one posts its last, empty, message to it).
-    def isend(self, data: memoryview) -> Request:
+    def isend(self, data: memoryview, tag: int = 0) -> Request:
+        # The tag does not travel yet: the immediate data has no room for it (see
+        # the module docstring); a mismatch shows only where the sizes differ.
         mv = (
             memoryview(data).cast("B")
             if not isinstance(data, memoryview) or data.format != "B"
@@ -338,7 +346,7 @@ class RdmaConnection(Connection):
             return DoneRequest(self.peer)
         return self._queue_send(_SendReq(self, mv))
 
-    def irecv(self, nbytes: int, sink: Sink) -> Request:
+    def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         if nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
         return self._queue_recv(_RecvReq(self, nbytes, sink))
