@@ -26,23 +26,13 @@ from pycoll.algorithms.links import Links
 from pycoll.bootstrap import Wiring, wire
 from pycoll.buffers import Buffer, as_buffer, data_ptr, device_signature, is_torch
 from pycoll.config import SLICED_COPY_BYTES, TRACE, Config, setup_logging
-from pycoll.diagnose import (
-    ABORTED,
-    GONE,
-    OVERLAP,
-    RankStatus,
-    StatusChannel,
-    decode,
-    grace_for,
-    summary,
-)
+from pycoll.diagnose import RankStatus, StatusChannel, decode, grace_for, summary
 from pycoll.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
     CommunicatorClosedError,
     ConcurrentCallError,
     InvalidArgumentError,
-    PeerAbortedError,
     PycollError,
     from_transport,
 )
@@ -51,14 +41,10 @@ from pycoll.gpu.jobs import Job
 from pycoll.reduce import DTYPES, ReduceOp, check_op_dtype, finish_avg, parse_op, ufunc
 from pycoll.rendezvous import Bootstrap
 from pycoll.tune import Tuner, tunable
-from transports.base import Backoff, Deadline, PeerClosedError, TagMismatchError
+from transports.base import Backoff, Deadline, TagMismatchError
 from transports.base import TransportError as WireError
 
 log = logging.getLogger(__name__)
-
-#: How long a rank that saw a peer close waits for a failure notice naming the
-#: rank that failed first (the neighbour that saw it posts one before closing).
-_BLAME_GRACE = 0.2
 
 _COLL_IDS = {
     "allreduce": 1,
@@ -1104,10 +1090,8 @@ class Communicator:
 
         A collective it interrupts on this rank (on another thread, or queued)
         raises :class:`CommunicatorClosedError`, whatever the transport; peers
-        waiting on this rank raise :class:`PeerAbortedError`, and so do (by a
-        failure notice) the others, naming this rank.
+        waiting on this rank raise :class:`PeerAbortedError`.
         """
-        self._status.notify(self.rank, ABORTED)
         self._aborted = True
         self._closed = True
         self._plans.clear()
@@ -1373,7 +1357,7 @@ class Communicator:
                 self.rank,
                 self.size,
                 self._conns,
-                Deadline(None, self.config.timeout, self._watch),
+                Deadline(None, self.config.timeout),
                 self.config.chunk_bytes,
                 dtype,
                 None if op is None else ufunc(op),
@@ -1621,38 +1605,9 @@ class Communicator:
         )
         if self._failed is None:
             self._failed = err
-            self._status.notify(self.rank, OVERLAP)
         self._forget_plans()
         log.error("%s", err)
         raise err
-
-    def _watch(self) -> None:
-        """A slow wait's periodic check (its deadline's ``watch``): end it when
-        another rank sent word that some rank failed (pycoll.diagnose)."""
-        note = self._status.first()
-        if note is not None and note.culprit != self.rank:
-            raise PeerClosedError(str(note), peer=note.culprit)
-
-    def _blame(self, exc: PeerAbortedError) -> None:
-        """A peer is gone: name the rank that failed first (the earliest failure
-        notice, waiting a moment for one), or tell the others that this peer
-        failed.  A neighbour that closed because another rank failed is not blamed.
-        """
-        peer = exc.peer
-        if peer is None:
-            return
-        note, own = self._status.about(peer, _BLAME_GRACE)
-        if note is None or note.culprit in (self.rank, peer):
-            self._status.notify(peer, GONE)
-            return
-        c = note.culprit
-        self._status.notify(c, GONE)  # this rank, too, fails because of c
-        if own is not None and own.culprit == c:
-            why = f"rank {peer} closed because it saw rank {c} fail (rank {c} {note.how})"
-        else:
-            why = f"rank {peer} closed after rank {c} failed ({note})"
-        exc.args = (f"{exc.args[0]}: {why}",)
-        exc.peer, exc.transport = c, self._kinds.get(c)
 
     def _overlapped(self, rec: list[Any]) -> NoReturn:
         """Collective ``rec`` ran while the communicator failed on another thread
@@ -1709,8 +1664,6 @@ class Communicator:
         if isinstance(exc, InvalidArgumentError):
             exc._counted = True  # type: ignore[attr-defined]  # this call took its number
             raise exc
-        if isinstance(exc, PeerAbortedError):
-            self._blame(exc)
         if self._failed is None:
             self._failed = exc
         self._forget_plans()

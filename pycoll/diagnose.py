@@ -15,22 +15,13 @@ none of pycoll's own connections, and it never waits past a short grace period:
 * a communicator exchanges at most once (it is unusable after the timeout), so
   stale messages can never be mistaken for fresh ones.
 
-The same bootstrap carries *failure notices* (:class:`Notice`): a rank that
-sees a peer fail, that aborts, or whose threads overlap tells every other rank
-which rank failed and when, before it closes anything.  A rank that then sees
-a live neighbour close names the rank that failed first (the earliest notice),
-and says that its neighbour closed because of it.  Waits poll for notices only
-at their slow periodic checks, and a raised peer error once.
-
 Nothing here runs on the fast path.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,49 +34,6 @@ _MAGIC = 0x7063_6F6C_6C73_7431  # "pcollst1"
 # states of the newest flight-recorder entry
 _NONE, _RUNNING, _OK, _FAILED = 0, 1, 2, 3
 _STATE_NAMES = {_NONE: "idle", _RUNNING: "running", _OK: "done", _FAILED: "failed"}
-_NOTICE_MAGIC = 0x7063_6F6C_6C66_6131  # "pcollfa1"
-#: what a notice says the failed rank did
-GONE, OVERLAP, ABORTED = 1, 2, 3
-_CAUSES = {
-    GONE: "exited or closed its connections",
-    OVERLAP: "called collectives from two threads at once",
-    ABORTED: "aborted its communicator",
-}
-#: how often a waiting collective looks for notices (seconds)
-_POLL_EVERY = 0.05
-
-
-@dataclass(frozen=True)
-class Notice:
-    """Rank ``origin`` saw rank ``culprit`` fail (``cause``) at wall-clock time
-    ``at`` (seconds since the epoch)."""
-
-    origin: int
-    culprit: int
-    cause: int
-    at: float
-
-    @property
-    def how(self) -> str:
-        return _CAUSES.get(self.cause, "failed")
-
-    def __str__(self) -> str:
-        seen = "" if self.origin == self.culprit else f", as rank {self.origin} saw"
-        return f"rank {self.culprit} {self.how}{seen}"
-
-    def words(self) -> bytes:
-        w = (_NOTICE_MAGIC, self.origin, self.culprit, self.cause, int(self.at * 1e6))
-        return np.array(w, np.int64).tobytes()
-
-    @classmethod
-    def parse(cls, data: bytes, origin: int) -> Notice | None:
-        """The notice in ``data`` sent by ``origin``; None when it is not one."""
-        if len(data) != 5 * 8:
-            return None
-        w = [int(v) for v in np.frombuffer(data, np.int64)]
-        if w[0] != _NOTICE_MAGIC or w[1] != origin:
-            return None
-        return cls(w[1], w[2], w[3], w[4] / 1e6)
 
 
 @dataclass(frozen=True)
@@ -158,75 +106,24 @@ class StatusChannel:
         self._boot: Any = bootstrap
         self.rank: int = bootstrap.rank
         self.size: int = bootstrap.size
-        self._exchanged = False
-        self._told = False
-        self._notices: list[Notice] = []
-        self._next_poll = 0.0
-        self._lock = threading.Lock()  # notices are polled from the worker thread too
 
     @property
     def available(self) -> bool:
-        return self._boot is not None and self.size > 1 and not self._exchanged
+        return self._boot is not None and self.size > 1
 
     def exchange(self, mine: np.ndarray, grace: float) -> dict[int, np.ndarray]:
         """Send ``mine`` to every rank and collect what arrives within ``grace`` seconds."""
-        boot = self._boot
-        if boot is None or self._exchanged:
+        boot, self._boot = self._boot, None  # at most once per communicator
+        if boot is None:
             return {}
-        self._exchanged = True  # at most once per communicator
         got = boot.exchange(np.ascontiguousarray(mine, np.int64).tobytes(), grace)
         return {
             p: np.frombuffer(b, np.int64).copy() for p, b in got.items() if len(b) == _WORDS * 8
         }
 
-    def notify(self, culprit: int, cause: int) -> None:
-        """Tell every other rank that ``culprit`` failed (``cause``); at most once
-        per communicator, never waiting."""
-        with self._lock:
-            boot = self._boot
-            if boot is None or self.size == 1 or self._told:
-                return
-            self._told = True
-            note = Notice(self.rank, culprit, cause, time.time())
-            self._notices.append(note)
-            boot.post(note.words(), culprit)
-
-    def first(self, grace: float = 0.0) -> Notice | None:
-        """The earliest failure notice so far (this rank's own included), waiting
-        up to ``grace`` seconds for one; None when there is none.  Without grace it
-        asks the bootstrap at most every ``_POLL_EVERY`` seconds."""
-        notes = self._wait(grace, lambda notes: bool(notes))
-        return min(notes, key=lambda n: n.at) if notes else None
-
-    def about(self, peer: int, grace: float) -> tuple[Notice | None, Notice | None]:
-        """For a ``peer`` seen to close: the earliest notice, and the one ``peer``
-        sent (why it closed), waiting up to ``grace`` seconds for a notice from
-        ``peer`` or one that names it."""
-        notes = self._wait(grace, lambda ns: any(peer in (n.origin, n.culprit) for n in ns))
-        own = [n for n in notes if n.origin == peer]
-        first = min(notes, key=lambda n: n.at) if notes else None
-        return first, (own[0] if own else None)
-
-    def _wait(self, grace: float, enough: Callable[[list[Notice]], bool]) -> list[Notice]:
-        end = time.monotonic() + grace
-        nap = 0.002
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                if self._boot is not None and (grace or now >= self._next_poll):
-                    self._next_poll = now + _POLL_EVERY
-                    for p, msgs in self._boot.poll().items():
-                        self._notices += [n for m in msgs if (n := Notice.parse(m, p))]
-                notes = list(self._notices)
-            if enough(notes) or time.monotonic() >= end:
-                return notes
-            time.sleep(nap)
-            nap = min(2 * nap, 0.02)
-
     def close(self) -> None:
         """Drop the bootstrap (the communicator closes it)."""
-        with self._lock:
-            self._boot = None
+        self._boot = None
 
 
 def grace_for(timeout: float) -> float:

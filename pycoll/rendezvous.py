@@ -5,8 +5,7 @@ plain-data objects (None, bool, int, float, str, bytes and tuples, lists, dicts
 and sets of them) among the ranks: ``arrive``, ``allgather``, ``bcast`` and
 ``barrier``, each bounded by a timeout after which it raises
 :class:`~pycoll.errors.ConnectError` naming the ranks that did not answer.  It
-also carries the one status exchange of :mod:`pycoll.diagnose` and its failure
-notices (``post`` and ``poll``, which never wait).  Two kinds:
+also carries the one status exchange of :mod:`pycoll.diagnose`.  Two kinds:
 
 * :class:`MpiBootstrap`, over an mpi4py communicator: ``arrive`` makes a private
   duplicate with ``MPI_Comm_idup``, polled against the deadline, and every later
@@ -45,8 +44,6 @@ GIVE_UP_TAG = 32_123
 #: The tag of the status exchange on the private duplicate; the numbered
 #: operations use tags 1 to :data:`_OPS_TAGS`.
 STATUS_TAG = 0x7C0D
-#: The tag of the failure notices (:meth:`MpiBootstrap.post`) on the duplicate.
-NOTICE_TAG = 0x7C0E
 _OPS_TAGS = 30_000
 #: Requests, buffers and half-made duplicates that MPI may still touch.
 _abandoned: list[Any] = []
@@ -80,14 +77,6 @@ class Bootstrap(Protocol):
     def exchange(self, payload: bytes, grace: float) -> dict[int, bytes]:
         """Send ``payload`` to every rank, and return what arrived within ``grace``
         seconds (at most once per bootstrap; never raises)."""
-
-    def post(self, payload: bytes, skip: int) -> None:
-        """Send ``payload`` (a failure notice) to every other rank; ``skip``, a rank
-        that may be gone, need not get it.  Returns at once and never raises."""
-
-    def poll(self) -> dict[int, list[bytes]]:
-        """The notices that arrived since the last call, by sender; never waits
-        for one and never raises."""
 
     def close(self) -> None:
         """Release what the bootstrap holds; local, never waits."""
@@ -368,34 +357,6 @@ class MpiBootstrap(_Base):
         self._pending += [payload, bufs, sends, list(recvs.values())]
         return got
 
-    def post(self, payload: bytes, skip: int) -> None:
-        if self._comm is None:
-            return
-        dests = [p for p in range(self.size) if p not in (self.rank, skip)]
-        try:
-            self._pending += [payload, self._post(payload, dests, NOTICE_TAG)]
-        except Exception as exc:
-            log.info("failure notice not sent: %s", exc)
-
-    def poll(self) -> dict[int, list[bytes]]:
-        from mpi4py import MPI
-
-        got: dict[int, list[bytes]] = {}
-        if self._comm is None:
-            return got
-        try:
-            while True:
-                st = MPI.Status()
-                msg = self._comm.Improbe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=st)
-                if msg is None:
-                    return got
-                buf = bytearray(st.Get_count(MPI.BYTE))
-                msg.Recv([buf, MPI.BYTE])
-                got.setdefault(st.Get_source(), []).append(bytes(buf))
-        except Exception as exc:
-            log.info("failure notices unavailable: %s", exc)
-        return got
-
     def close(self) -> None:
         comm, self._comm = self._comm, None
         self._broken = self._broken or "closed"
@@ -464,9 +425,6 @@ class StoreBootstrap(_Base):
             n = _local_inits[id(store)] = _local_inits.get(id(store), 0) + 1
         self._p = f"{prefix}/{n}"
         self._status_done = False
-        self._noticed: set[int] = set()  # ranks whose notice poll() returned
-        self._counts = callable(getattr(store, "add", None))
-        self._posted = 0  # the notice count at the last poll
 
     def _key(self, seq: int | str, who: int | str) -> str:
         return f"{self._p}/{seq}/{who}"
@@ -572,34 +530,6 @@ class StoreBootstrap(_Base):
                 time.sleep(0.01)
         except Exception as exc:
             log.info("status exchange failed: %s", exc)
-        return got
-
-    def post(self, payload: bytes, skip: int) -> None:
-        # One key per sender (a rank sends at most one notice per communicator),
-        # and a count of them where the store can add, so that a poll costs one
-        # request until some notice is there.
-        try:
-            self._store.set(self._key("notice", self.rank), payload)
-            if self._counts:
-                self._store.add(self._key("notice", "count"), 1)
-        except Exception as exc:
-            log.info("failure notice not sent: %s", exc)
-
-    def poll(self) -> dict[int, list[bytes]]:
-        got: dict[int, list[bytes]] = {}
-        try:
-            if self._counts:
-                posted = int(self._store.add(self._key("notice", "count"), 0))
-                if posted == self._posted:
-                    return got
-                self._posted = posted
-            for p in range(self.size):
-                k = self._key("notice", p)
-                if p != self.rank and p not in self._noticed and self._has(k):
-                    self._noticed.add(p)
-                    got[p] = [bytes(self._store.get(k))]
-        except Exception as exc:
-            log.info("failure notices unavailable: %s", exc)
         return got
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -74,25 +73,6 @@ def run(name: str, n: int, tmp_path: Path, **env: str) -> dict[int, dict]:
     return out
 
 
-def run_kill(transport: str, n: int, tmp_path: Path) -> dict[int, dict]:
-    """The kill scenario (rank 1 dies mid-loop) at ``n`` ranks: every rank's report.
-
-    Hydra, even with -disable-auto-cleanup, now and then kills the survivors
-    shortly after a rank dies; try again before judging.
-    """
-    res: dict[int, dict] = {}
-    for attempt in range(4):
-        d = tmp_path / str(attempt)
-        d.mkdir()
-        try:
-            res = run(f"kill-{transport}", n, d)
-        except AssertionError:
-            continue
-        if set(range(n)) - {1} <= set(res):
-            break
-    return res
-
-
 def assert_clean(res: dict) -> None:
     assert res["threads"] == [], res["threads"]
     assert res["sockets"] == [], res["sockets"]
@@ -103,7 +83,17 @@ def assert_clean(res: dict) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["shm", "tcp", "direct"])  # direct: the group segment
 def test_killed_rank_is_reported_fast(tmp_path, transport):
-    res = run_kill(transport, 3, tmp_path)
+    # Hydra, even with -disable-auto-cleanup, now and then kills the survivors
+    # shortly after a rank dies; try again before judging.
+    for attempt in range(4):
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        try:
+            res = run(f"kill-{transport}", 3, d)
+        except AssertionError:
+            continue
+        if 0 in res and 2 in res:
+            break
     assert 1 not in res, "the victim survived"
     for r in (0, 2):
         o = res[r]
@@ -451,25 +441,3 @@ def test_timeout_is_inactivity_not_a_deadline_per_collective(tmp_path):
     assert o["error"] == "CollectiveTimeout" and o["missing"] == [1], o
     assert "no progress for 1 s" in o["message"], o
     assert o["elapsed"] < 6, o
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_every_survivor_names_the_rank_that_died(tmp_path, transport):
-    """n = 4, rank 1 killed mid-loop: rank 3, no neighbour of it, names it too
-    (a failure notice), and a live neighbour that closed is said to have closed
-    because rank 1 failed, never blamed."""
-    res = run_kill(transport, 4, tmp_path)
-    assert {0, 2, 3} <= set(res) and 1 not in res, res
-    for r in (0, 2, 3):
-        o = res[r]
-        msg = o["message"]
-        assert o["error"] == "PeerAbortedError", (r, o)
-        assert o["peer"] == 1, (r, o)
-        assert re.search(r"\b(rank|peer) 1\b", msg), (r, o)
-        for live in {0, 2, 3} - {r}:
-            if re.search(rf"\brank {live} closed\b", msg):
-                assert re.search(
-                    rf"rank {live} closed (because it saw rank 1 fail|after rank 1 failed)", msg
-                ), (r, o)
-        assert o["elapsed"] < 15, (r, o)

@@ -642,45 +642,6 @@ def test_store_bootstrap_exchanges_plain_data_only() -> None:
         decode(pickle.dumps(InvalidArgumentError("x")))
 
 
-def test_failure_notices_over_a_store_bootstrap() -> None:
-    """A rank's notice reaches the others through the store's keys (with a count
-    where the store can add, without one where it cannot); polling never waits
-    past its grace, and the earliest notice names the rank that failed."""
-    from pycoll.stores import HashStore
-
-    class NoAdd:  # set, get, wait and check only; one per rank, as in a process each
-        def __init__(self, s: HashStore) -> None:
-            self.set, self.get, self.wait, self.check = s.set, s.get, s.wait, s.check
-
-    store = HashStore()
-    _notices_over([store] * 3)
-    store = HashStore()
-    _notices_over([NoAdd(store) for _ in range(3)])
-
-
-def _notices_over(stores: list[object]) -> None:
-    import time
-
-    from pycoll.diagnose import GONE, StatusChannel
-    from pycoll.rendezvous import StoreBootstrap
-
-    chans = [StatusChannel(StoreBootstrap(stores[r], r, 3)) for r in range(3)]
-    t0 = time.monotonic()
-    assert chans[1].first() is None and chans[1].first(0.05) is None
-    assert time.monotonic() - t0 < 1
-    chans[0].notify(2, GONE)
-    chans[0].notify(1, GONE)  # once per communicator: ignored
-    note = chans[1].first(1.0)
-    assert note is not None and (note.origin, note.culprit) == (0, 2)
-    assert str(note) == "rank 2 exited or closed its connections, as rank 0 saw"
-    chans[2].notify(2, GONE)  # later, and naming the same rank
-    first, own = chans[1].about(2, 1.0)
-    assert first == note and own is not None and own.origin == 2
-    for c in chans:
-        c.close()
-    assert chans[1].first(0.05) == note  # what arrived stays; nothing more is asked
-
-
 def test_init_over_a_store_checks_its_arguments() -> None:
     from pycoll.stores import HashStore
 
