@@ -1,6 +1,6 @@
 """What this machine offers RDMA: GPUs, NICs, peer memory, dma-buf, PCIe distances.
 
-Everything returns plain data (dataclasses); :func:`report` renders it as text
+Everything returns plain data (dataclasses); ``pycoll.info`` renders it as text
 (``python -m pycoll info``).  Nothing here changes state, and CUDA and pyverbs
 are imported only inside the functions that need them.
 """
@@ -298,37 +298,3 @@ def detect(
         effective = "pyverbs" if not caps.pyverbs and caps.nics else "soft"
     caps.paths = memory_paths(caps, provider=effective, soft_caps=soft_caps, gdr_level=gdr_level)
     return caps
-
-
-def report(caps: Capabilities) -> str:
-    """Human-readable summary of :func:`detect`."""
-    lines = ["GPUs:"]
-    if caps.gpus:
-        for g in caps.gpus:
-            lines.append(
-                f"  {g.index}: {g.name} [{g.pci_bus_id}] dma-buf {'yes' if g.dmabuf_supported else 'no'}"
-            )
-    else:
-        lines.append(f"  none ({caps.gpu_error or 'no CUDA device'})")
-    lines.append(
-        f"pyverbs: {'available' if not caps.pyverbs else 'unavailable (' + caps.pyverbs + ')'}"
-    )
-    lines.append("RDMA NICs:")
-    if caps.nics:
-        for n in caps.nics:
-            dm = "not probed" if n.dmabuf is None else ("yes" if n.dmabuf else "no")
-            lines.append(f"  {n.name} [{n.pci_path or '?'}] dma-buf {dm} {n.dmabuf_why}".rstrip())
-    else:
-        lines.append(
-            "  none (/sys/class/infiniband is empty or absent; rdma is used only with "
-            "PYCOLL_RDMA_PROVIDER=soft, the software provider)"
-        )
-    lines.append(f"peer memory (nvidia_peermem): {caps.peermem or 'absent'}")
-    if caps.distances:
-        lines.append("GPU-NIC PCIe distance:")
-        for (gi, nic), d in sorted(caps.distances.items()):
-            lines.append(f"  GPU {gi} <-> {nic}: {d}")
-    lines.append("RDMA memory paths (auto tries dmabuf, then gdr, then host):")
-    for p in caps.paths:
-        lines.append(f"  {p.name:7s} {'usable' if p.usable else 'no':7s} {p.reason}")
-    return "\n".join(lines)
