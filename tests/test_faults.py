@@ -390,9 +390,13 @@ def test_abort_raises_one_class_whatever_the_transport(transport: str, algorithm
 
 
 #: What a thread may see when two threads share a communicator at once: the
-#: overlap itself, the communicator it left unusable, or a peer that failed of it.
+#: overlap itself, the communicator it left unusable, a peer that failed of it,
+#: or the guard seeing that the ranks' calls no longer pair (one rank's threads
+#: took turns in another order than the other's, or a rejected overlap there
+#: took a sequence number).
 _THREAD_ERRORS = {
     "ConcurrentCallError",
+    "CollectiveMismatchError",
     "CommunicatorClosedError",
     "PeerAbortedError",
     "CollectiveTimeout",

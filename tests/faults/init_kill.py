@@ -37,7 +37,10 @@ def rank(outdir: str) -> None:
     MPI.COMM_WORLD.Barrier()
     t = time.monotonic()
     comm = pycoll.init(timeout=20, transports=("shm",))
-    Path(outdir, f"inited{r}").write_text(repr(time.monotonic() - t))
+    # written whole or not at all: the driver may kill this rank mid-write
+    tmp = Path(outdir, f".inited{r}")
+    tmp.write_text(repr(time.monotonic() - t))
+    tmp.replace(Path(outdir, f"inited{r}"))
     comm.allreduce(np.ones(1 << 18, np.float32))  # the shared send buffers, if any
     comm.close()
 
