@@ -304,7 +304,7 @@ def tuned_calls(comm: Any, coll: str, nbytes: int) -> dict[str, int]:
     """Calls ``auto`` has run of each algorithm for ``coll`` calls of ``nbytes``
     input bytes (its online choice, :mod:`pycoll.tune`); empty where untuned."""
     out: dict[str, int] = {}
-    for key, t in comm._tuners.items():
+    for key, t in comm._policy.tuners.items():
         if t is not None and key[0] == coll and key[1] == nbytes:
             for a, c in zip(t.names, t.calls, strict=True):
                 out[a] = out.get(a, 0) + c
@@ -957,7 +957,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 # first; where the model sees close contenders auto times them as it
                 # runs (pycoll.tune), and the records say what it ran ("auto_ran")
                 nbytes = input_bytes(case)
-                auto_choice = comm._algorithm(coll, "auto", nbytes)
+                auto_choice = comm._policy.algorithm(coll, "auto", nbytes)
                 per_sys: dict[str, list[dict[str, Any]]] = {}
                 prepared: dict[str, Prepared | None] = {}
                 for sysm in systems:

@@ -225,7 +225,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         after = tuned_calls(comm, coll, nbytes)
         ran = {a: c - before.get(a, 0) for a, c in after.items() if c - before.get(a, 0)}
         if not ran:  # untuned: auto runs its model's pick
-            ran = {comm._algorithm(coll, "auto", nbytes): args.rounds * calls.get("pycoll:auto", 0)}
+            ran = {
+                comm._policy.algorithm(coll, "auto", nbytes): args.rounds
+                * calls.get("pycoll:auto", 0)
+            }
         for s in systems:  # and once more after the rounds
             wrong[s.label] += _check(w, prep[s.label], ref, case)
         for s in systems:

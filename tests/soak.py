@@ -96,7 +96,7 @@ def one(comm: pycoll.Communicator, i: int, rng: np.random.Generator, max_count: 
     count = int(rng.choice([0, 1, 7, 64, 1000, int(rng.integers(1, max_count + 1))]))
     root = int(rng.integers(n))
     # every rank has the same usable set (direct needs all ranks on one host)
-    usable = [a for a in algorithms.names(coll) if comm._usable(a)]
+    usable = [a for a in algorithms.names(coll) if comm._policy.usable(a)]
     names = ("auto", *usable) if coll != "barrier" else ("auto",)
     algo = names[rng.integers(len(names))]
     if coll == "barrier":

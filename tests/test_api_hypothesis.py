@@ -87,8 +87,8 @@ def pair():
     with communicators(2, timeout=20, group_slot_bytes=0) as comms:
         counter = [0]
         for c in comms:
-            for p, conn in list(c._conns.items()):
-                c._conns[p] = CountingConn(conn, counter)  # type: ignore[assignment]
+            for p, conn in list(c._engine.conns.items()):
+                c._engine.conns[p] = CountingConn(conn, counter)  # type: ignore[assignment]
         yield comms, counter
 
         # rank 0 alone made (rejected) calls: a good collective on both ranks finds
@@ -103,16 +103,16 @@ def pair():
 
 
 def _check(comm: Communicator, counter: list[int], call: Callable[[], Any], *names: str) -> str:
-    seq, moved = comm._seq, counter[0]
+    seq, moved = comm._engine.seq, counter[0]
     with pytest.raises(pycoll.InvalidArgumentError) as ei:
         call()
     msg = str(ei.value)
     assert isinstance(ei.value, ValueError)
     assert f"rank {comm.rank}" in msg, msg
     assert any(n in msg for n in names), (names, msg)
-    assert comm._seq == seq + 1, "a rejected call took no sequence number"
+    assert comm._engine.seq == seq + 1, "a rejected call took no sequence number"
     assert counter[0] == moved, "bytes were posted before the error"
-    assert comm._failed is None
+    assert comm._engine.failed is None
     return msg
 
 
@@ -398,12 +398,12 @@ def test_closed_communicator_refuses_everything():
                 pycoll.CommunicatorClosedError, match=f"rank 0: {name}: communicator is closed"
             ):
                 call()
-        assert c._seq == 0
+        assert c._engine.seq == 0
 
 
 def test_size_one_rejects_before_running():
     with communicators(1) as (c,):
-        seq = c._seq
+        seq = c._engine.seq
         for call in (
             lambda: c.allreduce(np.ones(3, np.clongdouble)),
             lambda: c.allreduce(np.ones(3, np.bool_)),  # sum of bools
@@ -413,7 +413,7 @@ def test_size_one_rejects_before_running():
         ):
             with pytest.raises(pycoll.InvalidArgumentError, match="rank 0"):
                 call()
-        assert c._seq == seq + 5  # each took its number, as on every rank of a larger group
+        assert c._engine.seq == seq + 5  # each took its number, as on every rank of a larger group
         assert (c.allreduce(np.ones(3)) == 1).all()
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pycoll
-from pycoll.communicator import PLAN_MAX, PLAN_MAX_BYTES, STEPS_MAX
+from pycoll.plans import PLAN_MAX, PLAN_MAX_BYTES, STEPS_MAX
 from tests.inproc import communicators, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,7 +82,7 @@ def test_repeated_calls_give_the_slow_paths_results(n: int) -> None:
                             np.testing.assert_array_equal(red, exp)
                         else:
                             assert got is None
-            assert c._plans  # the calls above went through plans
+            assert c._engine.plans.plans  # the calls above went through plans
             c.barrier()
 
         _on_all(comms, body)
@@ -101,7 +101,7 @@ def test_changed_arrays_are_validated_again() -> None:
             for _ in range(3):
                 c.allreduce(x, out)
                 c.allreduce(x)
-            seq = c._seq
+            seq = c._engine.seq
             # a buffer made read-only: the same error as on a first call
             x.flags.writeable = False
             with pytest.raises(pycoll.InvalidArgumentError, match="sendbuf is read-only"):
@@ -110,7 +110,7 @@ def test_changed_arrays_are_validated_again() -> None:
             out.flags.writeable = False
             with pytest.raises(pycoll.InvalidArgumentError, match="recvbuf is read-only"):
                 c.allreduce(x, out)
-            assert c._seq == seq + 3  # rejected calls count too, on both ranks alike
+            assert c._engine.seq == seq + 3  # rejected calls count too, on both ranks alike
             out.flags.writeable = True
             x.flags.writeable = True
             # another dtype under the same array object
@@ -180,12 +180,15 @@ def test_recorder_closing_and_plan_bounds() -> None:
             arrays = [np.ones(2, np.float32) for _ in range(PLAN_MAX + 8)]
             for a in arrays:
                 c.allreduce(a)
-            assert len(c._plans) <= PLAN_MAX
+            assert len(c._engine.plans.plans) <= PLAN_MAX
             # large arrays are not kept (see test_large_arrays_replay_weak_plans)
             big = np.ones(PLAN_MAX_BYTES // 4 + 1, np.float32)
             c.allreduce(big, op="max")
             c.allreduce(big, op="max")
-            assert all(p.x is not big for p in (*c._plans.values(), *c._weak_plans.values()))
+            assert all(
+                p.x is not big
+                for p in (*c._engine.plans.plans.values(), *c._engine.plans.weak_plans.values())
+            )
             c.barrier()
             return recent
 
@@ -195,7 +198,11 @@ def test_recorder_closing_and_plan_bounds() -> None:
             x = np.ones(2, np.float32)
             with pytest.raises(pycoll.CommunicatorClosedError):
                 c.allreduce(x, op="max")
-            assert not c._plans and not c._weak_plans and not c._steps
+            assert (
+                not c._engine.plans.plans
+                and not c._engine.plans.weak_plans
+                and not c._engine.plans.steps
+            )
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -203,13 +210,13 @@ def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
     made: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(n)}
     with communicators(n) as comms:
         for c in comms:
-            make = c._make_step
+            make = c._engine.make_step
 
             def counted(key: Any, _make: Any = make, _made: Any = made[c.rank]) -> Any:
                 _made.append(key[:2])
                 return _make(key)
 
-            c._make_step = counted  # type: ignore[method-assign]
+            c._engine.make_step = counted  # type: ignore[method-assign]
 
         def body(c: pycoll.Communicator) -> None:
             r = c.rank
@@ -229,7 +236,7 @@ def test_calls_on_new_arrays_share_the_step_of_their_kind(n: int) -> None:
             assert c.allreduce(y[:], o, algorithm="direct")[0] == sum(range(n))
             for k in range(STEPS_MAX + 3):  # bounded, the oldest going first
                 c.allreduce(np.ones(k + 1, np.int32), algorithm="direct")
-            assert len(c._steps) == STEPS_MAX
+            assert len(c._engine.plans.steps) == STEPS_MAX
 
         _on_all(comms, body)
     for r in range(n):  # once for the four calls of each kind, once for each kind after
@@ -252,7 +259,7 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
             plans = None
             for it in range(5):
                 if it == 2:  # the first call of each kind made a plan; no more from now
-                    plans = len(c._plans)
+                    plans = len(c._engine.plans.plans)
                 x = np.arange(7, dtype=np.float32) * (r + 1) + it
                 exp = sum(np.arange(7, dtype=np.float32) * (q + 1) + it for q in range(n))
                 out = np.full(7, np.nan, np.float32)
@@ -287,8 +294,8 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
                     np.testing.assert_array_equal(red, x)  # rank 0 holds the least
                 else:
                     assert got is None
-            assert plans is not None and len(c._plans) == plans
-            assert c._kinds_made
+            assert plans is not None and len(c._engine.plans.plans) == plans
+            assert c._engine.plans.kinds
             # what the kind does not cover goes the slow path, with its errors
             ro_x = np.ones(7, np.float32)
             ro_x.flags.writeable = False
@@ -307,32 +314,32 @@ def test_calls_on_new_arrays_run_by_their_kind(n: int) -> None:
             np.testing.assert_array_equal(z, np.full(7, n, np.float32))
             # the same array twice in a row: a plan, then replays
             keep = np.ones(7, np.float32)
-            before = len(c._plans)
+            before = len(c._engine.plans.plans)
             for _ in range(3):
                 c.allreduce(keep, out)
-            assert len(c._plans) == before + 1
+            assert len(c._engine.plans.plans) == before + 1
             np.testing.assert_array_equal(out, np.full(7, n, np.float32))
             # the same sendbuf into a new recvbuf each call: the kind still
-            before = len(c._plans)
+            before = len(c._engine.plans.plans)
             for _ in range(3):
                 o2 = np.full(7, np.nan, np.float32)
                 assert c.allreduce(keep, o2) is o2
                 np.testing.assert_array_equal(o2, np.full(7, n, np.float32))
-            assert len(c._plans) == before
+            assert len(c._engine.plans.plans) == before
             # another thread: its own kinds (as its own plans and steps)
-            kinds = len(c._kinds_made)
+            kinds = len(c._engine.plans.kinds)
             other = ThreadPoolExecutor(1)
             for _ in range(3):
                 other.submit(c.allreduce, x[:], out).result()
                 np.testing.assert_array_equal(out, exp)
             other.shutdown()
-            assert len(c._kinds_made) == kinds + 1
+            assert len(c._engine.plans.kinds) == kinds + 1
             c.barrier()
 
         _on_all(comms, body)
         for c in comms:
             c.close()
-            assert not c._kinds_made
+            assert not c._engine.plans.kinds
 
 
 def test_a_failed_collective_drops_plans_and_steps() -> None:
@@ -340,10 +347,15 @@ def test_a_failed_collective_drops_plans_and_steps() -> None:
         x = [np.ones(3, np.float32) for _ in comms]
         _on_all(comms, lambda c: [c.allreduce(x[c.rank]) for _ in range(2)])
         c = comms[0]
-        assert c._plans and c._steps and c._kinds_made
+        assert c._engine.plans.plans and c._engine.plans.steps and c._engine.plans.kinds
         with pytest.raises(pycoll.CollectiveTimeout):
             c.allreduce(x[0])  # alone: rank 1 never joins
-        assert not c._plans and not c._weak_plans and not c._steps and not c._kinds_made
+        assert (
+            not c._engine.plans.plans
+            and not c._engine.plans.weak_plans
+            and not c._engine.plans.steps
+            and not c._engine.plans.kinds
+        )
         with pytest.raises(pycoll.CommunicatorClosedError, match="earlier failure"):
             c.allreduce(x[0])  # unusable from now on, not replayed
 
@@ -391,14 +403,14 @@ def test_large_arrays_replay_weak_plans(n: int) -> None:
                 assert got is (red if r == 0 else None)
                 if r == 0:
                     np.testing.assert_array_equal(red, x - r)
-            plans = list(c._weak_plans.values())
+            plans = list(c._engine.plans.weak_plans.values())
             assert plans and all(p.weak and isinstance(p.x, weakref.ref) for p in plans)
             # a dropped array takes its plan with it, and nothing holds it
             gone = weakref.ref(out)
-            held = len(c._weak_plans)
+            held = len(c._engine.plans.weak_plans)
             del out, plans
             gc.collect()
-            assert gone() is None and len(c._weak_plans) == held - 1
+            assert gone() is None and len(c._engine.plans.weak_plans) == held - 1
             # NumPy will not move an array's memory while a weak reference to it
             # lives (resize refuses; .data cannot be set), and the plan checks the
             # address before each replay besides
@@ -467,9 +479,9 @@ def test_split_slot_allreduce_on_both_paths(n: int) -> None:
     with communicators(n) as comms:
 
         def body(c: pycoll.Communicator) -> list[np.ndarray]:
-            assert c._group is not None
-            c._crowded = False  # as with a core per rank (it never splits otherwise)
-            c._links_cache.clear()
+            assert c._engine.group is not None
+            c._engine.crowded = False  # as with a core per rank (it never splits otherwise)
+            c._engine.links_cache.clear()
             got = []
             for count in counts:
                 xs = [
@@ -564,31 +576,33 @@ def test_crowded_is_one_verdict_for_all_ranks(
 
     monkeypatch.setattr(cm, "_cpus", lambda: set(cpus[int(threading.current_thread().name[4:])]))
     with communicators(3) as comms:
-        assert [c._crowded for c in comms] == [crowded] * 3
+        assert [c._engine.crowded for c in comms] == [crowded] * 3
         got = _on_all(comms, lambda c: c.allreduce(np.arange(4, dtype=np.float32)))
         for c, out in zip(comms, got):
             np.testing.assert_array_equal(out, 3 * np.arange(4, dtype=np.float32))
-            assert c._links_cache and all(L.crowded is crowded for L in c._links_cache.values())
+            assert c._engine.links_cache and all(
+                L.crowded is crowded for L in c._engine.links_cache.values()
+            )
 
 
 def _count_calls(c: pycoll.Communicator, name: str, tally: list[int]) -> None:
     """Count this rank's cross-memory ``read``s or ``write``s in ``tally[rank]``."""
-    assert c._group is not None and c._group.cma
-    real = getattr(c._group, name)
+    assert c._engine.group is not None and c._engine.group.cma
+    real = getattr(c._engine.group, name)
 
     def counted(*args: Any) -> None:
         tally[c.rank] += 1
         real(*args)
 
-    setattr(c._group, name, counted)
+    setattr(c._engine.group, name, counted)
 
 
 def _set_crowded(comms: Any, crowded: bool) -> None:
     """Every rank's verdict on ranks outnumbering cores, before any rank starts
     (they must agree); the links made with the old one are dropped."""
     for c in comms:
-        c._crowded = crowded
-        c._links_cache.clear()
+        c._engine.crowded = crowded
+        c._engine.links_cache.clear()
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -599,7 +613,7 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
     outnumber cores; every rank ends with the root's bytes, for odd sizes and
     every root."""
     with communicators(n) as comms:
-        slot = comms[0]._group.slot_bytes
+        slot = comms[0]._engine.group.slot_bytes
         writes = [0] * n
         _set_crowded(comms, crowded)
 
@@ -635,7 +649,7 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
     from pycoll.algorithms import direct
 
     with communicators(n) as comms:
-        slot = comms[0]._group.slot_bytes
+        slot = comms[0]._engine.group.slot_bytes
         reads = [0] * n
         writes = [0] * n
         _set_crowded(comms, crowded)
@@ -691,10 +705,10 @@ def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
     after, which wait for no reader, must not rewrite a slot a slow peer has
     still to read."""
     with communicators(n) as comms:
-        G = comms[0]._group
+        G = comms[0]._engine.group
         slot, ahead, K = G.slot_bytes, G.ahead, G.slots
         for c in comms:
-            c._group.cma = cma
+            c._engine.group.cma = cma
 
         def body(c: pycoll.Communicator) -> None:
             r = c.rank
@@ -721,14 +735,14 @@ def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     from pycoll.algorithms.direct import ALLGATHER_SLOT_ROUNDS
 
     with communicators(n) as comms:
-        slot = comms[0]._group.slot_bytes
+        slot = comms[0]._engine.group.slot_bytes
         top = ALLGATHER_SLOT_ROUNDS * slot
         reads = [0] * n
         writes: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
 
         def spy_on(c: pycoll.Communicator) -> None:
             _count_calls(c, "read", reads)
-            G = c._group
+            G = c._engine.group
             assert G is not None
             write = G.write
 

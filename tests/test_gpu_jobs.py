@@ -17,6 +17,7 @@ import pytest
 import pycoll
 from pycoll.buffers import as_buffer
 from pycoll.gpu.jobs import GATES, Gates, Inflight, Job
+from pycoll.guard import Call
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,11 +153,12 @@ def test_a_progress_thread_failure_reaches_the_caller(where: str) -> None:
     def run() -> None:
         raise RuntimeError("lost on the progress thread")
 
-    got = comm._submit_device("allreduce", job, run, x, False, buf, None, 0, "ring")  # type: ignore[arg-type]
+    call = Call("allreduce", buf.count, buf.dtype, None, 0, "ring")
+    got = comm._engine.submit_device(job, run, x, False, call, 1, None, x)  # type: ignore[arg-type]
     assert got is x
     assert job.settled.wait(10)
-    assert comm._executor is not None
-    comm._executor.submit(lambda: None).result(10)  # the failed job is over
+    assert comm._engine.executor is not None
+    comm._engine.executor.submit(lambda: None).result(10)  # the failed job is over
     if where == "next call":
         with pytest.raises(pycoll.CommunicatorClosedError, match="lost on the") as ei:
             comm.allreduce(x)

@@ -42,7 +42,7 @@ def test_shm_segments_are_mode_0600_and_never_named(monkeypatch):
     try:
         with communicators(3, transports=("shm",), timeout=20) as comms:
             assert all(c.transport_of(p) == "shm" for c in comms for p in range(3) if p != c.rank)
-            assert comms[0]._group is not None  # the group segment too
+            assert comms[0]._engine.group is not None  # the group segment too
             run_ranks(3, lambda r: comms[r].allreduce(np.ones(1 << 18, np.float32)))
     finally:
         os.umask(old)

@@ -474,7 +474,7 @@ def test_listeners_close_once_every_peer_is_connected() -> None:
     with communicators(3, transports=("tcp",), timeout=20) as comms:
         for c in comms:
             assert all(c.transport_of(p) == "tcp" for p in range(3) if p != c.rank)
-            tr = c._wiring.transports[0]
+            tr = c._engine.wiring.transports[0]
             assert isinstance(tr, TcpTransport)
             assert tr._endpoint is not None
             for a in tr._endpoint.addrs:

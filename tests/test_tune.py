@@ -364,7 +364,7 @@ def test_integer_reductions_give_the_same_bits_whichever_algorithm(n: int, dtype
 def _key_of(c: pycoll.Communicator, what: str) -> list[Any]:
     return [
         (k, t.names, t.calls, t.best)
-        for k, t in c._tuners.items()
+        for k, t in c._policy.tuners.items()
         if t is not None and k[0] == what
     ]
 
@@ -374,7 +374,7 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
     """Blocking calls replay plans, asynchronous ones take the slow path: both
     count the same schedule, so the ranks never disagree, and every result is right."""
     with communicators(n) as comms:
-        avail = comms[0]._candidates_for("allgather")
+        avail = comms[0]._policy.candidates("allgather")
         close = {
             b: len(cost.contenders("allgather", avail, n, b, comms[0].config.chunk_bytes))
             for b in (256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
@@ -396,7 +396,7 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
                     c.allgather(x, g)
                 np.testing.assert_array_equal(g, want + i)
             # the slow path keeps the function it runs each tuner's calls by
-            assert list(c._tuned) == [t for t in c._tuners.values() if t is not None]
+            assert list(c._policy.tuned) == [t for t in c._policy.tuners.values() if t is not None]
             return _key_of(c, "allgather")
 
         got = run_ranks(n, body)
@@ -407,7 +407,7 @@ def test_ranks_run_the_same_algorithm_at_every_call_blocking_or_not(n: int) -> N
 
 def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
     with communicators(2) as comms:
-        avail = comms[0]._candidates_for("allreduce")
+        avail = comms[0]._policy.candidates("allreduce")
         nbytes = 2 << 20
         close = len(cost.contenders("allreduce", avail, 2, nbytes, comms[0].config.chunk_bytes))
         assert close > 1
@@ -433,7 +433,7 @@ def test_reductions_between_two_ranks_switch_without_changing_results() -> None:
 def test_at_three_ranks_integer_reductions_are_tuned_and_float_ones_not() -> None:
     n, nbytes = 3, 512 << 10
     with communicators(n) as comms:
-        avail = comms[0]._candidates_for("allreduce")
+        avail = comms[0]._policy.candidates("allreduce")
         close = len(cost.contenders("allreduce", avail, n, nbytes, comms[0].config.chunk_bytes))
         assert close > 1
 
@@ -469,7 +469,7 @@ def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
                 c = comms[r]
                 for _ in range(3):
                     c.allgather(big, algorithm=algo)
-                return sum(t is not None for t in c._tuners.values())
+                return sum(t is not None for t in c._policy.tuners.values())
 
             assert run_ranks(2, body) == [0, 0], (cfg, algo)
 
@@ -478,9 +478,10 @@ def test_tuning_is_off_when_asked_or_when_an_algorithm_is_named() -> None:
 def test_caches_stay_bounded_under_calls_of_random_sizes() -> None:
     """Every kind of call (size) once: auto's tuner cache and the fast path's
     caches keep at most their limits, and every result is right."""
-    from pycoll import communicator as cm
+    from pycoll import plans as cm
+    from pycoll import policy
 
-    n, kinds = 2, cm.TUNERS_MAX + 300
+    n, kinds = 2, policy.TUNERS_MAX + 300
     sizes = np.random.default_rng(12).permutation(np.arange(1, kinds + 1))
     with communicators(n) as comms:
 
@@ -491,16 +492,16 @@ def test_caches_stay_bounded_under_calls_of_random_sizes() -> None:
                 g = c.allgather(x)
                 assert g.shape == (n, k) and (g == np.arange(1, n + 1)[:, None]).all()
             return {
-                "tuners": len(c._tuners),
-                "tuned": len(c._tuned),
-                "plans": len(c._plans) + len(c._weak_plans),
-                "steps": len(c._steps),
-                "kinds": len(c._kinds_made),
+                "tuners": len(c._policy.tuners),
+                "tuned": len(c._policy.tuned),
+                "plans": len(c._engine.plans.plans) + len(c._engine.plans.weak_plans),
+                "steps": len(c._engine.plans.steps),
+                "kinds": len(c._engine.plans.kinds),
             }
 
         got = run_ranks(n, body)
     for g in got:
-        assert g["tuners"] <= cm.TUNERS_MAX and g["tuned"] <= cm.TUNERS_MAX, g
+        assert g["tuners"] <= policy.TUNERS_MAX and g["tuned"] <= policy.TUNERS_MAX, g
         assert g["plans"] <= cm.PLAN_MAX + cm.WEAK_PLAN_MAX, g
         assert g["steps"] <= cm.STEPS_MAX and g["kinds"] <= cm.KINDS_MAX, g
 
@@ -511,7 +512,7 @@ def test_check_names_a_tuned_algorithm_rather_than_a_number() -> None:
     tunes, the mismatch names both, ``auto[...]`` with its contenders."""
     n = 2
     with communicators(n, check=True) as comms:
-        avail = comms[0]._candidates_for("allgather")
+        avail = comms[0]._policy.candidates("allgather")
         chunk = comms[0].config.chunk_bytes
         block = next(
             b

@@ -506,13 +506,13 @@ def test_device_host_route_on_a_shared_gpu() -> None:
     for explicit in (False, True):
         cfg = {"device_host_bytes": 128 << 10} if explicit else {}
         with communicators(1, **cfg) as (c,):
-            c.size = 4  # the rule reads only the size, the limits and the GPU context
-            via = c._via_host
-            c._gpu = None  # type: ignore[assignment]
+            c._policy.size = 4  # the rule reads only the size, the limits and the GPU context
+            via = c._policy.via_host
+            c._policy.gpu = None  # type: ignore[assignment]
             assert via("allreduce", "auto", 8) and not via("allreduce", "ring", 8)
             assert not via("allreduce", "auto", (128 << 10) + 1)
             for shared in (False, True):
-                c._gpu = SimpleNamespace(shared_device=shared)  # type: ignore[assignment]
+                c._policy.gpu = SimpleNamespace(shared_device=shared)  # type: ignore[assignment]
                 skip = shared and not explicit
                 assert via("allreduce", "auto", 16 << 10) != skip
                 assert via("allreduce", "auto", 28 << 10)
@@ -524,10 +524,10 @@ def test_device_host_route_on_a_shared_gpu() -> None:
                 assert via("allgather", "auto", 8 << 10)
                 assert via("broadcast", "auto", 16 << 10) != skip
                 assert via("broadcast", "auto", 32 << 10)
-                c.size = 2  # one receiver: its copy back is queued, nothing waits for it
+                c._policy.size = 2  # one receiver: its copy back is queued, nothing waits for it
                 assert via("broadcast", "auto", 8)
-                c.size = 4
-            c.size, c._gpu = 1, None  # as they were, for close()
+                c._policy.size = 4
+            c._policy.size, c._policy.gpu = 1, None  # as they were, for close()
 
 
 def test_pycoll_deprecation_warnings_fail_the_tests() -> None:

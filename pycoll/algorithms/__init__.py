@@ -6,7 +6,13 @@ collective; ``auto`` picks by :mod:`pycoll.algorithms.cost`.
 
 from __future__ import annotations
 
-from pycoll.algorithms import direct, oneshot, ring, tree  # noqa: F401 - registers the algorithms
+from pycoll.algorithms import (  # noqa: F401 - registers the algorithms
+    direct,
+    dissemination,
+    oneshot,
+    ring,
+    tree,
+)
 from pycoll.algorithms.registry import ALGORITHMS, get, names
 
 __all__ = ["ALGORITHMS", "get", "names"]

@@ -23,12 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
+from pycoll.collectives.base import Spec
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
 from pycoll.gpu import direct
 from pycoll.gpu import reduce as dreduce
@@ -488,91 +490,40 @@ class DeviceCall(Job):
                 self.opened = True
         return result
 
-    # ----------------------------------------------------------------- bodies
-    def allreduce(self, op: ReduceOp, algo: str) -> Any:
-        x, out = self.x, self.out
-        assert out is not None
+    # ----------------------------------------------------------------- the call
+    def runner(self, spec: Spec, algo: str) -> Callable[[], Any]:
+        """What the worker runs for call ``spec`` by ``algo``: the collective's
+        envelope (:meth:`pycoll.collectives.base.Collective.envelope`) around the
+        device algorithm, on pycoll's stream."""
+        coll = spec.coll
+        if algo == "direct" and coll.name == "allgather":
+            spec = replace(spec, in_place=True)  # the windows write our own block too
+        prepare = coll.envelope(spec, self._step(spec, algo), self)
+        x, out = spec.x, spec.out
 
-        def body() -> None:
-            xa, oa = x.flat, out.flat
-            if self.ctx.size == 1:
-                if data_ptr(oa) != data_ptr(xa):
-                    oa[...] = xa
-            elif x.count and algo == "direct":
-                direct.allreduce(self.windows(), op, x.dtype, xa, oa)
-            elif x.count:
-                algorithms.get("allreduce", algo)(self.links(op), xa, oa)
-            if op is ReduceOp.AVG:
-                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
+        def run() -> Any:
+            self._run(lambda: prepare(x.flat, None if out is None else out.flat)())
+            return spec.result
 
-        self._run(body)
-        return out.obj
+        return run
 
-    def allgather(self, algo: str) -> Any:
-        x, out = self.x, self.out
-        assert out is not None
-        n, r, k = self.ctx.size, self.ctx.rank, x.count
+    def _step(self, spec: Spec, algo: str) -> Callable[[Any, Any], None] | None:
+        """``step(x, out)``: the device algorithm ``algo`` of ``spec``'s collective;
+        None where nothing moves (one rank, no bytes)."""
+        coll, op = spec.coll, spec.op
+        if spec.n == 1 or spec.x.count == 0 or not coll.moves(spec):
+            return None
+        if algo == "direct":  # one-sided windows (pycoll.gpu.direct)
+            fn = getattr(direct, coll.name)
+            pre = (op, spec.x.dtype) if coll.reduces else ()
+            return lambda a, b: fn(self.windows(), *pre, *coll.args(spec, a, b))
+        g = algorithms.get(coll.name, algo)
+        return lambda a, b: g(self.links(op), *coll.args(spec, a, b))
 
-        def body() -> None:
-            xa, oa = x.flat, out.flat
-            if n > 1 and k and algo == "direct":
-                direct.allgather(self.windows(), xa, oa)  # places our own block too
-                return
-            mine = oa[r * k : (r + 1) * k]
-            if k and data_ptr(mine) != data_ptr(xa):
-                mine[...] = xa
-            if n > 1 and k:
-                algorithms.get("allgather", algo)(self.links(None), xa, oa)
+    # ArrayOps (pycoll.collectives.base) on device arrays
+    @staticmethod
+    def finish_avg(out: Any, n: int, dtype: np.dtype[Any]) -> None:
+        dreduce.finish_avg(out, n, dtype)
 
-        self._run(body)
-        return out.obj
-
-    def broadcast(self, root: int, algo: str) -> Any:
-        b = self.x
-
-        def body() -> None:
-            if self.ctx.size > 1 and b.count and algo == "direct":
-                direct.broadcast(self.windows(), b.flat, root)
-            elif self.ctx.size > 1 and b.count:
-                algorithms.get("broadcast", algo)(self.links(None), b.flat, root)
-
-        self._run(body)
-        return b.obj
-
-    def reduce_scatter(self, op: ReduceOp, algo: str) -> Any:
-        x, out = self.x, self.out
-        assert out is not None
-
-        def body() -> None:
-            xa, oa = x.flat, out.flat
-            if self.ctx.size == 1:
-                oa[...] = xa
-            elif oa.size and algo == "direct":
-                direct.reduce_scatter(self.windows(), op, x.dtype, xa, oa)
-            elif oa.size:
-                algorithms.get("reduce_scatter", algo)(self.links(op), xa, oa)
-            if op is ReduceOp.AVG:
-                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
-
-        self._run(body)
-        return out.obj
-
-    def reduce(self, op: ReduceOp, root: int, algo: str) -> Any:
-        x, out = self.x, self.out
-        is_root = self.ctx.rank == root
-
-        def body() -> None:
-            xa = x.flat
-            oa = out.flat if out is not None else self._cp.empty_like(xa)
-            if self.ctx.size == 1:
-                if data_ptr(oa) != data_ptr(xa):
-                    oa[...] = xa
-            elif x.count and algo == "direct":
-                direct.reduce(self.windows(), op, x.dtype, xa, oa, root)
-            elif x.count:
-                algorithms.get("reduce", algo)(self.links(op), xa, oa, root)
-            if op is ReduceOp.AVG and is_root:
-                dreduce.finish_avg(oa, self.ctx.size, x.dtype)
-
-        self._run(body)
-        return out.obj if out is not None else None
+    def empty_like(self, a: Any) -> Any:
+        return self._cp.empty_like(a)

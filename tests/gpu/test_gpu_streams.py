@@ -284,7 +284,7 @@ def test_failure_on_the_progress_thread(comms, monkeypatch):
         while not done.done:  # the gate opened: the stream does not hang
             assert time.monotonic() - t0 < 60, "the stream still waits for a failed collective"
             time.sleep(0.01)
-        while c._failed is None:
+        while c._engine.failed is None:
             assert time.monotonic() - t0 < 60
             time.sleep(0.01)
         if raise_at == "call":

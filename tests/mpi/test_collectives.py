@@ -64,15 +64,15 @@ def comm_small_chunks():
 def comm_slots():
     """Direct algorithms without direct reads: every size goes through 4 KiB slots."""
     c = pycoll.init(timeout=120, group_slot_bytes=4096)
-    if c._group is not None:
-        c._group.cma = False  # as when the kernel forbids cross-memory attach
+    if c._engine.group is not None:
+        c._engine.group.cma = False  # as when the kernel forbids cross-memory attach
     yield c
     c.close()
 
 
 def skip_unavailable(c, algo: str) -> None:
     """``direct`` needs every rank on one host sharing memory (not so over rdma-only)."""
-    if algo == "direct" and SIZE > 1 and c._group is None:
+    if algo == "direct" and SIZE > 1 and c._engine.group is None:
         pytest.skip("no group segment: direct is not available")
 
 
@@ -204,7 +204,7 @@ def test_large_multichunk(comm, algo):
 def test_deterministic_across_calls(comm):
     x = data(RANK, 100_003, np.dtype(np.float32), "sum")
     for algo in ALGOS["allreduce"]:
-        if algo == "direct" and SIZE > 1 and comm._group is None:
+        if algo == "direct" and SIZE > 1 and comm._engine.group is None:
             continue
         a = comm.allreduce(x, np.empty_like(x), algorithm=algo)
         b = comm.allreduce(x, np.empty_like(x), algorithm=algo)
@@ -303,23 +303,23 @@ def test_direct_is_offered_exactly_when_ranks_share_memory(comm):
         assert "direct" in names(coll)
     x = np.ones(4, np.float32)
     if SIZE > 1 and os.environ.get("PYCOLL_TRANSPORT", "auto") not in ("auto", "shm"):
-        assert comm._group is None
+        assert comm._engine.group is None
         with pytest.raises(
             pycoll.InvalidArgumentError, match="direct needs every rank on one host"
         ):
             comm.allreduce(x, algorithm="direct")
     elif SIZE > 1:
-        assert comm._group is not None
+        assert comm._engine.group is not None
 
 
 def test_group_segment_leaves_no_name_behind(comm):
     """The group segment is unlinked once every rank attached: nothing outlives the job."""
-    if comm._group is None:
+    if comm._engine.group is None:
         pytest.skip("no group segment")
     WORLD.Barrier()
-    assert not os.path.exists(os.path.join("/dev/shm", comm._group.name))
+    assert not os.path.exists(os.path.join("/dev/shm", comm._engine.group.name))
     c = pycoll.init(timeout=60)
-    name = c._group.name
+    name = c._engine.group.name
     assert not os.path.exists(os.path.join("/dev/shm", name))
     c.allreduce(np.ones(3, np.float32), algorithm="direct")
     c.close()

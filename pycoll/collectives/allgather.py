@@ -1,0 +1,78 @@
+"""allgather: every rank's ``sendbuf`` into everyone's output, rank-major.
+
+The output holds ``n * k`` elements; ``recvbuf=None`` allocates one of shape
+``(n, *sendbuf.shape)`` each call.  In place, ``sendbuf`` is block ``rank`` of
+``recvbuf`` itself; otherwise the envelope copies a rank's own block, and the
+algorithm moves the others.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from pycoll.buffers import as_buffer
+from pycoll.collectives.base import (
+    ArrayOps,
+    Collective,
+    Prepare,
+    Spec,
+    Step,
+    check_alias,
+    empty_like,
+    nothing,
+    output,
+)
+
+
+class Allgather(Collective):
+    name = "allgather"
+    ident = 2
+
+    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+        what = self.name
+        x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
+        given = recvbuf is not None
+        if not given:
+            recvbuf = empty_like(x, (n, *x.shape))
+        out = output(recvbuf, x, n * x.count, r, what)
+        how = f"sendbuf must be exactly block {r} of recvbuf"
+        in_place = check_alias(x, out, r * x.nbytes, r, what, how)
+        return Spec(
+            self,
+            n,
+            r,
+            x,
+            out,
+            None,
+            0,
+            given=given,
+            in_place=in_place,
+            x_written=False,
+            result=out.obj,
+        )
+
+    def fresh_shape(self, spec: Spec) -> tuple[int, ...] | None:
+        return None if spec.given else (spec.n, *spec.x.shape)
+
+    def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
+        r, k = spec.r, spec.x.count
+        if spec.in_place:  # the rank's own block is already there
+            if step is None:
+                return nothing
+            return partial(partial, step)
+
+        def prepare(xa: Any, oa: Any) -> Any:
+            mine = oa[r * k : (r + 1) * k]
+
+            def run() -> None:
+                mine[...] = xa
+                if step is not None:
+                    step(xa, oa)
+
+            return run
+
+        return prepare
+
+
+ALLGATHER = Allgather()

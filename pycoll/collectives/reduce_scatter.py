@@ -1,0 +1,83 @@
+"""reduce_scatter: ``sendbuf`` holds ``n * k`` elements; rank r gets the
+reduction of every rank's block r (``k`` elements).
+
+``recvbuf=None`` allocates a new 1-D output each call; there is no in-place
+form (the output may not overlap the input).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from pycoll.buffers import as_buffer
+from pycoll.collectives.base import (
+    ArrayOps,
+    Collective,
+    Prepare,
+    Spec,
+    Step,
+    check_alias,
+    empty_like,
+    output,
+)
+from pycoll.errors import InvalidArgumentError
+from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
+
+
+class ReduceScatter(Collective):
+    name = "reduce_scatter"
+    ident = 4
+    reduces = True
+
+    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+        what = self.name
+        rop = parse_op(op, r, what)
+        x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
+        if x.count % n:
+            raise InvalidArgumentError(
+                f"rank {r}: {what}: sendbuf has {x.count} elements, "
+                f"not a multiple of the communicator size {n}"
+            )
+        given = recvbuf is not None
+        if not given:
+            recvbuf = empty_like(x, (x.count // n,))
+        out = output(recvbuf, x, x.count // n, r, what)
+        check_alias(x, out, None, r, what)
+        check_op_dtype(rop, x.dtype, r, what)
+        return Spec(
+            self,
+            n,
+            r,
+            x,
+            out,
+            rop,
+            0,
+            given=given,
+            in_place=False,
+            x_written=False,
+            result=out.obj,
+        )
+
+    def fresh_shape(self, spec: Spec) -> tuple[int, ...] | None:
+        return None if spec.given else (spec.x.count // spec.n,)
+
+    def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
+        n, dtype = spec.n, spec.x.dtype
+        avg = spec.op is ReduceOp.AVG
+        if step is not None and not avg:
+            return partial(partial, step)
+        alone = n == 1
+
+        def run(xa: Any, oa: Any) -> None:
+            if alone:
+                oa[...] = xa
+            elif step is not None:
+                step(xa, oa)
+            if avg:
+                ops.finish_avg(oa, n, dtype)
+
+        return partial(partial, run)
+
+
+REDUCE_SCATTER = ReduceScatter()

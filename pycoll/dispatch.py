@@ -1,0 +1,194 @@
+"""From a public call to the engine: the path of every collective.
+
+1. **Fast entry.** A blocking call on arrays the replay cache knows runs its
+   plan or its kind (:mod:`pycoll.plans`), keyed by :func:`pycoll.plans.key`.
+2. **Slow path.** Otherwise the collective checks the call into a
+   :class:`~pycoll.collectives.base.Spec` (raising before any byte moves), the
+   policy picks the algorithm (:mod:`pycoll.policy`), and the call runs:
+   device buffers on the device (:mod:`pycoll.gpu.context`) or through pinned
+   host copies; host buffers by a new plan (blocking calls on NumPy arrays,
+   then replayed), or as one call (:meth:`Dispatch.staged`).
+
+A call rejected for its arguments still takes a sequence number
+(:meth:`pycoll.engine.Engine.reject`), so the ranks' numbering stays in step.
+"""
+
+from __future__ import annotations
+
+from _thread import get_ident
+from typing import Any
+
+import numpy as np
+
+from pycoll.buffers import is_torch
+from pycoll.collectives.base import HOST, Collective, Spec
+from pycoll.engine import Engine
+from pycoll.errors import InvalidArgumentError
+from pycoll.guard import Call
+from pycoll.plans import PLAN_MAX_BYTES, key
+from pycoll.policy import Policy
+
+
+class Dispatch:
+    """Runs the calls of one communicator (see the module docstring)."""
+
+    def __init__(self, engine: Engine, policy: Policy, gpu: Any) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.gpu = gpu
+        self.size = engine.size
+        self.rank = engine.rank
+        self._plans = engine.plans.plans
+        self._weak = engine.plans.weak_plans
+        self._known_kind = engine.plans.known_kind
+        self._replay = engine.replay
+
+    def call(
+        self,
+        coll: Collective,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any,
+        root: Any,
+        algorithm: Any,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """Run one call of ``coll``: replayed if the cache knows it, else the slow path."""
+        k = None
+        if not async_op and stream is None and not self.engine.inflight and type(root) is int:
+            try:
+                k = key(coll, sendbuf, recvbuf, op, root, algorithm)
+                p = self._plans.get(k) or self._weak.get(k)
+            except TypeError:  # unhashable op or algorithm: the slow path says why
+                k = p = None
+            if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
+                return self._replay(p, sendbuf, recvbuf)
+            if k is not None:
+                kd = self._known_kind((coll, op, root, algorithm), sendbuf, recvbuf)
+                if kd is not None:
+                    return self._replay(kd, sendbuf, recvbuf)
+        try:
+            return self._slow(coll, k, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+        except InvalidArgumentError as exc:
+            if not getattr(exc, "_counted", False):  # else the engine counted it
+                self.engine.reject(coll.name)
+            raise
+
+    def _slow(
+        self,
+        coll: Collective,
+        k: tuple[Any, ...] | None,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any,
+        root: Any,
+        algorithm: Any,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """The slow path (a method of its own, apart from the fast entry, so that
+        the closures made here cost a replayed call nothing)."""
+        eng, policy, what = self.engine, self.policy, coll.name
+        eng.check_open(what)
+        spec = coll.check(self.size, self.rank, sendbuf, recvbuf, op, root)
+        algo = policy.algorithm(what, algorithm, spec.nbytes)
+        x = spec.x
+        if (
+            x.is_device
+            and self.gpu is not None
+            and not policy.via_host(what, algorithm, spec.nbytes)
+        ):
+            return self._device(spec, policy.device(what, algorithm, algo), async_op, stream)
+        tuner = policy.tuner(what, algorithm, spec.nbytes, x.dtype, spec.op, spec.root)
+        algo, run_algo = policy.host(what, algo, tuner)
+        call = Call(what, x.count, x.dtype, spec.op, spec.root, algo)
+        if k is not None and self._plannable(async_op, stream, spec):
+            plans = eng.plans
+            step = None
+            if coll.moves(spec):
+                step = plans.step((what, algo, x.dtype, spec.op, x.count, spec.root, tuner))
+            p = plans.make_plan(k, spec, sendbuf, recvbuf, coll.envelope(spec, step, HOST), call)
+            plans.add_kind(
+                (coll, op, root, algorithm),
+                sendbuf,
+                recvbuf,
+                spec,
+                lambda s: coll.envelope(s, step, HOST),
+                call,
+            )
+            return eng.replay(p, sendbuf, recvbuf)
+        step = None
+        if coll.moves(spec):
+
+            def step(a: Any, b: Any) -> None:
+                run_algo(eng.links(x.dtype, spec.op), *coll.args(spec, a, b))
+
+        prepare = coll.envelope(spec, step, HOST)
+        return self.staged(spec, lambda xa, oa: prepare(xa, oa)(), call, async_op, stream)
+
+    def _plannable(self, async_op: bool, stream: Any, spec: Spec) -> bool:
+        """Whether this call may become a plan: a blocking call on host arrays with
+        nothing queued.  NumPy arrays of any size (the large ones make weak
+        plans); torch CPU tensors up to :data:`PLAN_MAX_BYTES` into an output the
+        caller gave, checked by signature (a plan holds them).  Other buffers
+        (memoryview, bytearray, ...) never: no export of theirs outlives the
+        call, so a bytearray stays resizable."""
+        x, out = spec.x, spec.out
+        if (
+            not spec.coll.plannable
+            or async_op
+            or stream is not None
+            or self.engine.config.check
+            or self.engine.inflight
+            or x.is_device
+        ):
+            return False
+        if isinstance(x.obj, np.ndarray) and (out is None or isinstance(out.obj, np.ndarray)):
+            return True
+        return (
+            spec.coll.fresh_shape(spec) is None
+            and x.nbytes <= PLAN_MAX_BYTES
+            and is_torch(x.obj)
+            and (out is None or (is_torch(out.obj) and out.nbytes <= PLAN_MAX_BYTES))
+        )
+
+    def staged(self, spec: Spec, body: Any, call: Call, async_op: bool, stream: Any) -> Any:
+        """Submit the host collective ``body(x, out)``: on host arrays themselves;
+        device buffers go through pinned copies ordered on ``stream`` (a job of
+        the worker, :meth:`GpuContext.through_host`) when this rank has a GPU
+        context, else through plain host copies."""
+        eng, x, out, result = self.engine, spec.x, spec.out, spec.result
+        copy_in, copy_out = spec.coll.staging(spec)
+        ident = spec.coll.ident
+        if x.is_device and self.gpu is not None:
+            job = self.gpu.through_host(x, out, stream, copy_in, copy_out, async_op)
+            return eng.submit_device(
+                job, lambda: job.run(body), result, async_op, call, ident, self.gpu, x.obj
+            )
+
+        def run() -> Any:
+            if not x.is_device:
+                body(x.flat, None if out is None else out.flat)
+                return result
+            hx = x.flat.get() if copy_in else np.empty(x.count, x.dtype)
+            if out is None:
+                ho = None
+            elif out.same_memory(x):
+                ho = hx
+            else:
+                ho = np.empty(out.count, out.dtype)
+            body(hx, ho)
+            if out is not None and copy_out:
+                out.flat.set(ho)
+            return result
+
+        return eng.submit(run, async_op, call, ident)
+
+    def _device(self, spec: Spec, algo: str, async_op: bool, stream: Any) -> Any:
+        """A collective on device buffers, by the device algorithms."""
+        eng, gpu, x = self.engine, self.gpu, spec.x
+        dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.polite, async_op)
+        run = dc.runner(spec, algo)
+        call = Call(spec.coll.name, x.count, x.dtype, spec.op, spec.root, algo)
+        return eng.submit_device(dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj)
