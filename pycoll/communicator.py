@@ -9,7 +9,10 @@ its collective (:mod:`pycoll.collectives`), picks the algorithm
 
 from __future__ import annotations
 
+import contextlib
 import os
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,9 +28,10 @@ from pycoll.collectives import (
 )
 from pycoll.config import Config, setup_logging
 from pycoll.dispatch import Dispatch
-from pycoll.engine import Engine
+from pycoll.engine import Engine, Family
 from pycoll.errors import CommunicatorClosedError, InvalidArgumentError
 from pycoll.gpu import setup as gpu_setup
+from pycoll.p2p import PeerCalls
 from pycoll.policy import Policy
 from pycoll.reduce import ReduceOp
 from pycoll.rendezvous import Bootstrap
@@ -94,25 +98,37 @@ class Communicator:
             cpus, peers = seen[r]
             return 1 + len(peers) > len(set(cpus).union(*(seen[p][0] for p in peers)))
 
-        self._engine = eng = Engine(
+        fam = Family(self.rank, config, wiring, self._gpu, bootstrap)
+        eng = Engine(
             self.rank,
             self.size,
             config,
-            wiring,
+            fam,
+            wiring.conns,
+            wiring.kind,
+            wiring.group,
+            tuple(range(self.size)),
+            0,
             bootstrap,
             any(crowded(r) for r in range(self.size)),
             _waiting_policy(crowded(self.rank)),
         )
+        fam.status = eng.status
+        self._start(eng, wiring.group_why, root=True)
+
+    def _start(self, eng: Engine, group_why: str, *, root: bool) -> None:
+        """Wire the parts of a communicator around its engine (``root``: made by
+        ``init``, not by :meth:`split` or :meth:`dup`)."""
+        self._engine = eng
+        self._root = root
+        self._splits = 0  # split() and dup() calls so far: their contexts' seeds
         self._policy = Policy(
-            self.rank,
-            self.size,
-            config,
-            wiring.group is not None,
-            wiring.group_why,
-            eng.agree,
-            self._gpu,
+            eng.rank, eng.size, self.config, eng.group is not None, group_why, eng.agree, self._gpu
         )
-        self._call = Dispatch(eng, self._policy, self._gpu).call
+        # A sub-communicator's ranks are not the device connections': its device
+        # buffers go through pinned host memory.
+        self._call = Dispatch(eng, self._policy, self._gpu, device=root).call
+        self._peers = PeerCalls(eng)
 
     # ------------------------------------------------------------------ public
     def transport_of(self, peer: int, *, device: bool = False) -> str:
@@ -259,38 +275,205 @@ class Communicator:
         """
         return self._call(BARRIER, None, None, None, 0, "auto", async_op, None)
 
+    # ------------------------------------------------------------------ point-to-point
+    def send(self, buf: Any, peer: int, *, tag: int = 0, async_op: bool = False) -> Any:
+        """Send ``buf`` to rank ``peer``; it matches that rank's receive with the same tag.
+
+        Messages from one rank to another match in the order they were sent, for
+        each tag.  Point-to-point calls are ordered with the collectives of this
+        communicator as in NCCL (:mod:`pycoll.p2p`): a collective first completes
+        the calls posted before it.
+
+        Args:
+            buf: contiguous array (host or device; device buffers go through host memory).
+            peer: the destination rank (this rank too).
+            tag: a 64-bit integer.
+            async_op: return a request (``wait()``, ``test()``) instead of completing.
+
+        Returns:
+            None (or a request).
+
+        Raises:
+            InvalidArgumentError: a bad buffer, peer or tag.
+            PeerAbortedError: the peer is gone.
+        """
+        return self._peers.call(True, buf, peer, tag, async_op)
+
+    def recv(
+        self, buf: Any, peer: int | None = None, *, tag: int = 0, async_op: bool = False
+    ) -> Any:
+        """Receive into ``buf`` the next message from rank ``peer`` (any rank with
+        None) that has tag ``tag``.
+
+        The message must have ``buf``'s element count and dtype: another raises
+        :class:`CollectiveMismatchError` and writes nothing.  :attr:`last_source`
+        (or the request's ``source``) says who sent it.
+
+        Returns:
+            ``buf`` (or a request whose ``wait()`` returns it).
+
+        Raises:
+            InvalidArgumentError: a bad buffer, peer or tag.
+            CollectiveMismatchError: the message's count or dtype differs.
+            PeerAbortedError: the peer is gone.
+        """
+        return self._peers.call(False, buf, peer, tag, async_op)
+
+    def sendrecv(
+        self, sendbuf: Any, dest: int, recvbuf: Any, source: int | None, *, tag: int = 0
+    ) -> Any:
+        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from ``source``,
+        posted together (a ring shift never deadlocks).
+
+        Returns:
+            ``recvbuf``.
+        """
+        with self.group():
+            self.send(sendbuf, dest, tag=tag)
+            req = self.recv(recvbuf, source, tag=tag)
+        return req.wait()
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Post the point-to-point calls made inside together, and complete them
+        on exit (as NCCL's ``ncclGroupStart``/``ncclGroupEnd``): every rank of a
+        ring may send to its right and receive from its left, at any size.
+
+        The calls inside return requests, done once the block exits.
+
+        Raises:
+            InvalidArgumentError: a group inside a group.
+        """
+        peers = self._peers
+        if peers.grouped is not None:
+            raise InvalidArgumentError(f"rank {self.rank}: group: already inside a group()")
+        ops: list[Any] = []
+        peers.grouped = ops
+        try:
+            yield
+        except BaseException:
+            peers.grouped = None  # nothing was posted
+            raise
+        peers.grouped = None
+        peers.run_group(ops)
+
+    @property
+    def last_source(self) -> int | None:
+        """The rank whose message the last completed :meth:`recv` took."""
+        return self._peers.last_source
+
+    # ------------------------------------------------------------------ sub-communicators
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """A communicator of the ranks that pass the same ``color`` (MPI_Comm_split,
+        ncclCommSplit); every rank of this one calls it.
+
+        Ranks are ordered by ``key``, then by their rank here.  The new
+        communicator shares this one's connections (:mod:`pycoll.engine`'s
+        family): its calls and this one's run in one order on each rank and
+        never pair with each other.  It has the group segment (the ``direct``
+        algorithms) only when it has all of this one's ranks in the same order.
+
+        Args:
+            color: a non-negative integer; None: this rank joins none (returns None).
+            key: orders the ranks of the new communicator.
+
+        Raises:
+            InvalidArgumentError: a negative or non-integer color, a non-integer key.
+        """
+        what = "split"
+        ok = color is None or (_integer(color) and color >= 0)
+        if not ok or not _integer(key):
+            self._engine.reject(what)
+            raise InvalidArgumentError(
+                f"rank {self.rank}: split: color={color!r} must be None or an integer >= 0, "
+                f"key={key!r} an integer"
+            )
+        mine = np.array([-1 if color is None else int(color), int(key)], np.int64)
+        every = self.allgather(mine)
+        seed = self._splits
+        self._splits += 1
+        if color is None:
+            return None
+        members = sorted(
+            (r for r in range(self.size) if every[r, 0] == color), key=lambda r: (every[r, 1], r)
+        )
+        return self._child(members, f"split {seed} color {color}")
+
+    def dup(self) -> Communicator:
+        """A communicator of the same ranks in the same order, whose calls never pair
+        with this one's (MPI_Comm_dup); every rank calls it.  It shares this one's
+        connections and group segment, and moves no byte to be made."""
+        self._engine.check_open("dup")
+        seed = self._splits
+        self._splits += 1
+        return self._child(list(range(self.size)), f"dup {seed}")
+
+    def _child(self, members: list[int], name: str) -> Communicator:
+        pe = self._engine
+        me = members.index(self.rank)
+        ctx = zlib.crc32(f"{pe.ctx}/{name}".encode()) or 1
+        same = members == list(range(self.size))
+        group = pe.group if same else None
+        why = self._policy.group_why if same else "a sub-communicator of other ranks has none"
+        eng = Engine(
+            me,
+            len(members),
+            self.config,
+            pe.fam,
+            {i: pe.conns[m] for i, m in enumerate(members) if i != me},
+            {i: pe.kinds[m] for i, m in enumerate(members)},
+            group,
+            tuple(pe.members[m] for m in members),
+            ctx,
+            None,
+            pe.crowded,
+            pe.backoff,
+        )
+        c = Communicator.__new__(Communicator)
+        c.config, c.rank, c.size = self.config, me, len(members)
+        c._bootstrap = None  # type: ignore[assignment]
+        c._gpu = self._gpu
+        c._start(eng, why, root=False)
+        return c
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release every connection and segment; idempotent."""
+        """Release every connection and segment; idempotent.
+
+        A sub-communicator (:meth:`split`, :meth:`dup`) only stops taking calls:
+        the connections are its root communicator's, which closes them (and
+        with them every sub-communicator) when it closes.
+        """
         eng = self._engine
         if eng.closed:
             return
-        eng.shutdown(wait=True)
-        self._close_rest()
-        if eng.unseen:  # a device collective's output is wrong and nothing said so
-            eng.unseen = False
+        eng.shutdown()
+        if not self._root:
+            return
+        fam = eng.fam
+        fam.teardown(True)
+        self._gpu = None
+        if fam.unseen:  # a device collective's output is wrong and nothing said so
+            fam.unseen = False
             raise CommunicatorClosedError(
                 f"rank {self.rank}: close: a device collective failed after its call "
-                f"returned, and no later call reported it: {eng.failed}"
-            ) from eng.failed
+                f"returned, and no later call reported it: {fam.failed}"
+            ) from fam.failed
 
     def abort(self) -> None:
         """Tear down at once without waiting for peers or queued collectives.
 
         A collective it interrupts on this rank (on another thread, or queued)
         raises :class:`CommunicatorClosedError`, whatever the transport; peers
-        waiting on this rank raise :class:`PeerAbortedError`.
+        waiting on this rank raise :class:`PeerAbortedError`.  On a
+        sub-communicator it aborts the root communicator and every
+        sub-communicator too, since they share the connections.
         """
-        self._engine.aborted = True
-        self._engine.shutdown(wait=False)
-        self._close_rest()
-
-    def _close_rest(self) -> None:
-        if self._gpu is not None:
-            self._gpu.close()
-            self._gpu = None
-        self._engine.close_wiring()
-        self._bootstrap.close()
+        eng = self._engine
+        eng.fam.aborted = True
+        eng.shutdown()
+        eng.fam.teardown(False)
+        self._gpu = None
 
     def recent(self) -> list[str]:
         """The flight recorder: this rank's recent collectives, oldest first."""
@@ -304,6 +487,10 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"<pycoll.Communicator rank {self.rank} of {self.size}>"
+
+
+def _integer(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _cpus() -> set[int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pycoll.errors import InvalidArgumentError
+from transports import shm_group
 
 DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")
 KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
@@ -31,6 +32,8 @@ DEVICE_NONE = ("none", "host", "staged")
 #: The group segment's slots are whole pages (transports/shm_group.py maps each
 #: rank's slots page-aligned), so PYCOLL_GROUP_SLOT_BYTES is 0 or a multiple of this.
 GROUP_SLOT_ALIGN = 4096
+#: The group segment's default slot (64 KiB ran 2-4x slower at 128-256 KiB by address).
+GROUP_SLOT_BYTES = shm_group.SLOT_BYTES
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 # A library attaches no handler of its own: without PYCOLL_DEBUG, the
@@ -216,7 +219,7 @@ class Config:
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
     device_host_bytes: int | None = None
-    group_slot_bytes: int = 256 << 10  # 64K: 2-4x slower at 128-256 KiB by address
+    group_slot_bytes: int = GROUP_SLOT_BYTES
     tune: bool = True
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """From a public call to the engine: the path of every collective.
 
 1. **Fast entry.** A blocking call on arrays the replay cache knows runs its
-   plan or its kind (:mod:`pycoll.plans`), keyed by :func:`pycoll.plans.key`.
+   plan or its kind (:mod:`pycoll.plans`); the plan's key is made here once.
 2. **Slow path.** Otherwise the collective checks the call into a
    :class:`~pycoll.collectives.base.Spec` (raising before any byte moves), the
    policy picks the algorithm (:mod:`pycoll.policy`), and the call runs:
@@ -25,15 +25,24 @@ from pycoll.collectives.base import HOST, Collective, Spec
 from pycoll.engine import Engine
 from pycoll.errors import InvalidArgumentError
 from pycoll.guard import Call
-from pycoll.plans import PLAN_MAX_BYTES, key
+from pycoll.plans import PLAN_MAX_BYTES
 from pycoll.policy import Policy
 
 
 class Dispatch:
-    """Runs the calls of one communicator (see the module docstring)."""
+    """Runs the calls of one communicator (see the module docstring).
 
-    def __init__(self, engine: Engine, policy: Policy, gpu: Any) -> None:
+    Args:
+        engine, policy: the communicator's.
+        gpu: its device side (:class:`pycoll.gpu.context.GpuContext`), or None.
+        device: device buffers may take the device algorithms (else they go
+            through pinned host memory and the host algorithms).
+    """
+
+    def __init__(self, engine: Engine, policy: Policy, gpu: Any, device: bool = True) -> None:
         self.engine = engine
+        self.device = device and gpu is not None  # else device buffers go through the host
+        self._fam = engine.fam
         self.policy = policy
         self.gpu = gpu
         self.size = engine.size
@@ -56,9 +65,11 @@ class Dispatch:
     ) -> Any:
         """Run one call of ``coll``: replayed if the cache knows it, else the slow path."""
         k = None
-        if not async_op and stream is None and not self.engine.inflight and type(root) is int:
+        if not async_op and stream is None and not self._fam.inflight and type(root) is int:
             try:
-                k = key(coll, sendbuf, recvbuf, op, root, algorithm)
+                # the one key of a call's plan (:class:`pycoll.plans.Plan`), made
+                # here once and handed to the slow path, which keeps plans by it
+                k = (coll, id(sendbuf), id(recvbuf), op, root, algorithm)
                 p = self._plans.get(k) or self._weak.get(k)
             except TypeError:  # unhashable op or algorithm: the slow path says why
                 k = p = None
@@ -140,7 +151,7 @@ class Dispatch:
             or async_op
             or stream is not None
             or self.engine.config.check
-            or self.engine.inflight
+            or self._fam.inflight
             or x.is_device
         ):
             return False
@@ -188,7 +199,7 @@ class Dispatch:
     def _device(self, spec: Spec, algo: str, async_op: bool, stream: Any) -> Any:
         """A collective on device buffers, by the device algorithms."""
         eng, gpu, x = self.engine, self.gpu, spec.x
-        dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.polite, async_op)
+        dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.fam.polite, async_op)
         run = dc.runner(spec, algo)
         call = Call(spec.coll.name, x.count, x.dtype, spec.op, spec.root, algo)
         return eng.submit_device(dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj)

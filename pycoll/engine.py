@@ -50,6 +50,7 @@ from pycoll.errors import (
 )
 from pycoll.gpu.jobs import Job
 from pycoll.guard import AGREE_FP, CHECK_FP, FINGERPRINTS_MAX, M32, Call, fingerprint
+from pycoll.p2p import PointToPoint
 from pycoll.plans import RECVBUF, SENDBUF, Kind, Plan, Plans, make_room
 from pycoll.reduce import ReduceOp, ufunc
 from pycoll.requests import DeviceRequest, Request
@@ -92,13 +93,85 @@ class Record:
         )
 
 
+class Family:
+    """What a communicator shares with the sub-communicators made from it
+    (:meth:`~pycoll.Communicator.split`, :meth:`~pycoll.Communicator.dup`): the
+    connections, the one order in which the calls of all of them run (a lock
+    taken without waiting, one worker thread), point-to-point state, and the
+    failure that leaves all of them unusable, since they share the connections.
+
+    Args:
+        rank: this process' rank in the root communicator.
+        config: the root communicator's settings.
+        wiring: its connections and group segment (:class:`pycoll.bootstrap.Wiring`).
+        gpu: its device side, or None; bootstrap: what it was wired over.
+    """
+
+    def __init__(self, rank: int, config: Config, wiring: Any, gpu: Any, bootstrap: Any) -> None:
+        self.wiring = wiring
+        self.gpu = gpu  # the device side (pycoll.gpu.context), or None
+        self.bootstrap = bootstrap
+        self.status: StatusChannel | None = None  # the root communicator's
+        self.conns = wiring.conns
+        self.closed = False
+        self.aborted = False
+        self.failed: BaseException | None = None
+        # a device collective failed on the worker and no call has raised it yet
+        self.unseen = False
+        self.executor: ThreadPoolExecutor | None = None
+        self.inflight = 0
+        self.lock = threading.Lock()
+        # Held while a call runs, inline or on the worker: taken without waiting,
+        # so that a second thread's call fails rather than interleave.  On the
+        # 2-core machine it made a replayed 8 B allreduce at n = 1 0.2-0.3 us slower.
+        busy = threading.Lock()
+        self.enter, self.leave = busy.acquire, busy.release
+        self.running: list[Any] | None = None  # the recorder entry of the call that runs
+        self.caller = threading.current_thread()
+        # Asynchronous calls run on a worker thread beside the caller's
+        # computation: there a spinning waiter would take the core (and the GIL)
+        # that the computation needs, so it naps almost at once instead.
+        self.polite = Backoff(spins=4, yields=16, max_sleep=200e-6)
+        self.p2p = PointToPoint(rank, wiring.conns, config.timeout)
+        self.contexts: set[int] = {0}  # of its communicators, each one's own tag space
+
+    def close_wiring(self) -> None:
+        if self.wiring is not None:
+            self.wiring.close()
+            self.wiring = None
+        self.conns = {}
+
+    def teardown(self, wait: bool) -> None:
+        """End the family: no more calls, the worker stopped (``wait``: once its
+        queued calls ran, else dropping them), then the device side, the
+        connections, the status channel and the bootstrap, in that order."""
+        self.closed = True
+        if self.executor is not None:
+            self.executor.shutdown(wait=wait, cancel_futures=not wait)
+            self.executor = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
+        self.close_wiring()
+        if self.status is not None:
+            self.status.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+
+
 class Engine:
     """The execution state of one communicator (see the module docstring).
 
     Args:
         rank, size, config: the communicator's.
-        wiring: its connections and group segment (:class:`pycoll.bootstrap.Wiring`).
-        bootstrap: for the status exchange of a timeout.
+        fam: the family it belongs to (shared with its sub-communicators).
+        conns, kinds, group: its connections by its ranks, their transports, and
+            the group segment its ranks share (or None).
+        members: its ranks' ranks in the family's root communicator.
+        ctx: its context: a number every member agrees on, folded into the
+            fingerprint of its calls, so that no call of one communicator pairs
+            with a call of another on the shared connections.
+        bootstrap: for the status exchange of a timeout (None: no exchange).
         crowded: some host runs more ranks than it has cores (every rank's verdict).
         backoff: how this rank's blocking calls wait (its host's verdict).
     """
@@ -108,7 +181,12 @@ class Engine:
         rank: int,
         size: int,
         config: Config,
-        wiring: Any,
+        fam: Family,
+        conns: dict[int, Any],
+        kinds: dict[int, str],
+        group: Any,
+        members: tuple[int, ...],
+        ctx: int,
         bootstrap: Any,
         crowded: bool,
         backoff: Backoff,
@@ -116,23 +194,18 @@ class Engine:
         self.rank = rank
         self.size = size
         self.config = config
-        self.wiring = wiring
-        self.conns = wiring.conns
-        self.group = wiring.group
-        self.kinds = dict(wiring.kind)
+        self.fam = fam
+        self.conns = conns
+        self.group = group
+        self.kinds = dict(kinds)
         self.kinds[rank] = "self"
+        self.members = members
+        self.ctx = ctx
         self.crowded = crowded
         self.backoff = backoff
-        # Asynchronous collectives run on a worker thread beside the caller's
-        # computation: there a spinning waiter would take the core (and the GIL)
-        # that the computation needs, so it naps almost at once instead.
-        self.polite = Backoff(spins=4, yields=16, max_sleep=200e-6)
-        self.caller = threading.current_thread()
         self.closed = False
-        self.aborted = False
-        self.failed: BaseException | None = None
-        # a device collective failed on the worker and no call has raised it yet
-        self.unseen = False
+        self.p2p = fam.p2p
+        self.enter, self.leave = fam.enter, fam.leave
         self.seq = 0
         # the current call's message tag and fingerprint (execute sets them for
         # links(); steps set their own), and the calls seen, by fingerprint
@@ -143,27 +216,37 @@ class Engine:
         self.links_cache: dict[tuple[Any, ReduceOp | None], Links] = {}
         # through the attribute, so that a test may count the steps made
         self.plans = Plans(lambda k: self.make_step(k), self.seen)
-        self.executor: ThreadPoolExecutor | None = None
-        self.inflight = 0
-        self.lock = threading.Lock()
-        # Held while a collective runs, inline or on the worker: taken without
-        # waiting, so that a second thread's call fails rather than interleave.
-        # On the 2-core machine it made a replayed 8 B allreduce at n = 1 0.2-0.3 us slower.
-        busy = threading.Lock()
-        self.enter, self.leave = busy.acquire, busy.release
-        self.status = StatusChannel(bootstrap)
+        self.status = StatusChannel(bootstrap) if bootstrap is not None else None
+
+    # the family's, read by tests and the communicator
+    @property
+    def failed(self) -> BaseException | None:
+        return self.fam.failed
+
+    @property
+    def executor(self) -> ThreadPoolExecutor | None:
+        return self.fam.executor
+
+    @property
+    def wiring(self) -> Any:
+        return self.fam.wiring
+
+    @property
+    def inflight(self) -> int:
+        return self.fam.inflight
 
     # ------------------------------------------------------------------ state
     def check_open(self, what: str) -> None:
-        if self.closed:
+        fam = self.fam
+        if self.closed or fam.closed:
             raise CommunicatorClosedError(f"rank {self.rank}: {what}: communicator is closed")
-        if self.failed is not None:
+        if fam.failed is not None:
             if not threading.current_thread().name.startswith(WORKER):
-                self.unseen = False  # reported to the caller
+                fam.unseen = False  # reported to the caller
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {what}: communicator is unusable after an earlier "
-                f"failure: {self.failed}"
-            ) from self.failed
+                f"failure: {fam.failed}"
+            ) from fam.failed
 
     def records(self) -> list[Record]:
         return [Record(*e) for e in self.recent]
@@ -178,21 +261,16 @@ class Engine:
             make_room(self.fps, FINGERPRINTS_MAX)
             self.fps[fp] = call
 
-    def shutdown(self, wait: bool) -> None:
-        """Stop taking calls: drop the plans and the worker (``wait``: let queued
-        calls finish first), then close the connections and the status channel."""
+    def shutdown(self) -> None:
+        """Stop taking calls and drop the plans (they hold views of the group segment)."""
         self.closed = True
-        self.plans.clear()  # they hold views of the group segment
-        if self.executor is not None:
-            self.executor.shutdown(wait=wait, cancel_futures=not wait)
-            self.executor = None
+        self.plans.clear()
 
     def close_wiring(self) -> None:
-        if self.wiring is not None:
-            self.wiring.close()
-            self.wiring = None
+        self.fam.close_wiring()
         self.conns = {}
-        self.status.close()
+        if self.status is not None:
+            self.status.close()
 
     # ------------------------------------------------------------------ links and steps
     def links(self, dtype: np.dtype[Any], op: ReduceOp | None) -> Links:
@@ -219,7 +297,8 @@ class Engine:
             )
             self.links_cache[key] = L
         L.tag, L.fp = self.tag, self.fp  # the running call's (see execute)
-        L._backoff = self.polite if threading.current_thread() is not self.caller else self.backoff
+        fam = self.fam
+        L._backoff = fam.polite if threading.current_thread() is not fam.caller else self.backoff
         return L
 
     def make_step(self, key: tuple[Any, ...]) -> Callable[[Any, Any], None]:
@@ -232,7 +311,7 @@ class Engine:
             return tuner.over(steps)
         L = self.links(dtype, op)
         bo = L.backoff  # the waiting policy of this thread
-        fp = fingerprint(what, count, dtype, op, root)  # made once: a call adds a store
+        fp = fingerprint(what, count, dtype, op, root, self.ctx)  # made once: a call adds a store
         if algo == "direct":
             fast = direct.prepare(what, L, bo, count, root, fp)
             if fast is not None:
@@ -278,39 +357,52 @@ class Engine:
         out = np.empty_like(v)
         L = self.links(v.dtype, ReduceOp.SUM)
         # every rank agrees at the same call, by whichever path it runs it
-        L.tag, L.fp = (AGREE_FP << 32) | (self.seq & M32), AGREE_FP
-        a = cost.choose("allreduce", names, self.size, v.nbytes, self.config.chunk_bytes)
+        fp = AGREE_FP ^ self.ctx
+        L.tag, L.fp = (fp << 32) | (self.seq & M32), fp
+        a = cost.choose(
+            "allreduce",
+            names,
+            self.size,
+            v.nbytes,
+            self.config.chunk_bytes,
+            self.config.group_slot_bytes,
+        )
         algorithms.get("allreduce", a)(L, v, out)
         return out
 
     # ------------------------------------------------------------------ running
-    def submit(self, run: Callable[[], Any], async_op: bool, call: Call, ident: int) -> Any:
+    def submit(
+        self, run: Callable[[], Any], async_op: bool, call: Call, ident: int, numbered: bool = True
+    ) -> Any:
         """Run ``run`` as call ``call``: now, or queued behind the worker's calls
-        (``async_op``: on the worker, returning a :class:`Request`)."""
+        (``async_op``: on the worker, returning a :class:`Request`).  ``numbered``:
+        a collective (else a point-to-point call, which takes no sequence number)."""
+        fam = self.fam
         if async_op:
-            with self.lock:
-                fut = self._queue(self.execute, run, call, ident)
+            with fam.lock:
+                fut = self._queue(self.execute, run, call, ident, numbered)
             fut.add_done_callback(self.done)
             return Request(fut, call.collective, self.rank)
-        with self.lock:
-            queued = self.inflight > 0
+        with fam.lock:
+            queued = fam.inflight > 0
             if queued:
-                fut = self._queue(self.execute, run, call, ident)
+                fut = self._queue(self.execute, run, call, ident, numbered)
         if queued:
             fut.add_done_callback(self.done)
             try:
                 return fut.result()
             except CommunicatorClosedError:
-                self.unseen = False  # an earlier device failure, reported here
+                fam.unseen = False  # an earlier device failure, reported here
                 raise
-        return self.execute(run, call, ident)
+        return self.execute(run, call, ident, numbered)
 
     def _queue(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Queue ``fn(*args)`` on the worker (the caller holds ``lock``)."""
-        if self.executor is None:
-            self.executor = ThreadPoolExecutor(1, thread_name_prefix=WORKER)
-        fut = self.executor.submit(fn, *args)
-        self.inflight += 1
+        """Queue ``fn(*args)`` on the worker (the caller holds the family's lock)."""
+        fam = self.fam
+        if fam.executor is None:
+            fam.executor = ThreadPoolExecutor(1, thread_name_prefix=WORKER)
+        fut = fam.executor.submit(fn, *args)
+        fam.inflight += 1
         return fut
 
     def submit_device(
@@ -335,7 +427,7 @@ class Engine:
                 job.settle()
             return result
         try:
-            with self.lock:
+            with self.fam.lock:
                 fut = self._queue(self._execute_device, job, async_op, run, call, ident)
         except BaseException:
             job.settle()  # it will never run: no stream may wait for it
@@ -352,46 +444,56 @@ class Engine:
         whatever happens; a blocking call's failure, which no caller holds a
         Request for, leaves the communicator unusable and is raised by the next
         call or by ``close``."""
+        fam = self.fam
         try:
             return self.execute(run, call, ident)
         except BaseException as exc:
             if not async_op:
-                if self.failed is None:
-                    self.failed = exc
-                if self.failed is exc:
-                    self.unseen = True
+                if fam.failed is None:
+                    fam.failed = exc
+                if fam.failed is exc:
+                    fam.unseen = True
             raise
         finally:
             job.settle()
 
     def done(self, _: Future[Any]) -> None:
-        with self.lock:
-            self.inflight -= 1
+        with self.fam.lock:
+            self.fam.inflight -= 1
 
-    def execute(self, run: Callable[[], Any], call: Call, ident: int) -> Any:
-        """Run one call: number, tag and record it, check it (PYCOLL_CHECK), fail it."""
+    def execute(self, run: Callable[[], Any], call: Call, ident: int, numbered: bool = True) -> Any:
+        """Run one call: number, tag and record it, check it (PYCOLL_CHECK), fail it.
+        A collective first completes the point-to-point calls posted before it."""
+        fam = self.fam
         self.check_open(call.collective)
         if not self.enter(False):
             self._intruded(call.collective)
         try:
-            self.seq = seq = self.seq + 1
-            fp = self.fp = call.fp
-            self.tag = (fp << 32) | (seq & M32)  # what links() gives this call's messages
+            if numbered:
+                self.seq = seq = self.seq + 1
+                fp = self.fp = call.fp
+                self.tag = (fp << 32) | (seq & M32)  # what links() gives this call's messages
+            else:
+                seq = self.seq
             self.seen(call)
             rec: list[Any] = [seq, call, monotonic(), None, "running"]
             self.recent.append(rec)
+            fam.running = rec
             trace = log.isEnabledFor(TRACE)
             if trace:
                 log.log(TRACE, "start %s", Record(*rec))
             try:
-                if self.config.check:
-                    self._check_match(seq, call, ident)
+                if numbered:
+                    if self.p2p.live:
+                        self.p2p.drain(self.backoff)
+                    if self.config.check:
+                        self._check_match(seq, call, ident)
                 result = run()
             except BaseException as exc:
-                self.fail(rec, exc)
+                self.fail(rec, exc, numbered)
         finally:
             self.leave()
-        if self.failed is not None:  # another thread's call came in meanwhile
+        if fam.failed is not None:  # another thread's call came in meanwhile
             self._overlapped(rec)
         rec[_ENDED] = monotonic()
         rec[_STATUS] = "ok"
@@ -408,10 +510,13 @@ class Engine:
             self.seq = seq = self.seq + 1
             rec: list[Any] = [seq, p.call, monotonic(), None, "running"]
             self.recent.append(rec)
+            self.fam.running = rec
             trace = log.isEnabledFor(TRACE)
             if trace:
                 log.log(TRACE, "start %s", Record(*rec))
             try:
+                if self.p2p.live:
+                    self.p2p.drain(self.backoff)
                 if type(p) is Plan:
                     result = p.go()
                     if result is None:
@@ -422,7 +527,7 @@ class Engine:
                 self.fail(rec, exc)
         finally:
             self.leave()
-        if self.failed is not None:  # another thread's call came in meanwhile
+        if self.fam.failed is not None:  # another thread's call came in meanwhile
             self._overlapped(rec)
         rec[_ENDED] = monotonic()
         rec[_STATUS] = "ok"
@@ -434,9 +539,10 @@ class Engine:
 
     # ------------------------------------------------------------------ failures
     def _intruded(self, what: str) -> NoReturn:
-        """A call found another thread's collective running: fail it, and leave
-        the communicator unusable so that the running one fails too."""
-        cur = self.recent[-1] if self.recent else None
+        """A call found another thread's call running: fail it, and leave the
+        communicator unusable so that the running one fails too."""
+        fam = self.fam
+        cur = fam.running
         running = f" (#{cur[_SEQ]} {cur[_CALL].collective})" if cur is not None else ""
         err = ConcurrentCallError(
             f"rank {self.rank}: {what}: called while another thread's collective{running} "
@@ -446,15 +552,15 @@ class Engine:
             "next after the last returned), or queue them with async_op=True",
             rank=self.rank,
         )
-        if self.failed is None:
-            self.failed = err
+        if fam.failed is None:
+            fam.failed = err
         self.plans.clear()
         raise err
 
     def _overlapped(self, rec: list[Any]) -> NoReturn:
-        """Collective ``rec`` ran while the communicator failed on another thread:
-        its result is not to be trusted."""
-        failed = self.failed
+        """Call ``rec`` ran while the communicator failed on another thread: its
+        result is not to be trusted."""
+        failed = self.fam.failed
         rec[_STATUS] = "failed: overlapped"
         where = f"rank {self.rank}: {rec[_CALL].collective} #{rec[_SEQ]}"
         if isinstance(failed, ConcurrentCallError):
@@ -470,21 +576,23 @@ class Engine:
             )
         raise err from failed
 
-    def fail(self, rec: list[Any], exc: BaseException) -> NoReturn:
-        """Record the failure of collective ``rec`` and raise it as a pycoll error.
+    def fail(self, rec: list[Any], exc: BaseException, numbered: bool = True) -> NoReturn:
+        """Record the failure of call ``rec`` and raise it as a pycoll error.
 
-        Transport errors become pycoll's; every error but a user error leaves
-        the communicator unusable.
+        Transport errors become pycoll's; every error but a user error (and a
+        point-to-point message refused for its size) leaves the communicator,
+        and the family that shares its connections, unusable.
         """
+        fam = self.fam
         where = f"{rec[_CALL].collective} #{rec[_SEQ]}"
         if isinstance(exc, TagMismatchError):
             mis = guard.mismatch(self.rank, rec[_SEQ], rec[_CALL], exc, self.fps)
             mis.__cause__ = exc
             exc = mis
-        elif self.closed and not isinstance(exc, (PycollError, KeyboardInterrupt)):
-            # close() or abort() tore the connections down under the collective:
+        elif fam.closed and not isinstance(exc, (PycollError, KeyboardInterrupt)):
+            # close() or abort() tore the connections down under the call:
             # one class whatever the transport made of it (its error is the cause)
-            how = "aborted" if self.aborted else "closed"
+            how = "aborted" if fam.aborted else "closed"
             err: PycollError = CommunicatorClosedError(
                 f"rank {self.rank}: {where}: the communicator was {how} while it ran"
             )
@@ -495,11 +603,11 @@ class Engine:
             err.__cause__ = exc
             exc = err
         rec[_STATUS] = f"failed: {type(exc).__name__}"
-        if isinstance(exc, InvalidArgumentError):
+        if isinstance(exc, InvalidArgumentError) or getattr(exc, "_contained", False):
             exc._counted = True  # type: ignore[attr-defined]  # this call took its number
             raise exc
-        if self.failed is None:
-            self.failed = exc
+        if fam.failed is None:
+            fam.failed = exc
         self.plans.clear()
         # The finished frames below us may hold views of shared segments; the
         # error outlives them, so drop their locals, or close() could not unmap them.
@@ -508,17 +616,15 @@ class Engine:
                 traceback.clear_frames(e.__traceback__)
         if isinstance(exc, PycollError):
             exc.recorder = tuple(self.recent_calls())
-            if isinstance(exc, CollectiveTimeout):
+            if isinstance(exc, CollectiveTimeout) and numbered:
                 self._explain_timeout(exc)
             # Raised, so not logged at ERROR too (the user would see it twice).
             log.info("rank %d raises: %s", self.rank, exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
-        if isinstance(exc, CollectiveMismatchError) and self.wiring is not None:
+        if isinstance(exc, CollectiveMismatchError) and fam.wiring is not None:
             # The peers may wait for bytes this rank will never send: closing every
             # connection and the group makes them fail now, not at the timeout.
-            self.wiring.close()
-            self.wiring = None
-            self.conns = {}
+            self.close_wiring()
         raise exc
 
     def reject(self, what: str) -> None:
@@ -529,8 +635,9 @@ class Engine:
         and goes on is one call apart, and its next collective raises
         :class:`CollectiveMismatchError` on every rank instead of pairing off by
         one for the rest of the job.  Behind queued asynchronous calls it counts in turn."""
-        with self.lock:
-            if self.inflight:
+        fam = self.fam
+        with fam.lock:
+            if fam.inflight:
                 self._queue(self._skip, what).add_done_callback(self.done)
                 return
         self._skip(what)
@@ -538,17 +645,21 @@ class Engine:
     def _skip(self, what: str) -> None:
         self.seq += 1
         now = monotonic()
-        call = Call(what, 0, None, None, 0, "-")
+        call = Call(what, 0, None, None, 0, "-", self.ctx)
         self.recent.append([self.seq, call, now, now, "rejected: InvalidArgumentError"])
-        if self.group is not None and self.wiring is not None:
-            self.group.skip(zlib.crc32(f"rejected|{what}".encode()))
+        if self.group is not None and self.fam.wiring is not None:
+            self.group.skip(zlib.crc32(f"rejected|{what}".encode()) ^ self.ctx)
 
     def _explain_timeout(self, exc: CollectiveTimeout) -> None:
         """Ask the live ranks where they are (pycoll.diagnose) and say it in ``exc``."""
         recs = self.records()
         cur = recs[-1]
         mine = summary(self.rank, recs, _COLL_IDS)
-        got = self.status.exchange(mine, grace_for(self.config.timeout))
+        got = (
+            {}
+            if self.status is None
+            else self.status.exchange(mine, grace_for(self.config.timeout))
+        )
         reports = {self.rank: decode(mine, _COLL_NAMES)}
         for p, words in got.items():
             reports[p] = decode(words, _COLL_NAMES)
@@ -577,7 +688,8 @@ class Engine:
     def _check_match(self, seq: int, call: Call, ident: int) -> None:
         def allgather(sig: np.ndarray, out: np.ndarray) -> None:
             L = self.links(sig.dtype, None)
-            L.tag, L.fp = CHECK_FP << 32, CHECK_FP  # the same on every rank, whatever its call
+            fp = CHECK_FP ^ self.ctx  # the same on every rank, whatever its call
+            L.tag, L.fp = fp << 32, fp
             algorithms.get("allgather", "ring")(L, sig, out)
 
         guard.check_match(self.rank, self.size, seq, call, ident, _COLL_NAMES, allgather)

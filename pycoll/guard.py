@@ -35,13 +35,17 @@ _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
 
 
-def fingerprint(collective: str, count: int, dtype: Any, op: ReduceOp | None, root: int) -> int:
+def fingerprint(
+    collective: str, count: int, dtype: Any, op: ReduceOp | None, root: int, ctx: int = 0
+) -> int:
     """The 32-bit fingerprint of a call: what every rank of a matched call shares
-    (the collective, count, dtype, op and root; not the algorithm, which ``auto``
-    may vary per call, nor the arrays).  Derived from names, so new dtypes and
-    ops need no table here."""
+    (its communicator's context, the collective, count, dtype, op and root; not
+    the algorithm, which ``auto`` may vary per call, nor the arrays).  Derived
+    from names, so new dtypes and ops need no table here."""
     dt = "-" if dtype is None else np.dtype(dtype).name
     key = f"{collective}|{count}|{dt}|{'-' if op is None else op.value}|{root}"
+    if ctx:  # a sub-communicator's (the root communicator's context is 0)
+        key = f"{ctx}|{key}"
     return zlib.crc32(key.encode())
 
 
@@ -55,11 +59,12 @@ class Call:
     op: ReduceOp | None
     root: int
     algorithm: str
+    ctx: int = 0  # its communicator's context
 
     @property
     def fp(self) -> int:
         """Its :func:`fingerprint`."""
-        return fingerprint(self.collective, self.count, self.dtype, self.op, self.root)
+        return fingerprint(self.collective, self.count, self.dtype, self.op, self.root, self.ctx)
 
 
 def describe(call: Call) -> str:

@@ -46,8 +46,8 @@ KINDS_MAX = 64
 class Plan:
     """A validated blocking host call, replayed while its arguments are unchanged.
 
-    Keyed by :func:`key`: the collective, the arrays' ``id`` and the other
-    arguments.  It applies only while each array keeps its shape, strides and
+    Keyed by the collective, the arrays' ``id`` and the other arguments, a key
+    :meth:`pycoll.dispatch.Dispatch.call` makes once per call.  It applies only while each array keeps its shape, strides and
     dtype and, where it is written, its ``writeable`` flag (:meth:`fits`): then
     every check of the slow path would pass again with the same outcome.
 
@@ -166,11 +166,6 @@ RECVBUF = _Held("recvbuf")
 
 def _unset() -> None:
     raise AssertionError("a plan replayed before it was made")
-
-
-def key(coll: Any, sendbuf: Any, recvbuf: Any, op: Any, root: Any, algorithm: Any) -> tuple:
-    """The one key of a call's plan, for the fast entry and the slow path alike."""
-    return (coll, id(sendbuf), id(recvbuf), op, root, algorithm)
 
 
 def _unowned(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

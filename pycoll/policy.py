@@ -52,7 +52,7 @@ class Policy:
         self.size = size
         self.config = config
         self._group = group
-        self._group_why = group_why
+        self.group_why = group_why
         self._agree = agree
         self.gpu = gpu
         self._candidates: dict[str, tuple[str, ...]] = {}
@@ -90,13 +90,20 @@ class Policy:
         if name == "auto":
             name = self.config.algorithm_for(what) or "auto"
         if name == "auto":
-            return cost.choose(what, avail, self.size, nbytes, self.config.chunk_bytes)
+            return cost.choose(
+                what,
+                avail,
+                self.size,
+                nbytes,
+                self.config.chunk_bytes,
+                self.config.group_slot_bytes,
+            )
         if name not in avail:
             if name in algorithms.names(what):
                 raise InvalidArgumentError(
                     f"rank {self.rank}: {what}: algorithm={algorithm!r} is not available "
                     f"here: {name} needs every rank on one host sharing memory "
-                    f"({self._group_why})"
+                    f"({self.group_why})"
                 )
             raise InvalidArgumentError(
                 f"rank {self.rank}: {what}: algorithm={algorithm!r} is not one of "
@@ -139,8 +146,9 @@ class Policy:
             # evicted (plans of one rank may hold one another rank would make afresh).
             return None
         t = None
+        cfg = self.config
         names = cost.contenders(
-            what, self.candidates(what), self.size, nbytes, self.config.chunk_bytes
+            what, self.candidates(what), self.size, nbytes, cfg.chunk_bytes, cfg.group_slot_bytes
         )
         if len(names) > 1:
             label = f"{what} {nbytes} B {dtype}" + (f" {op.name.lower()}" if op else "")

@@ -13,6 +13,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from pycoll.config import GROUP_SLOT_BYTES
+
 
 @dataclass(frozen=True)
 class Constants:
@@ -31,9 +33,10 @@ DEFAULT = Constants(alpha=5.52e-05, beta=1 / 9.77e9, gamma=1 / 2.3e9)
 #: shared memory, where the others' step is a message through a transport.  Measured
 #: on the 2-core machine (8 B, n = 2..4), direct took 0.2-0.4 of one-shot's time.
 DIRECT_STEP = 0.25
-#: Up to this many bytes a direct algorithm goes through the group's slots (one step);
-#: above it, by address (two or three steps).  The group's default slot size.
-DIRECT_SLOT_BYTES = 256 << 10
+#: Up to a slot a direct algorithm goes through the group's slots (one step);
+#: above it, by address (two or three steps).  The group's default slot size
+#: (PYCOLL_GROUP_SLOT_BYTES sets it; the policy passes the configured one).
+DIRECT_SLOT_BYTES = GROUP_SLOT_BYTES
 #: By address, allgather's writers all copy into every peer at once; from blocks
 #: of this size up the ring's pipelined copies may win, below it direct does: its
 #: bytes then count DIRECT_ALLGATHER_BYTES times.  Since direct writes into the
@@ -77,10 +80,11 @@ def estimate(
     chunk: int,
     k: Constants = DEFAULT,
     capped: bool = True,
+    slot: int = DIRECT_SLOT_BYTES,
 ) -> float:
     """Modelled seconds for one call; ``nbytes`` is the per-rank input size;
     ``capped``: one-shot costs infinity above :data:`ONESHOT_MAX_BYTES` (what
-    ``auto`` picks by)."""
+    ``auto`` picks by); ``slot``: the group segment's slot size."""
     if n <= 1:
         return 0.0
     lg = math.ceil(math.log2(n))
@@ -88,7 +92,7 @@ def estimate(
     chunks = max(1, math.ceil(nbytes / chunk))
     f = (n - 1) / n
     if algorithm == "direct":
-        return _direct(collective, n, nbytes, k)
+        return _direct(collective, n, nbytes, k, slot)
     if collective == "allreduce":
         if algorithm == "oneshot":
             if capped and nbytes > ONESHOT_MAX_BYTES:
@@ -131,7 +135,7 @@ def estimate(
     return math.inf
 
 
-def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
+def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> float:
     """Direct algorithms (ranks on one host): every rank copies from (or to) every other.
 
     Through the slots: one step, the input copied in once, and each reader
@@ -140,7 +144,7 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants) -> float:
     """
     f = (n - 1) / n
     a = DIRECT_STEP * k.alpha
-    small = nbytes <= DIRECT_SLOT_BYTES
+    small = nbytes <= slot
     # Crowded, mid-sized allreduces and reduces go through the slots in rounds
     # (direct.ROUNDS_CROWDED_*), measured faster than by address; they are
     # modelled as by address all the same: with these constants, fitted where
@@ -175,9 +179,10 @@ def choose(
     n: int,
     nbytes: int,
     chunk: int,
+    slot: int = DIRECT_SLOT_BYTES,
 ) -> str:
     """The cheapest of ``candidates`` by the model (ties go to the first); cached."""
-    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk))
+    return min(candidates, key=lambda a: estimate(collective, a, n, nbytes, chunk, slot=slot))
 
 
 #: The model's runners-up that ``auto`` times while it runs (:mod:`pycoll.tune`):
@@ -197,12 +202,13 @@ def contenders(
     n: int,
     nbytes: int,
     chunk: int,
+    slot: int = DIRECT_SLOT_BYTES,
 ) -> tuple[str, ...]:
     """The model's choice, then the other ``candidates`` modelled within
     :data:`TUNE_SPAN` of it, cheapest first.  One-shot counts uncapped at n = 2,
     where it needs no scratch (its cap is for the n - 1 rows it holds above)."""
-    best = choose(collective, candidates, n, nbytes, chunk)
-    t = {a: estimate(collective, a, n, nbytes, chunk, capped=n > 2) for a in candidates}
+    best = choose(collective, candidates, n, nbytes, chunk, slot)
+    t = {a: estimate(collective, a, n, nbytes, chunk, capped=n > 2, slot=slot) for a in candidates}
     limit = TUNE_SPAN * t[best]
     rest = sorted((a for a in candidates if a != best and t[a] <= limit), key=t.__getitem__)
     return (best, *rest)

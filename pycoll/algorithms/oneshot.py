@@ -18,9 +18,6 @@ from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.reduce import reduce_rows
 
-#: Above this many bytes per rank the model never picks one-shot.
-MAX_BYTES = 64 << 10
-
 
 @register("allreduce", "oneshot")
 def allreduce(L: Links, x: Any, out: Any) -> None:

@@ -1,0 +1,549 @@
+"""Point-to-point messages on the connections the collectives use.
+
+A message is two transport messages on the pair's connection: a 32-byte
+header (its communicator's context, the user's tag, the element count and the
+dtype) and the payload.  Both carry a transport tag made of a fingerprint of
+their own (:data:`HDR_FP`, :data:`DATA_FP`) and the number of point-to-point
+messages sent on that connection so far, which the receiving side counts too;
+a collective's message where a point-to-point one is due, or the reverse,
+raises :class:`~pycoll.CollectiveMismatchError` rather than pair the two.
+
+Matching, as MPI's: a receive takes the earliest message of its communicator
+with its tag from its source (any source with ``peer=None``); messages from one
+source match in the order they were sent.  A message whose receive is posted
+lands straight in the receive's buffer; one that arrives first waits in this
+rank's memory (*unexpected*) until a receive takes it.  A receive whose buffer
+holds another count or dtype than the message raises, and never writes a part.
+
+Ordering with collectives, as NCCL's: the calls of a communicator (and of its
+sub-communicators, which share its connections) run in one order on each rank,
+and a collective completes every point-to-point call posted before it first.
+So a pair of ranks must post point-to-point calls and collectives in an order
+that can complete (a rank that starts a collective while its peer still waits
+for a message from it raises instead of hanging).  Point-to-point calls among
+themselves complete in any order: ``irecv`` then ``isend`` on two ranks, or a
+ring shift in :meth:`Communicator.group`, never deadlock.
+
+Everything here runs under the communicator's lock, on the caller's thread
+or the worker (:mod:`pycoll.engine`); requests progress when waited on, tested,
+or when a later call of the communicator runs.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable, Iterable
+from time import monotonic
+from typing import Any
+
+import numpy as np
+
+from pycoll.buffers import Buffer, as_buffer
+from pycoll.errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgumentError
+from pycoll.guard import Call
+from pycoll.reduce import DTYPES
+from transports.base import Backoff, Connection, Deadline, Request, idle_round
+
+_HDR = struct.Struct("<IIqQI12x")  # magic, context, tag, count, dtype id (32 bytes)
+_MAGIC = 0x50325031  # "P2P1"
+HDR_FP = zlib.crc32(b"pycoll point-to-point header")
+DATA_FP = zlib.crc32(b"pycoll point-to-point payload")
+_M32 = 0xFFFFFFFF
+_DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
+_DTYPES = {i: dt for dt, i in _DTYPE_IDS.items()}
+
+
+def _bytes(a: Any) -> memoryview:
+    return memoryview(a.view(np.uint8))
+
+
+class Message:
+    """A message whose header arrived before a receive took it (unexpected)."""
+
+    __slots__ = ("count", "ctx", "data", "dtype", "peer", "req", "tag")
+
+    def __init__(self, peer: int, ctx: int, tag: int, count: int, dtype: int) -> None:
+        self.peer, self.ctx, self.tag, self.count, self.dtype = peer, ctx, tag, count, dtype
+        self.data: np.ndarray | None = None
+        self.req: Request | None = None  # its payload, still arriving
+
+    @property
+    def arrived(self) -> bool:
+        return self.req is None or self.req._done
+
+
+class Op:
+    """One posted send or receive.
+
+    Attributes:
+        ctx: its communicator's context; ``peer``: the family rank it sends to or
+            receives from (None: any of ``peers``); ``tag``: the user's tag.
+        buf: the data (a send) or the output (a receive).
+        source: a receive's sender, once matched (a family rank).
+        done, error: how it ended.
+    """
+
+    __slots__ = (
+        "buf",
+        "ctx",
+        "done",
+        "error",
+        "hdr",
+        "msg",
+        "peer",
+        "peers",
+        "reqs",
+        "send",
+        "source",
+        "tag",
+        "user",
+    )
+
+    def __init__(
+        self, send: bool, ctx: int, peer: int | None, tag: int, buf: Buffer, peers: tuple[int, ...]
+    ) -> None:
+        self.send, self.ctx, self.peer, self.tag, self.buf, self.peers = (
+            send,
+            ctx,
+            peer,
+            tag,
+            buf,
+            peers,
+        )
+        self.reqs: list[Request] = []
+        self.hdr: np.ndarray | None = None
+        self.msg: Message | None = None  # an unexpected message it took, still arriving
+        self.source: int | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.user: Buffer = buf  # what the caller passed (``buf`` is its host copy)
+
+    def accepts(self, m: Message) -> bool:
+        return (
+            m.ctx == self.ctx
+            and m.tag == self.tag
+            and (self.peer == m.peer if self.peer is not None else m.peer in self.peers)
+        )
+
+    def describe(self) -> str:
+        who = "any source" if self.peer is None else f"rank {self.peer}"
+        kind = "send to" if self.send else "recv from"
+        return f"{kind} {who} (tag {self.tag}, {self.buf.count} x {self.buf.dtype})"
+
+
+class PointToPoint:
+    """The point-to-point state of a family of communicators (one set of connections).
+
+    Args:
+        rank: this process' rank in the family's root communicator.
+        conns: root rank -> connection.
+        timeout: seconds without progress before a wait raises.
+        name: maps a root rank and context to a rank of that context's
+            communicator, for messages.
+    """
+
+    def __init__(self, rank: int, conns: dict[int, Connection], timeout: float) -> None:
+        self.rank = rank
+        self.conns = conns
+        self.timeout = timeout
+        self.sent: dict[int, int] = {}  # messages sent on each connection
+        self.taken: dict[int, int] = {}  # headers taken off each connection
+        self.heads: dict[int, tuple[Request, np.ndarray]] = {}  # header receives in flight
+        self.arriving: dict[int, Message | Op] = {}  # payloads in flight, one per connection
+        self.unexpected: list[Message] = []
+        self.recvs: list[Op] = []
+        self.sends: list[Op] = []
+
+        #: anything posted and not yet over (a collective completes it first)
+        self.live = False
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.recvs or self.sends or self.heads or self.arriving)
+
+    # ------------------------------------------------------------------ posting
+    def post_send(self, op: Op) -> None:
+        peer = op.peer
+        assert peer is not None
+        self.live = True
+        b = op.buf
+        if peer == self.rank:  # to itself: no connection, a copy
+            m = Message(peer, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+            m.data = np.frombuffer(_bytes(b.flat), np.uint8).copy()
+            for r in self.recvs:
+                if r.msg is None and r.source is None and r.accepts(m):
+                    self._take(r, m)
+                    break
+            else:
+                self.unexpected.append(m)
+            op.done = True
+            return
+        conn = self.conns[peer]
+        n = self.sent.get(peer, 0)
+        self.sent[peer] = n + 1
+        op.hdr = np.frombuffer(
+            _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0)), np.uint8
+        ).copy()
+        op.reqs = [
+            conn.isend(_bytes(op.hdr), (HDR_FP << 32) | (n & _M32)),
+            conn.isend(_bytes(b.flat), (DATA_FP << 32) | (n & _M32)),
+        ]
+        self.sends.append(op)
+
+    def post_recv(self, op: Op) -> None:
+        self.live = True
+        for m in self.unexpected:
+            if op.accepts(m):
+                self.unexpected.remove(m)
+                self._take(op, m)
+                if not op.done:
+                    self.recvs.append(op)
+                return
+        self.recvs.append(op)
+
+    def _take(self, op: Op, m: Message) -> None:
+        """Receive ``op`` takes unexpected message ``m`` (arrived or arriving)."""
+        op.source = m.peer
+        if not self._fits(op, m):
+            op.done = True
+            return
+        if m.arrived:
+            self._deliver(op, m)
+        else:
+            op.msg = m
+
+    def _fits(self, op: Op, m: Message) -> bool:
+        b = op.buf
+        if m.count == b.count and m.dtype == _DTYPE_IDS.get(b.dtype, 0):
+            return True
+        theirs = _DTYPES.get(m.dtype, "bytes")
+        op.error = CollectiveMismatchError(
+            f"rank {self.rank}: recv: rank {m.peer} sent {m.count} x {theirs} (tag {m.tag}) "
+            f"where this rank receives {b.count} x {b.dtype} into recvbuf; nothing was "
+            "written (a size or dtype mismatch)",
+            rank=self.rank,
+            ranks=(m.peer,),
+        )
+        return False
+
+    def _deliver(self, op: Op, m: Message) -> None:
+        if m.count:
+            assert m.data is not None
+            _bytes(op.buf.flat)[:] = _bytes(m.data)
+        op.done = True
+
+    # ------------------------------------------------------------------ progress
+    def progress(self) -> bool:
+        """Advance everything without blocking; whether anything moved."""
+        moved = False
+        for op in self.sends:
+            for r in op.reqs:
+                if not r._done and r.test():
+                    moved = True
+            op.done = all(r._done for r in op.reqs)
+        if any(op.done for op in self.sends):
+            self.sends = [op for op in self.sends if not op.done]
+        for peer, m in list(self.arriving.items()):
+            req = m.req if isinstance(m, Message) else m.reqs[-1]
+            if req is not None and (req._done or req.test()):
+                moved = True
+                del self.arriving[peer]
+                if isinstance(m, Op):
+                    m.done = True
+        for peer, (req, hdr) in list(self.heads.items()):
+            if req._done or req.test():
+                moved = True
+                del self.heads[peer]
+                self._header(peer, hdr)
+        for op in self.recvs:
+            if op.msg is not None and op.msg.arrived:
+                self._deliver(op, op.msg)
+                op.msg = None
+                moved = True
+        if any(op.done for op in self.recvs):
+            self.recvs = [op for op in self.recvs if not op.done]
+        self._want_headers()
+        self.live = self.pending
+        return moved
+
+    def _want_headers(self) -> None:
+        """Post a header receive where a pending receive may need the next message:
+        on its source's connection, or, for any source, where one has arrived."""
+        busy = self.heads.keys() | self.arriving.keys()
+        for op in self.recvs:
+            if op.msg is not None:
+                continue
+            peers: Iterable[int] = (op.peer,) if op.peer is not None else op.peers
+            for p in peers:
+                if p in busy or p == self.rank:  # its own messages wait in unexpected
+                    continue
+                conn = self.conns[p]
+                if op.peer is None:
+                    tag = conn.probe()  # type: ignore[attr-defined]
+                    if tag is None or tag >> 32 != HDR_FP:
+                        continue
+                hdr = np.empty(_HDR.size, np.uint8)
+                n = self.taken.get(p, 0)
+                self.heads[p] = (conn.irecv_into(_bytes(hdr), (HDR_FP << 32) | (n & _M32)), hdr)
+                busy = busy | {p}
+
+    def _header(self, peer: int, hdr: np.ndarray) -> None:
+        """A header from ``peer`` arrived: route its payload."""
+        magic, ctx, tag, count, dtype = _HDR.unpack(hdr.tobytes())
+        if magic != _MAGIC:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: a point-to-point header from rank {peer} is corrupt",
+                rank=self.rank,
+                ranks=(peer,),
+            )
+        n = self.taken.get(peer, 0)
+        self.taken[peer] = n + 1
+        m = Message(peer, ctx, tag, count, dtype)
+        dt = _DTYPES.get(dtype)
+        nbytes = count * (dt.itemsize if dt is not None else 1)
+        conn = self.conns[peer]
+        data_tag = (DATA_FP << 32) | (n & _M32)
+        for op in self.recvs:
+            if op.msg is None and op.source is None and op.accepts(m):
+                op.source = peer
+                if self._fits(op, m):
+                    op.reqs = [conn.irecv_into(_bytes(op.buf.flat), data_tag)]
+                    if nbytes:
+                        self.arriving[peer] = op
+                    else:
+                        op.done = True
+                    return
+                op.done = True  # the error is set; the payload is drained below
+                break
+        else:
+            self.unexpected.append(m)
+        m.data = np.empty(nbytes, np.uint8)
+        m.req = conn.irecv_into(_bytes(m.data), data_tag)
+        if nbytes:
+            self.arriving[peer] = m
+        else:
+            m.req = None
+
+    # ------------------------------------------------------------------ waiting
+    def complete(
+        self, ops: Iterable[Op], backoff: Backoff, stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Progress until every op of ``ops`` is done (``stop()``: or until it says so).
+
+        Raises:
+            TransportTimeout: no progress for ``timeout`` seconds.
+        """
+        ops = list(ops)
+        deadline = Deadline(None, self.timeout)
+        backoff.reset()
+        while True:
+            moved = self.progress()
+            if all(op.done for op in ops) or (stop is not None and stop()):
+                return
+            if moved:
+                backoff.reset()
+                continue
+            waiting = [r for op in ops for r in op.reqs if not r._done]
+            waiting += [r for r, _ in self.heads.values()]
+            idle_round(backoff, waiting or [_Idle(self._awaited(ops))], deadline)
+
+    def drain(self, backoff: Backoff) -> None:
+        """Complete every pending operation (before a collective runs)."""
+        self.complete([*self.sends, *self.recvs], backoff, lambda: not self.pending)
+
+    def complete_by(self, op: Op, backoff: Backoff, seconds: float) -> None:
+        """Progress until ``op`` is done or ``seconds`` have passed."""
+        end = monotonic() + seconds
+        self.complete([op], backoff, lambda: monotonic() >= end)
+
+    def _awaited(self, ops: list[Op]) -> int:
+        for op in ops:
+            if not op.done and op.peer is not None:
+                return op.peer
+        return -1
+
+
+class _Idle(Request):
+    """What a wait with nothing posted yet (a receive from any source that has
+    seen no header) gives :func:`idle_round`: never done, no activity, its peer
+    named in a timeout."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+
+    def _progress(self) -> bool:
+        return False
+
+
+# ---------------------------------------------------------------------- the calls
+class PeerCalls:
+    """The point-to-point calls of one communicator (:meth:`Communicator.send`
+    and the others delegate here); ranks are the communicator's own, the
+    connections the family's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.p2p: PointToPoint = engine.fam.p2p
+        self.local = {m: i for i, m in enumerate(engine.members)}
+        self.grouped: list[Op] | None = None  # the calls inside ``group()``
+        self.last_source: int | None = None
+
+    def _op(self, send: bool, buf: Any, peer: Any, tag: Any, what: str) -> Op:
+        eng = self.engine
+        r, n = eng.rank, eng.size
+        if peer is None and send:
+            raise InvalidArgumentError(f"rank {r}: {what}: a send needs a destination peer")
+        if peer is not None and (
+            not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < n
+        ):
+            raise InvalidArgumentError(f"rank {r}: {what}: peer={peer!r} is not in [0, {n})")
+        if (
+            not isinstance(tag, (int, np.integer))
+            or isinstance(tag, bool)
+            or not -(1 << 63) <= tag < 1 << 63
+        ):
+            raise InvalidArgumentError(f"rank {r}: {what}: tag={tag!r} must be a 64-bit integer")
+        arg = "sendbuf" if send else "recvbuf"
+        b = as_buffer(buf, r, what, arg, writable=not send)
+        staged = b
+        if b.is_device:  # through host memory (the device path for these is to come)
+            host = b.flat.get() if send else np.empty(b.count, b.dtype)
+            staged = Buffer(host, host, -1, b.logical)
+        members = eng.members
+        op = Op(
+            send,
+            eng.ctx,
+            None if peer is None else members[int(peer)],
+            int(tag),
+            staged,
+            members,
+        )
+        op.user = b
+        return op
+
+    def call(self, send: bool, buf: Any, peer: Any, tag: Any, async_op: bool) -> Any:
+        """One send or receive: posted with the group (inside ``group()``), else now."""
+        what = "send" if send else "recv"
+        eng = self.engine
+        eng.check_open(what)
+        op = self._op(send, buf, peer, tag, what)
+        req = P2PRequest(op, self)
+        if self.grouped is not None:
+            self.grouped.append(op)
+            return req
+        self._post([op], what)
+        if async_op:
+            return req
+        return req.wait()
+
+    def _post(self, ops: list[Op], what: str, complete: bool = False) -> None:
+        p2p = self.p2p
+        eng = self.engine
+
+        def run() -> None:
+            for op in ops:
+                if op.send:
+                    p2p.post_send(op)
+                else:
+                    p2p.post_recv(op)
+            if complete:
+                p2p.complete(ops, eng.backoff)
+
+        first = ops[0]
+        peer = -1 if first.peer is None else self.local.get(first.peer, -1)
+        call = Call(what, first.buf.count, first.buf.dtype, None, peer, "p2p", eng.ctx)
+        eng.submit(run, False, call, 0, numbered=False)
+
+    def complete(self, ops: list[Op], what: str) -> None:
+        """Progress until ``ops`` are done (inline, or behind queued calls)."""
+        if all(op.done for op in ops):
+            return
+        eng = self.engine
+        first = ops[0]
+        call = Call(what, first.buf.count, first.buf.dtype, None, -1, "p2p", eng.ctx)
+        eng.submit(lambda: self.p2p.complete(ops, eng.backoff), False, call, 0, numbered=False)
+
+    def run_group(self, ops: list[Op]) -> None:
+        """Post the calls of a ``group()`` together and complete them."""
+        if ops:
+            self._post(ops, "group", complete=True)
+            for op in ops:
+                self.finish(op)
+
+    def poke(self) -> None:
+        """One round of progress, unless calls are queued on the worker."""
+        eng = self.engine
+        if eng.fam.inflight:
+            return
+        call = Call("test", 0, None, None, -1, "p2p", eng.ctx)
+        eng.submit(self.p2p.progress, False, call, 0, numbered=False)
+
+    def finish(self, op: Op) -> Any:
+        """A completed op's result: raise its error, copy a staged receive back."""
+        if op.error is not None:
+            err = op.error
+            err._contained = True  # type: ignore[attr-defined]  # the stream is intact
+            raise err
+        if not op.send:
+            if op.source is not None:
+                self.last_source = self.local.get(op.source)
+            if op.user is not op.buf:
+                op.user.flat.set(op.buf.flat)
+            return op.user.obj
+        return None
+
+
+class P2PRequest:
+    """A point-to-point call (``async_op=True``, or inside ``group()``).
+
+    ``wait(timeout)`` progresses it (and every other pending one) until done
+    and returns the receive's output (None for a send); ``test()`` says
+    whether it is done; ``source`` is a receive's sender, once matched.
+    """
+
+    def __init__(self, op: Op, calls: PeerCalls) -> None:
+        self._op = op
+        self._calls = calls
+
+    @property
+    def source(self) -> int | None:
+        s = self._op.source
+        return None if s is None else self._calls.local.get(s)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (``timeout``: at most that many seconds)."""
+        calls, op = self._calls, self._op
+        if not op.done:
+            if calls.grouped is not None and op in calls.grouped:
+                raise InvalidArgumentError(
+                    f"rank {calls.engine.rank}: wait: this call is inside group(), which "
+                    "posts it on exit; wait after the with block"
+                )
+            what = "send" if op.send else "recv"
+            if timeout is None:
+                calls.complete([op], what)
+            else:
+                eng = calls.engine
+                call = Call(what, op.buf.count, op.buf.dtype, None, -1, "p2p", eng.ctx)
+                run = lambda: calls.p2p.complete_by(op, eng.backoff, timeout)
+                eng.submit(run, False, call, 0, numbered=False)
+                if not op.done:
+                    raise CollectiveTimeout(
+                        f"rank {eng.rank}: {op.describe()} still pending after "
+                        f"wait(timeout={timeout}); it goes on",
+                        rank=eng.rank,
+                    )
+        return calls.finish(op)
+
+    def test(self) -> bool:
+        """Whether it is done (progressing it a little when no call is queued)."""
+        if not self._op.done:
+            self._calls.poke()
+        return self._op.done
+
+    def exception(self) -> BaseException | None:
+        return self._op.error if self._op.done else None
+
+    def __repr__(self) -> str:
+        return f"<pycoll.P2PRequest {self._op.describe()} {'done' if self._op.done else 'pending'}>"
