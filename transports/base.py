@@ -30,6 +30,11 @@ sink, when the two differ.  The tag is opaque here (pycoll puts the call's
 sequence number and fingerprint in it), so two ranks that disagree on what they
 are doing fail loudly instead of pairing the wrong messages.
 
+What a connection can do beyond host ``isend``/``irecv`` it declares in
+:attr:`Connection.caps`, a set of :class:`Cap` flags: the layer above reads
+that set and calls the matching verbs, and never probes a connection for
+attributes.
+
 Flow control rule the algorithms rely on: a posted send always completes once the
 peer has *posted* the matching receive, whatever the message size, as long as
 both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
@@ -38,6 +43,7 @@ both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
 from __future__ import annotations
 
 import abc
+import enum
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -400,12 +406,40 @@ class TransportOptions:
         return default
 
 
+class Cap(enum.Flag):
+    """What a connection can do beyond host :meth:`~Connection.isend`/:meth:`~Connection.irecv`.
+
+    A transport declares them in :attr:`Connection.caps`; the verbs that belong
+    to a capability raise :class:`TransportError` on a connection without it
+    (:meth:`Connection.send_buffer` returns None instead).
+    """
+
+    #: :meth:`Connection.send_buffer` can give memory the peer maps too.
+    SHARED_SEND_BUFFERS = enum.auto()
+    #: :meth:`Connection.isend_device`/:meth:`Connection.irecv_device` move GPU
+    #: memory without host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).
+    DEVICE = enum.auto()
+    #: one-sided windows on device memory (:meth:`Connection.expose`,
+    #: :meth:`Connection.open_window`, :meth:`Connection.release`,
+    #: :meth:`Connection.wait_released`).
+    ONE_SIDED = enum.auto()
+    #: device receive sinks run on a stream the layer above names
+    #: (:meth:`Connection.set_sink_stream`).
+    SINK_STREAM = enum.auto()
+    #: both ends use the same GPU (several ranks sharing one device).
+    SAME_DEVICE = enum.auto()
+
+
 class Connection(abc.ABC):
     """One bidirectional connection to one peer."""
 
     #: e.g. "shm", "tcp", "rdma:host"
     transport: str = "?"
     peer: int = -1
+    #: what this connection can do beyond host sends and receives: each transport
+    #: declares its set on its class, and an instance may refine it when it
+    #: connects (say, :attr:`Cap.SAME_DEVICE`, known only after the handshake)
+    caps: Cap = Cap(0)
 
     @abc.abstractmethod
     def isend(self, data: memoryview, tag: int = 0) -> Request:
@@ -431,13 +465,10 @@ class Connection(abc.ABC):
 
         return self.irecv(len(out), copy, tag)
 
-    #: True when :meth:`send_buffer` can give memory the peer maps too.
-    shares_send_buffers: bool = False
-
     def send_buffer(self, nbytes: int) -> np.ndarray | None:
         """This connection's shared send buffer: ``nbytes`` or more of host memory
-        that the peer maps too, or None where there is none (other transports, no
-        room for it).
+        that the peer maps too, or None where there is none (a connection without
+        :attr:`Cap.SHARED_SEND_BUFFERS`, or no room for it).
 
         A send of bytes that lie inside it travels as a descriptor: the receiver's
         sink gets a view of the same pages, with no copy on either side, and the
@@ -454,12 +485,13 @@ class Connection(abc.ABC):
         arrived (else None): a receiver registers it with a device once."""
         return None
 
-    #: True when :meth:`isend_device`/:meth:`irecv_device` move GPU memory without
-    #: host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).
-    device_capable: bool = False
+    @property
+    def device_capable(self) -> bool:
+        """Shorthand for ``Cap.DEVICE in self.caps`` (read-only)."""
+        return Cap.DEVICE in self.caps
 
     def isend_device(self, data: DeviceSpan) -> Request:
-        """Post a send of device memory (only when ``device_capable``)."""
+        """Post a send of device memory (only with :attr:`Cap.DEVICE`)."""
         raise TransportError(
             f"{self.transport} cannot send device memory directly",
             peer=self.peer,
@@ -468,18 +500,27 @@ class Connection(abc.ABC):
 
     def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
         """Post a receive whose pieces reach ``sink`` as device memory on ``device``
-        (only when ``device_capable``); same ordering and alignment as :meth:`irecv`."""
+        (only with :attr:`Cap.DEVICE`); same ordering and alignment as :meth:`irecv`."""
         raise TransportError(
             f"{self.transport} cannot receive into device memory directly",
             peer=self.peer,
             transport=self.transport,
         )
 
-    #: True when the connection offers one-sided windows on device memory
-    #: (:meth:`expose`, :meth:`open_window`, :meth:`release`, :meth:`wait_released`):
-    #: the peer reads and writes our buffers itself, ordered by device events, and
-    #: the host never waits for the device.
-    one_sided: bool = False
+    def set_sink_stream(self, stream: int) -> None:
+        """Run the sinks of later device receives on ``stream`` (a CUDA stream
+        handle of this connection's device), so that their work is ordered with
+        the rest of the caller's; only with :attr:`Cap.SINK_STREAM`.  Until it is
+        called, the transport picks a stream of its own."""
+        raise TransportError(
+            f"{self.transport} takes no sink stream",
+            peer=self.peer,
+            transport=self.transport,
+        )
+
+    # One-sided windows on device memory (only with Cap.ONE_SIDED): the peer reads
+    # and writes our buffers itself, ordered by device events, and the host never
+    # waits for the device.
 
     def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         """Let the peer read and write ``spans`` once the work queued on ``stream`` is

@@ -1,6 +1,6 @@
 """CUDA IPC transport: GPU memory between processes on one host (one GPU or several).
 
-A device-capable connection (:attr:`Connection.device_capable`): it moves device
+A device connection (:attr:`~transports.base.Cap.DEVICE`): it moves device
 memory only (:meth:`~CudaIpcConnection.isend_device` /
 :meth:`~CudaIpcConnection.irecv_device`); host buffers keep using shm.
 
@@ -27,7 +27,7 @@ event, and stores ``tail + 1`` only once that event completed, so the peer
 never overwrites a slot that a queued kernel still reads.  Several slots are in
 flight per direction, so copies, reductions and the host's polling overlap.
 
-One-sided windows (:attr:`~transports.base.Connection.one_sided`): besides the
+One-sided windows (:attr:`~transports.base.Cap.ONE_SIDED`): besides the
 rings, a connection lets each side expose whole buffers to the other (see
 :class:`_Window`): descriptors in the host segment, ordering through device words
 written and waited on by the streams themselves, so the host never waits.
@@ -54,6 +54,7 @@ from transports.base import (
     PIECE_ALIGN,
     Backoff,
     BlobError,
+    Cap,
     ConnectError,
     Connection,
     Deadline,
@@ -277,7 +278,8 @@ class CudaIpcTransport(Transport):
         if creator:
             self._handles.append(fd)
             self._dir.publish(peer_rank, fd)  # last: the peer trusts what it then finds
-        conn.same_device = me.bus == other.bus
+        if me.bus == other.bus:
+            conn.caps |= Cap.SAME_DEVICE  # several ranks sharing one GPU
         self._conns.append(conn)
         log.debug("cuda_ipc: rank %d <-> %d over %s", me.rank, peer_rank, name)
         return conn
@@ -359,9 +361,8 @@ class CudaIpcConnection(Connection):
     """One pair of device rings plus host-side flow control; see the module docstring."""
 
     transport = NAME
-    device_capable = True
-    #: both ends use the same GPU (several ranks sharing one device)
-    same_device = False
+    #: and Cap.SAME_DEVICE where both ends use one GPU (known once connected)
+    caps = Cap.DEVICE | Cap.ONE_SIDED | Cap.SINK_STREAM
 
     def __init__(
         self,
@@ -396,9 +397,9 @@ class CudaIpcConnection(Connection):
         self._peer_ring = 0  # the peer's incoming ring, opened on first send
         self._peer_opened = False
         self._peer_ipc = False  # opened through ipcOpenMemHandle (closed on close())
-        #: the stream the receive sinks' work goes on; the layer above may set it
-        #: (it must be a stream of ``device``); 0 until then means a stream of our own.
-        self.sink_stream = 0
+        # the stream the receive sinks' work goes on (set_sink_stream); 0 until
+        # then means a stream of our own
+        self._sink_stream = 0
         self._own_stream = 0
         with _on_device(device):
             # the ring, then the window flags (see _Window) in the same allocation
@@ -489,9 +490,13 @@ class CudaIpcConnection(Connection):
             self._peer_ipc = True
         self._peer_opened = True
 
+    def set_sink_stream(self, stream: int) -> None:
+        """Run receive sinks on ``stream`` (a stream of :attr:`device`)."""
+        self._sink_stream = stream
+
     def _stream(self) -> int:
-        if self.sink_stream:
-            return self.sink_stream
+        if self._sink_stream:
+            return self._sink_stream
         if not self._own_stream:
             with _on_device(self.device):
                 self._own_stream = int(self._rt.streamCreateWithFlags(1))  # non-blocking
@@ -578,8 +583,6 @@ class CudaIpcConnection(Connection):
                 req._done = True
 
     # ------------------------------------------------------------------ one-sided
-    one_sided = True
-
     def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         self._check_open()
         self._win.expose(spans, stream, deadline)

@@ -55,6 +55,7 @@ from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
+    Cap,
     ConnectError,
     Connection,
     Deadline,
@@ -329,6 +330,7 @@ class _Direction:
 
 class ShmConnection(Connection):
     transport = "shm"
+    caps = Cap.SHARED_SEND_BUFFERS
 
     def __init__(
         self,
@@ -402,8 +404,6 @@ class ShmConnection(Connection):
             out[off : off + len(piece)] = piece
 
         return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8), tag)
-
-    shares_send_buffers = True
 
     def send_buffer(self, nbytes: int) -> np.ndarray | None:
         self._check_open()

@@ -20,6 +20,7 @@ from typing import Any
 
 from pycoll.config import Config
 from pycoll.errors import ConnectError
+from transports.base import Cap
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,14 @@ def setup(boot: Any, config: Config, rank: int, size: int) -> Any:
         local
         and wiring is not None
         and len(wiring.conns) == size - 1
-        and all(c.one_sided for c in wiring.conns.values())
+        and all(Cap.ONE_SIDED in c.caps for c in wiring.conns.values())
     )
     one_sided = all(boot.allgather(bool(mine), t, what))
     # every rank on the same GPU: one rank's kernels can do a collective's work
     same = bool(
         mine
         and wiring is not None
-        and all(getattr(c, "same_device", False) for c in wiring.conns.values())
+        and all(Cap.SAME_DEVICE in c.caps for c in wiring.conns.values())
     )
     shared = all(boot.allgather(same, t, what))
     if not local:

@@ -2,7 +2,7 @@
 peers' buffers itself, and the host never waits for the device.
 
 When every pair of ranks has a one-sided connection (CUDA IPC between ranks of
-one host; :attr:`transports.base.Connection.one_sided`), a collective is:
+one host; :attr:`transports.base.Cap.ONE_SIDED`), a collective is:
 
 1. *expose*: each rank shows its peers its input (and, for allreduce, its
    output) once the work already queued on its stream is done;

@@ -60,6 +60,7 @@ from transports import _exit
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
+    Cap,
     ConnectError,
     Connection,
     DeviceSink,
@@ -303,18 +304,18 @@ class RdmaConnection(Connection):
         self._registrations: list[Registration] = []
         # device paths (dmabuf, gdr): our device slots for this peer, the peer's
         # device slots for us (when it has any) and device send staging
-        self.device_capable = tr.memory_path in ("dmabuf", "gdr")
+        if tr.memory_path in ("dmabuf", "gdr"):
+            self.caps = Cap.DEVICE | Cap.SINK_STREAM
         self.device = tr.device
-        #: the stream handed to device sinks; the layer above sets its own so that
-        #: sinks' work is ordered with the rest of its work.  0 (the default): the
-        #: legacy default stream, and each piece's sink work is waited for.
-        self.sink_stream = 0
+        # the stream handed to device sinks (set_sink_stream).  0 (the default):
+        # the legacy default stream, and each piece's sink work is waited for.
+        self._sink_stream = 0
         self.dev_recv_ptr = 0
         self.remote_dev_rkey = 0
         self.remote_dev_base = 0
         self.dev_staging: int = 0
         self.dev_staging_reg: Registration | None = None
-        if self.device_capable:
+        if Cap.DEVICE in self.caps:
             self.dev_recv_ptr = tr.dev_recv_ptr + off
             if remote.dev_rkey:
                 self.remote_dev_rkey = remote.dev_rkey
@@ -359,7 +360,7 @@ class RdmaConnection(Connection):
         the peer's device slot; a peer without device slots gets it in its host
         slot instead (staged through this side's host staging).
         """
-        if not self.device_capable:
+        if Cap.DEVICE not in self.caps:
             return super().isend_device(data)
         if data.nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
@@ -367,9 +368,9 @@ class RdmaConnection(Connection):
 
     def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
         """Post a receive whose pieces reach ``sink`` as spans of this side's device
-        slots (on stream :attr:`sink_stream`); a slot is reused only after the
-        work the sink enqueued there has finished (a CUDA event)."""
-        if not self.device_capable:
+        slots (on the stream of :meth:`set_sink_stream`); a slot is reused only
+        after the work the sink enqueued there has finished (a CUDA event)."""
+        if Cap.DEVICE not in self.caps:
             return super().irecv_device(nbytes, sink, device)
         if device != self.device:
             raise TransportError(
@@ -380,6 +381,14 @@ class RdmaConnection(Connection):
         if nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
         return self._queue_recv(_RecvReq(self, nbytes, sink, device=True))
+
+    def set_sink_stream(self, stream: int) -> None:
+        """Hand device sinks ``stream``: a slot then goes back to the sender once a
+        CUDA event recorded there after the sink's work has completed, instead
+        of waiting for each piece's sink work at once."""
+        if Cap.SINK_STREAM not in self.caps:
+            super().set_sink_stream(stream)  # raises: the host path has no device sinks
+        self._sink_stream = stream
 
     def _queue_send(self, req: _SendReq) -> Request:
         self._raise_if_broken()
@@ -415,7 +424,7 @@ class RdmaConnection(Connection):
             return self.tr._register_device(device_ptr, int(buffer), access)
         raise TransportError(
             "GPU buffers on the rdma:host path are staged through host memory by the "
-            "layer above (this connection is not device_capable)",
+            "layer above (this connection has no Cap.DEVICE)",
             peer=self.peer,
             transport=self.transport,
         )
@@ -616,16 +625,16 @@ class RdmaConnection(Connection):
                     ptr = self.dev_recv_ptr + base
                     if not in_device:  # the peer staged it through our host slot
                         host_addr = HostBuffer.address_of(self.recv_view[base : base + n])
-                        cuda.copy_htod(ptr, host_addr, n, self.sink_stream)
+                        cuda.copy_htod(ptr, host_addr, n, self._sink_stream)
                     elif self.tr.flusher is not None and not flushed:
                         # gdr: the NIC's writes must reach GPU memory before a kernel reads
                         # them; one READ flushes every piece that arrived before it
                         assert self.tr.dev_recv_reg is not None
                         self.tr.flusher.flush(self.tr.dev_recv_reg)
                         flushed = True
-                    req.sink(req.received, DeviceSpan(ptr, n, self.device, self.sink_stream))  # type: ignore[arg-type]
-                    if self.sink_stream:
-                        event = cuda.record(self.sink_stream)
+                    req.sink(req.received, DeviceSpan(ptr, n, self.device, self._sink_stream))  # type: ignore[arg-type]
+                    if self._sink_stream:
+                        event = cuda.record(self._sink_stream)
                     else:
                         # Nobody named the consumer's stream: the sink's work on the
                         # legacy stream is not ordered before a non-blocking stream's,
@@ -756,7 +765,7 @@ class RdmaTransport(Transport):
     With the dmabuf or gdr path, :meth:`listen` also allocates device receive
     slots (``nslots`` x ``slot_bytes`` per peer, ``cuMemAlloc``) and registers
     them through that path; their rkey and address travel in the blob, and
-    connections become ``device_capable``.
+    connections declare :attr:`~transports.base.Cap.DEVICE`.
 
     Args:
         options: as every transport.
