@@ -34,12 +34,12 @@ written and waited on by the streams themselves, so the host never waits.
 
 Completion is observed by polling events from the host: a request is done when
 its bytes were copied (send) or consumed by the sink's queued work (receive).
-CUDA is reached through CuPy's runtime API, imported lazily.
+CUDA is reached through CuPy's runtime API and the driver library, both loaded
+lazily (:mod:`transports.cuda_driver`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -68,8 +68,8 @@ from transports.base import (
     TransportError,
     TransportOptions,
     TransportTimeout,
-    UnshareableMemoryError,
 )
+from transports.cuda_driver import export, on_device, runtime, stream_wait, stream_write
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +102,7 @@ _DEFAULT = 4  # cudaMemcpyDefault (unified addressing: across GPUs too)
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _EVENT_FLAGS = 0x2  # cudaEventDisableTiming (blocking sync off: we poll)
 _FLAG_BYTES = 256  # device words after the ring: "exposed" at +0, "released" at +128
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, wrap-safe
 _OPEN_CACHE = 32  # peer allocations kept mapped per connection
-
-
-def _cuda() -> Any:
-    """CuPy's runtime module (imported on first use, never at import time)."""
-    import cupy
-
-    return cupy.cuda.runtime
 
 
 class _Identity:
@@ -203,7 +195,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, options: TransportOptions) -> None:
         super().__init__(options)
-        rt = _cuda()
+        rt = runtime()
         try:
             count = rt.getDeviceCount()
         except Exception as exc:
@@ -390,7 +382,7 @@ class CudaIpcConnection(Connection):
         self._peer_ready = _atomic.Counter(mm, _SIDE_OFF[1 - self._side] + 8)
         self._closed_peer = _atomic.Counter(mm, _CLOSED_OFF[1 - self._side])
         self._closed_me = _atomic.Counter(mm, _CLOSED_OFF[self._side])
-        rt = _cuda()
+        rt = runtime()
         self._rt = rt
         self._events = _Events(rt)
         self._ring = 0  # my incoming ring (device memory I own)
@@ -401,7 +393,7 @@ class CudaIpcConnection(Connection):
         # then means a stream of our own
         self._sink_stream = 0
         self._own_stream = 0
-        with _on_device(device):
+        with on_device(device):
             # the ring, then the window flags (see _Window) in the same allocation
             self._ring = int(rt.malloc(self.nslots * self.slot_bytes + _FLAG_BYTES))
             rt.memset(self._ring + self.nslots * self.slot_bytes, 0, _FLAG_BYTES)
@@ -485,7 +477,7 @@ class CudaIpcConnection(Connection):
             # both ends in one process (tests): IPC handles cannot be opened here
             self._peer_ring = ptr
         else:
-            with _on_device(self.device):
+            with on_device(self.device):
                 self._peer_ring = _ipc_open(handle, self.peer, "memory handle", ConnectError)
             self._peer_ipc = True
         self._peer_opened = True
@@ -498,7 +490,7 @@ class CudaIpcConnection(Connection):
         if self._sink_stream:
             return self._sink_stream
         if not self._own_stream:
-            with _on_device(self.device):
+            with on_device(self.device):
                 self._own_stream = int(self._rt.streamCreateWithFlags(1))  # non-blocking
         return self._own_stream
 
@@ -635,7 +627,7 @@ class CudaIpcConnection(Connection):
             pass
         rt = self._rt
         try:
-            with _on_device(self.device):
+            with on_device(self.device):
                 for ev, *_ in list(self._sinking):
                     rt.eventSynchronize(ev)
                 for _, ev, *_ in list(self._copying):
@@ -739,7 +731,7 @@ class _Window:
             self._maps.move_to_end(handle)
             return base
         rt = self._rt
-        with _on_device(conn.device):
+        with on_device(conn.device):
             if len(self._maps) >= _OPEN_CACHE:
                 # no queued work may still use what we unmap; not the whole device:
                 # other streams may wait for the very collective that maps this
@@ -822,93 +814,11 @@ _F_EXPOSED, _F_RELEASED = 0, 128
 def _ipc_open(handle: bytes, peer: int, what: str, error: type[TransportError]) -> int:
     """Map a peer's allocation (``cudaIpcOpenMemHandle``) on the current device."""
     try:
-        return int(_cuda().ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
+        return int(runtime().ipcOpenMemHandle(handle, _IPC_LAZY_PEER))
     except Exception as exc:
         raise error(
             f"cuda_ipc: cannot open peer {peer}'s {what}: {exc}", peer=peer, transport=NAME
         ) from exc
-
-
-def stream_write(stream: int, addr: int, value: int) -> None:
-    """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
-    err = _driver().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0)
-    if err:
-        raise TransportError(f"cuda_ipc: cuStreamWriteValue32 failed with CUDA error {err}")
-
-
-def stream_wait(stream: int, addr: int, value: int) -> None:
-    """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
-    err = _driver().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
-    if err:
-        raise TransportError(f"cuda_ipc: cuStreamWaitValue32 failed with CUDA error {err}")
-
-
-_libcuda: Any = None
-
-
-def _driver() -> Any:
-    """The CUDA driver library, for the few calls CuPy's runtime module lacks."""
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuMemGetAddressRange_v2.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.c_uint64,
-        ]
-        for fn in (lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2):
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        _libcuda = lib
-    return _libcuda
-
-
-def allocation_base(ptr: int) -> int:
-    """The base address of the CUDA allocation holding device pointer ``ptr``."""
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    err = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
-    if err:
-        raise UnshareableMemoryError(
-            f"cuda_ipc: {ptr:#x} is not device memory (cuMemGetAddressRange: error {err})"
-        )
-    return int(base.value)
-
-
-def export(ptr: int) -> tuple[bytes, int]:
-    """The IPC handle of the allocation holding device pointer ``ptr``, and the
-    offset of ``ptr`` in it (``cudaIpcGetMemHandle`` names whole allocations).
-
-    Raises:
-        UnshareableMemoryError: the memory cannot be shared (say, from a
-            stream-ordered ``cudaMallocAsync`` pool or the virtual-memory APIs).
-    """
-    base = allocation_base(ptr)
-    try:
-        handle = _cuda().ipcGetMemHandle(base)
-    except Exception as exc:
-        raise UnshareableMemoryError(
-            f"cuda_ipc: device memory at {ptr:#x} cannot be shared: {exc}"
-        ) from exc
-    return bytes(handle), ptr - base
-
-
-class _on_device:
-    """``with _on_device(d):`` makes CUDA device ``d`` current, then restores the old one."""
-
-    __slots__ = ("_dev", "_old", "_rt")
-
-    def __init__(self, dev: int) -> None:
-        self._dev = dev
-        self._rt = _cuda()
-        self._old = -1
-
-    def __enter__(self) -> None:
-        self._old = int(self._rt.getDevice())
-        if self._old != self._dev:
-            self._rt.setDevice(self._dev)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._old != self._dev:
-            self._rt.setDevice(self._old)
 
 
 class _IpcSend(QueuedRequest):

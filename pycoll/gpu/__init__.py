@@ -8,6 +8,8 @@ buffer shows up or a GPU is probed at :func:`pycoll.init`.
   device bytes per peer (device-capable connection, or pinned host staging).
 * :mod:`pycoll.gpu.staging`: the pinned double-buffered D2H / wire / H2D pipeline.
 * :mod:`pycoll.gpu.context`: streams, events and the collective bodies.
+* :mod:`pycoll.gpu.windows`: collectives through one-sided device windows
+  (``direct``: every rank reads and writes its peers' buffers itself).
 * :mod:`pycoll.gpu.jobs`: device collectives as jobs (retire events that keep
   buffers alive, failures, and the gates that would let every call only enqueue).
 """

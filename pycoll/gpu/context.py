@@ -30,12 +30,12 @@ import numpy as np
 from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
-from pycoll.gpu import direct
 from pycoll.gpu import reduce as dreduce
-from pycoll.gpu.direct import Scratch, Windows
+from pycoll.gpu import windows
 from pycoll.gpu.jobs import Gates, Inflight, Job
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
+from pycoll.gpu.windows import Scratch, Windows
 from pycoll.reduce import ReduceOp
 from transports.base import Backoff, Connection, Deadline
 
@@ -499,7 +499,7 @@ class DeviceCall(Job):
                 if data_ptr(oa) != data_ptr(xa):
                     oa[...] = xa
             elif x.count and algo == "direct":
-                direct.allreduce(self.windows(), op, x.dtype, xa, oa)
+                windows.allreduce(self.windows(), op, x.dtype, xa, oa)
             elif x.count:
                 algorithms.get("allreduce", algo)(self.links(op), xa, oa)
             if op is ReduceOp.AVG:
@@ -516,7 +516,7 @@ class DeviceCall(Job):
         def body() -> None:
             xa, oa = x.flat, out.flat
             if n > 1 and k and algo == "direct":
-                direct.allgather(self.windows(), xa, oa)  # places our own block too
+                windows.allgather(self.windows(), xa, oa)  # places our own block too
                 return
             mine = oa[r * k : (r + 1) * k]
             if k and data_ptr(mine) != data_ptr(xa):
@@ -532,7 +532,7 @@ class DeviceCall(Job):
 
         def body() -> None:
             if self.ctx.size > 1 and b.count and algo == "direct":
-                direct.broadcast(self.windows(), b.flat, root)
+                windows.broadcast(self.windows(), b.flat, root)
             elif self.ctx.size > 1 and b.count:
                 algorithms.get("broadcast", algo)(self.links(None), b.flat, root)
 
@@ -548,7 +548,7 @@ class DeviceCall(Job):
             if self.ctx.size == 1:
                 oa[...] = xa
             elif oa.size and algo == "direct":
-                direct.reduce_scatter(self.windows(), op, x.dtype, xa, oa)
+                windows.reduce_scatter(self.windows(), op, x.dtype, xa, oa)
             elif oa.size:
                 algorithms.get("reduce_scatter", algo)(self.links(op), xa, oa)
             if op is ReduceOp.AVG:
@@ -568,7 +568,7 @@ class DeviceCall(Job):
                 if data_ptr(oa) != data_ptr(xa):
                     oa[...] = xa
             elif x.count and algo == "direct":
-                direct.reduce(self.windows(), op, x.dtype, xa, oa, root)
+                windows.reduce(self.windows(), op, x.dtype, xa, oa, root)
             elif x.count:
                 algorithms.get("reduce", algo)(self.links(op), xa, oa, root)
             if op is ReduceOp.AVG and is_root:

@@ -157,13 +157,13 @@ class Scratch:
         self._verdict: dict[int, bool] = {}
 
     def shareable(self, ptr: int) -> bool:
-        from transports import cuda_ipc
+        from transports import cuda_driver
 
-        base = cuda_ipc.allocation_base(ptr)
+        base = cuda_driver.allocation_base(ptr)
         ok = self._verdict.get(base)
         if ok is None:
             try:
-                cuda_ipc.export(ptr)
+                cuda_driver.export(ptr)
                 ok = True
             except UnshareableMemoryError:
                 ok = False
