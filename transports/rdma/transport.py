@@ -24,9 +24,9 @@ write.  Both sides
 of a connection progress whenever any request of the transport is tested, so two
 ranks that both isend large messages and then irecv never deadlock.
 
-The memory path (``rdma_memory``: dmabuf, gdr, host) decides how *GPU* buffers
-become visible to the NIC (:meth:`RdmaConnection.register`); slots and staging
-are host memory on every path.
+The memory path (``rdma_memory``: dmabuf, gdr, host) decides how *GPU* memory
+becomes visible to the NIC (:meth:`RdmaTransport._register_device`: the device
+slots and device staging); host slots and staging are host memory on every path.
 
 Message tags (:meth:`Connection.isend`'s ``tag``) do not travel on this
 transport yet: the 32 bits of immediate data hold the sequence, flags and
@@ -301,7 +301,6 @@ class RdmaConnection(Connection):
         self.goodbye: PeerClosedError | None = None
         self._bye = 0  # ours: 0 not sent, 1 posted, 2 completed (or failed)
         self.closed = False
-        self._registrations: list[Registration] = []
         # device paths (dmabuf, gdr): our device slots for this peer, the peer's
         # device slots for us (when it has any) and device send staging
         if tr.memory_path in ("dmabuf", "gdr"):
@@ -406,29 +405,6 @@ class RdmaConnection(Connection):
         self._progress()
         return req
 
-    def register(self, buffer: Any, *, device_ptr: int | None = None) -> Registration:
-        """Make a buffer visible to the NIC through this connection's memory path.
-
-        Host buffers (buffer protocol) are always registered as host memory; a
-        GPU range (``device_ptr`` and ``buffer`` = its byte length) goes through
-        dmabuf or gdr as chosen.  The caller closes the registration.
-        """
-        e = self._e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-        verbs, pd = self.tr.verbs, self.tr.pd
-        if device_ptr is None:
-            mv = memoryview(buffer).cast("B")
-            addr = HostBuffer.address_of(mv)
-            return host.register(verbs, pd, addr, len(mv), access)
-        if self.tr.memory_path in ("dmabuf", "gdr"):
-            return self.tr._register_device(device_ptr, int(buffer), access)
-        raise TransportError(
-            "GPU buffers on the rdma:host path are staged through host memory by the "
-            "layer above (this connection has no Cap.DEVICE)",
-            peer=self.peer,
-            transport=self.transport,
-        )
-
     def check_peer(self) -> None:
         self._raise_if_broken()
 
@@ -467,8 +443,6 @@ class RdmaConnection(Connection):
             self.tr.await_goodbyes([self], GOODBYE_WAIT)
         self.closed = True
         self.tr._forget(self)
-        for reg in self._registrations:
-            reg.close()
         for obj in (self.qp, self.staging_mr, self.dev_staging_reg):
             try:
                 if obj is not None:
