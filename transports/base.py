@@ -433,6 +433,8 @@ class Cap(enum.Flag):
     SINK_STREAM = enum.auto()
     #: both ends use the same GPU (several ranks sharing one device).
     SAME_DEVICE = enum.auto()
+    #: :meth:`Connection.probe` tells the tag of the next message without taking it.
+    PROBE = enum.auto()
 
 
 class Connection(abc.ABC):
@@ -469,6 +471,32 @@ class Connection(abc.ABC):
             out[off : off + len(piece)] = piece
 
         return self.irecv(len(out), copy, tag)
+
+    def probe(self) -> int | None:
+        """The tag of the next message this connection would deliver, without taking it.
+
+        The tag is known once at least the message's first piece (or its
+        descriptor, or its frame header) has arrived while no receive is posted
+        on this connection; until then, and whenever a receive is pending (the
+        message is that receive's), the answer is None.  Probing consumes
+        nothing: a receive posted afterwards gets that message whole, and every
+        probe gives the same answer until it has been received.  A message of
+        zero bytes moves nothing on any transport and is never seen here.  A
+        probe may progress the connection as testing a request does.
+
+        Only with :attr:`Cap.PROBE`.
+
+        Raises:
+            TransportError: the connection has no :attr:`Cap.PROBE`, or it is
+                broken (a corrupted stream; :class:`PeerClosedError` once the
+                peer is known to have closed and nothing it sent is left).  A
+                peer that died silently is the business of :meth:`check_peer`.
+        """
+        raise TransportError(
+            f"{self.transport} cannot probe for messages",
+            peer=self.peer,
+            transport=self.transport,
+        )
 
     def send_buffer(self, nbytes: int) -> np.ndarray | None:
         """This connection's shared send buffer: ``nbytes`` or more of host memory

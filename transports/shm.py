@@ -330,7 +330,7 @@ class _Direction:
 
 class ShmConnection(Connection):
     transport = "shm"
-    caps = Cap.SHARED_SEND_BUFFERS
+    caps = Cap.SHARED_SEND_BUFFERS | Cap.PROBE
 
     def __init__(
         self,
@@ -435,17 +435,30 @@ class ShmConnection(Connection):
     def recv_buffer(self) -> np.ndarray | None:
         return self._rbuf  # type: ignore[no-any-return]
 
+    def probe(self) -> int | None:
+        """The tag in the metadata of the inbound ring's oldest unread slot: with no
+        receive queued, every earlier message was taken whole, so that slot (a
+        piece or a descriptor) starts the next message."""
+        self._check_open()
+        if self._recvs:
+            return None
+        inn = self._in
+        if inn.head.load() <= self._recvd:  # acquire: the slot's metadata is written
+            return None
+        slot = self._recvd % inn.nslots
+        return int(_META.unpack_from(self._mm, inn.meta_off + _META.size * slot)[3])
+
     def _irecv(self, nbytes: int, sink: Sink, dest: Any, tag: int) -> Request:
         self._check_open()
         if nbytes == 0:
             return DoneRequest(self.peer)
         if self._cma_min and not self._cma_me.load():
-            self._probe()
+            self._probe_cma()
         req = _ShmRecv(self, nbytes, sink, dest, tag)
         self._recvs.append(req)
         return req
 
-    def _probe(self) -> None:
+    def _probe_cma(self) -> None:
         """Try one direct read of the peer's mapping; publish whether it worked."""
         addr = struct.unpack_from("<Q", self._mm, _MAPADDR_OFF[1 - self._side])[0]
         if not addr:

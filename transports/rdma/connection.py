@@ -19,13 +19,16 @@ write.  Both sides of a connection progress whenever any request of the
 transport is tested, so two ranks that both isend large messages and then
 irecv never deadlock.
 
-Message tags (:meth:`Connection.isend`'s ``tag``) do not travel on this
-transport yet: the 32 bits of immediate data hold the sequence, flags and
-credits, and a slot header would change the slots' layout.  A receive checks a
-message's sequence number and size only, so mismatched calls of the same size
-are not caught here (pycoll's ``PYCOLL_CHECK=1`` still catches them).  A QP error becomes a
-:class:`~transports.base.PeerClosedError` naming the peer and the work
-completion status.
+Message tags (:meth:`Connection.isend`'s ``tag``) travel in the host slots: the
+32 bits of immediate data hold the sequence, flags and credits, so a host slot
+starts with a :data:`HOST_HEAD`-byte head whose last 8 bytes are the tag, and
+the same write carries the tag and the piece (``slot_bytes - HOST_HEAD`` bytes
+of data at most).  A receive checks each piece's sequence number, size and tag
+(:class:`~transports.base.TagMismatchError` before any byte reaches the sink),
+and :meth:`RdmaConnection.probe` reads the tag of the oldest arrival no receive
+took.  Device slots carry data only (device sends and receives name no tag).
+A QP error becomes a :class:`~transports.base.PeerClosedError` naming the peer
+and the work completion status.
 
 Closing says goodbye: a zero-byte WRITE WITH IMM flagged :data:`IMM_GOODBYE`,
 after everything already posted, so the peer's receives fail at once with
@@ -38,10 +41,12 @@ exit hook (:mod:`transports._exit`).
 from __future__ import annotations
 
 import logging
+import struct
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from transports.base import (
+    PIECE_ALIGN,
     Cap,
     Connection,
     DeviceSink,
@@ -51,6 +56,7 @@ from transports.base import (
     Request,
     Sink,
     TransportError,
+    tag_mismatch,
 )
 from transports.rdma import host
 from transports.rdma.host import HostBuffer, Registration
@@ -70,6 +76,12 @@ WR_DATA = 1 << 32
 WR_CREDIT = 2 << 32
 WR_RECV = 3 << 32
 WR_GOODBYE = 4 << 32
+#: A host slot's head: the data of a piece written there starts this far in,
+#: and the message's tag (8 bytes) sits just before it, so one write carries
+#: both, with 8 bytes more on the wire.  Device slots carry data only.
+HOST_HEAD = PIECE_ALIGN
+_TAG = struct.Struct("<Q")
+TAG_AT = HOST_HEAD - _TAG.size
 #: How long close() waits for its goodbye to leave (the NIC may drop what a
 #: destroyed QP still holds); the exit hook waits this long for all of them.
 GOODBYE_WAIT = 0.1
@@ -107,26 +119,36 @@ class _ConnReq(Request):
 
 
 class _SendReq(_ConnReq):
-    def __init__(self, conn: RdmaConnection, data: memoryview | DeviceSpan) -> None:
+    def __init__(self, conn: RdmaConnection, data: memoryview | DeviceSpan, tag: int = 0) -> None:
         super().__init__(conn, data.nbytes if isinstance(data, DeviceSpan) else len(data))
         self.data = data
+        self.tag = tag
         self.posted = 0  # bytes handed to the NIC
         self.outstanding = 0  # writes not yet completed
 
 
 class _RecvReq(_ConnReq):
     def __init__(
-        self, conn: RdmaConnection, nbytes: int, sink: Sink | DeviceSink, device: bool = False
+        self,
+        conn: RdmaConnection,
+        nbytes: int,
+        sink: Sink | DeviceSink,
+        device: bool = False,
+        tag: int | None = None,
     ) -> None:
         super().__init__(conn, nbytes)
         self.sink = sink
         self.device = device
+        self.tag = tag  # None: a device receive, which names no tag
         self.received = 0
 
 
 # ------------------------------------------------------------------ connection
 class RdmaConnection(Connection):
     """One peer: its QP, the peer's slots we write into, our slots it writes into."""
+
+    #: and Cap.DEVICE | Cap.SINK_STREAM on the dmabuf and gdr paths
+    caps = Cap.PROBE
 
     def __init__(self, tr: RdmaTransport, peer: int, qp: Any, remote: Endpoint) -> None:
         self.tr = tr
@@ -171,7 +193,7 @@ class RdmaConnection(Connection):
         # device paths (dmabuf, gdr): our device slots for this peer, the peer's
         # device slots for us (when it has any) and device send staging
         if tr.memory_path in ("dmabuf", "gdr"):
-            self.caps = Cap.DEVICE | Cap.SINK_STREAM
+            self.caps |= Cap.DEVICE | Cap.SINK_STREAM
         self.device = tr.device
         # the stream handed to device sinks (set_sink_stream).  0 (the default):
         # the legacy default stream, and each piece's sink work is waited for.
@@ -202,8 +224,6 @@ class RdmaConnection(Connection):
     # even when the peer has already finished its work and closed (a fast rank
     # may close before a slow one posts its last, empty, message to it).
     def isend(self, data: memoryview, tag: int = 0) -> Request:
-        # The tag does not travel yet: the immediate data has no room for it (see
-        # the module docstring); a mismatch shows only where the sizes differ.
         mv = (
             memoryview(data).cast("B")
             if not isinstance(data, memoryview) or data.format != "B"
@@ -211,12 +231,31 @@ class RdmaConnection(Connection):
         )
         if len(mv) == 0 and not self.closed:
             return DoneRequest(self.peer)
-        return self._queue_send(_SendReq(self, mv))
+        return self._queue_send(_SendReq(self, mv, tag))
 
     def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         if nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
-        return self._queue_recv(_RecvReq(self, nbytes, sink))
+        return self._queue_recv(_RecvReq(self, nbytes, sink, tag=tag))
+
+    def probe(self) -> int | None:
+        """The tag in the host slot of the oldest arrival that no receive took:
+        with no receive posted, every earlier message was taken whole, so that
+        arrival is the first piece of the next message.  A piece in a device slot
+        carries no tag; its message is reported as tag 0 (device sends take none).
+        Progresses the connection (polls the completion queue) first."""
+        if self.closed:
+            self._raise_if_broken()  # closed here: its error says so
+        self._progress()
+        if self.recvq:
+            return None
+        if not self.arrivals:
+            self._raise_if_broken()  # the peer's goodbye, or this side's error
+            return None
+        slot, _, imm = self.arrivals[0]
+        if imm & IMM_DEVICE:
+            return 0
+        return int(_TAG.unpack_from(self.recv_view, slot * self.slot_bytes + TAG_AT)[0])
 
     def isend_device(self, data: DeviceSpan) -> Request:
         """Post a send of device memory (paths dmabuf and gdr).
@@ -438,13 +477,17 @@ class RdmaConnection(Connection):
         while self.arrivals and self.recvq:
             slot, n, imm = self.arrivals[0]
             req = self.recvq[0]
+            in_device = bool(imm & IMM_DEVICE)
+            if not in_device:
+                n -= _TAG.size  # the write carried the tag before the data
             last = bool(imm & IMM_LAST)
             end = req.received + n
             if (
                 (imm & 0xFFFF) != req.seq
+                or n <= 0
                 or end > req.nbytes
                 or last != (end == req.nbytes)
-                or (not last and n != sb)
+                or (not last and n != (sb if in_device else sb - HOST_HEAD))
             ):
                 self._fail(
                     TransportError(
@@ -456,16 +499,23 @@ class RdmaConnection(Connection):
                     )
                 )
                 raise self.error  # type: ignore[misc]
-            self.arrivals.popleft()
             base = slot * sb
-            in_device = bool(imm & IMM_DEVICE)
+            # a host piece's data follows the slot's head; a device piece for a host
+            # receive is brought over to the start of the (idle) host slot
+            hbase = base if in_device else base + HOST_HEAD
+            if not in_device and req.tag is not None:
+                tag = int(_TAG.unpack_from(self.recv_view, base + TAG_AT)[0])
+                if tag != req.tag:  # before any byte reaches the sink
+                    self._fail(tag_mismatch(self.transport, self.peer, tag, req.tag))
+                    raise self.error  # type: ignore[misc]
+            self.arrivals.popleft()
             event = None
             try:
                 if req.device:
                     cuda = self.tr.cuda
                     ptr = self.dev_recv_ptr + base
                     if not in_device:  # the peer staged it through our host slot
-                        host_addr = HostBuffer.address_of(self.recv_view[base : base + n])
+                        host_addr = HostBuffer.address_of(self.recv_view[hbase : hbase + n])
                         cuda.copy_htod(ptr, host_addr, n, self._sink_stream)
                     elif self.tr.flusher is not None and not flushed:
                         # gdr: the NIC's writes must reach GPU memory before a kernel reads
@@ -482,7 +532,7 @@ class RdmaConnection(Connection):
                         # so it is finished here.
                         cuda.synchronize(0)
                 else:
-                    view = self.recv_view[base : base + n]
+                    view = self.recv_view[hbase : hbase + n]
                     if in_device:  # a device piece for a host receive: bring it over
                         self.tr.cuda.copy_dtoh(
                             HostBuffer.address_of(view), self.dev_recv_ptr + base, n, 0
@@ -508,27 +558,36 @@ class RdmaConnection(Connection):
             if self.staging_owner[slot] is not None:
                 return  # the write out of this staging slot has not completed yet
             req = self.sendq[0]
-            n = min(sb, req.nbytes - req.posted)
+            data = req.data
+            to_device = (
+                isinstance(data, DeviceSpan)
+                and self.remote_dev_rkey != 0
+                and self.dev_staging_reg is not None
+            )
+            n = min(sb if to_device else sb - HOST_HEAD, req.nbytes - req.posted)
             base = slot * sb
             last = req.posted + n == req.nbytes
             give = min(self.credits_to_return, IMM_PIGGY_MAX)
             imm = req.seq | (IMM_LAST if last else 0) | (give << IMM_PIGGY_SHIFT)
-            rkey, raddr = self.remote_rkey, self.remote_base + base
-            if isinstance(req.data, DeviceSpan):
-                span = req.data
-                src = span.ptr + req.posted
-                if self.remote_dev_rkey and self.dev_staging_reg is not None:
-                    tr.cuda.copy_dtod(self.dev_staging + base, src, n, span.stream)
-                    reg = self.dev_staging_reg
-                    sge = verbs.SGE(reg.addr + base, n, reg.lkey)
-                    rkey, raddr = self.remote_dev_rkey, self.remote_dev_base + base
-                    imm |= IMM_DEVICE
-                else:  # the peer has host slots only
-                    tr.cuda.copy_dtoh(self.staging.addr + base, src, n, span.stream)
-                    sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
+            if to_device:
+                assert isinstance(data, DeviceSpan) and self.dev_staging_reg is not None
+                tr.cuda.copy_dtod(self.dev_staging + base, data.ptr + req.posted, n, data.stream)
+                reg = self.dev_staging_reg
+                sge = verbs.SGE(reg.addr + base, n, reg.lkey)
+                rkey, raddr = self.remote_dev_rkey, self.remote_dev_base + base
+                imm |= IMM_DEVICE
             else:
-                self.staging.view[base : base + n] = req.data[req.posted : req.posted + n]
-                sge = verbs.SGE(self.staging.addr + base, n, self.staging_mr.lkey)
+                # into the peer's host slot: the tag, then the data (see HOST_HEAD)
+                _TAG.pack_into(self.staging.view, base + TAG_AT, req.tag)
+                at = base + HOST_HEAD
+                if isinstance(data, DeviceSpan):  # the peer has host slots only
+                    tr.cuda.copy_dtoh(self.staging.addr + at, data.ptr + req.posted, n, data.stream)
+                else:
+                    self.staging.view[at : at + n] = data[req.posted : req.posted + n]
+                sge = verbs.SGE(
+                    self.staging.addr + base + TAG_AT, _TAG.size + n, self.staging_mr.lkey
+                )
+                rkey, raddr = self.remote_rkey, self.remote_base + base + TAG_AT
             wr = verbs.SendWR(
                 wr_id=WR_DATA | slot,
                 opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,

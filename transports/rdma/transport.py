@@ -42,7 +42,8 @@ __all__ = ["BLOB_CRC", "BLOB_HEADER", "Endpoint", "RdmaConnection", "RdmaTranspo
 log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ blob format
-#: Endpoint blob, little-endian, version 2:
+#: Endpoint blob, little-endian, version 3 (3: host slots carry a head with the
+#: message's tag, see transports.rdma.connection.HOST_HEAD):
 #:   header  BLOB_HEADER  magic b"PCRD", version, provider (0 pyverbs, 1 soft),
 #:           port, mtu (ibv_mtu), lid, rank, size, nslots, slot_bytes, rkey,
 #:           slots base address, gid[16], fabric[16], device slots' rkey and
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 #:           (zeros for its own rank)
 #:   trailer CRC-32 of everything before it
 BLOB_MAGIC = b"PCRD"
-BLOB_VERSION = 2
+BLOB_VERSION = 3
 BLOB_HEADER = struct.Struct("<4sBBBBHxxIIIIIQ16s16sIxxxxQ")
 BLOB_ENTRY = struct.Struct("<II")
 BLOB_CRC = struct.Struct("<I")
@@ -141,7 +142,7 @@ class Endpoint:
             or not 1 <= mtu <= 5
             or rank >= size
             or nslots < 1
-            or slot_bytes < PIECE_ALIGN
+            or slot_bytes < 2 * PIECE_ALIGN
             or slot_bytes % PIECE_ALIGN
         ):
             raise BlobError("rdma endpoint blob has out-of-range fields", transport="rdma")
@@ -193,7 +194,8 @@ class RdmaTransport(Transport):
         self.flusher: gdr.Flusher | None = None
         self.rank = options.rank
         self.size = options.size
-        self.slot_bytes = max(PIECE_ALIGN, options.slot_bytes // PIECE_ALIGN * PIECE_ALIGN)
+        # a host slot holds its head (the tag) and at least one aligned piece of data
+        self.slot_bytes = max(2 * PIECE_ALIGN, options.slot_bytes // PIECE_ALIGN * PIECE_ALIGN)
         self.nslots = max(1, min(options.nslots, 0x7FFF))
         self.max_send_wr = 2 * self.nslots + 8
         self.max_recv_wr = 2 * self.nslots + 8

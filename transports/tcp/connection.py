@@ -10,7 +10,8 @@ hanging, and a message tagged otherwise than its receive raises
 per-socket staging slot and hand it to the sink in offset order; bytes are only
 read once the matching receive is posted, and any request's progress drives the
 whole connection in both directions, which is what makes the flow-control rule
-of :mod:`transports.base` hold.
+of :mod:`transports.base` hold.  :meth:`TcpConnection.probe` reads the next
+header on socket 0 only, where every message's chunk 0 travels.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transports.base import (
+    Cap,
     Connection,
     DoneRequest,
     PeerClosedError,
@@ -132,6 +134,7 @@ class _RxSocket:
     sched: collections.deque[_Chunk] = field(default_factory=collections.deque)
     hdr: bytearray = field(default_factory=lambda: bytearray(HDR))
     hdr_got: int = 0
+    checked: bool = False  # the header is whole and matches the scheduled chunk
     free: list[memoryview] = field(default_factory=list)
     nslots: int = 0
 
@@ -140,6 +143,7 @@ class TcpConnection(Connection):
     """``nsocks`` non-blocking sockets to one peer; see the module docstring."""
 
     transport = NAME
+    caps = Cap.PROBE
 
     def __init__(
         self,
@@ -201,6 +205,40 @@ class TcpConnection(Connection):
             self._rx[ch.sock].sched.append(ch)
         self._recvq.append(req)
         return req
+
+    def probe(self) -> int | None:
+        """The tag in the next frame header on socket 0, read without blocking.
+
+        Chunk 0 of every message travels on socket 0, so with no receive posted
+        the next bytes there are the next message's header.  They are read into
+        the header buffer the data path uses, and the receive posted next goes
+        on from there (checking the header against itself as always).
+        """
+        self._usable()
+        if self._recvq:
+            return None
+        rx = self._rx[0]
+        try:
+            while rx.hdr_got < HDR:
+                n = self._socks[0].recv_into(memoryview(rx.hdr)[rx.hdr_got :])
+                if n == 0:
+                    raise PeerClosedError(
+                        f"tcp peer rank {self.peer} has closed the connection",
+                        peer=self.peer,
+                        transport=NAME,
+                    )
+                rx.hdr_got += n
+            tag = self._intact(rx.hdr)[6]
+        except (BlockingIOError, InterruptedError):
+            return None
+        except TransportError as exc:
+            self._fail(exc)
+            raise
+        except OSError as exc:
+            err = self._os_error(exc, "probing")
+            self._fail(err)
+            raise err from exc
+        return tag
 
     def _usable(self) -> None:
         if self._error is not None:
@@ -296,15 +334,18 @@ class TcpConnection(Connection):
             while rx.sched:
                 ch = rx.sched[0]
                 try:
-                    if rx.hdr_got < HDR:
-                        n = sock.recv_into(memoryview(rx.hdr)[rx.hdr_got :])
-                        if n == 0:
-                            raise self._eof(ch)
-                        moved = True
-                        rx.hdr_got += n
+                    if not rx.checked:
+                        # a probe may have read the header (or part of it) already
                         if rx.hdr_got < HDR:
-                            break
+                            n = sock.recv_into(memoryview(rx.hdr)[rx.hdr_got :])
+                            if n == 0:
+                                raise self._eof(ch)
+                            moved = True
+                            rx.hdr_got += n
+                            if rx.hdr_got < HDR:
+                                break
                         self._check_header(rx.hdr, ch)
+                        rx.checked = True
                     if ch.buf is None:
                         if not rx.free:
                             if rx.nslots >= SLOTS_PER_SOCKET:
@@ -325,6 +366,7 @@ class TcpConnection(Connection):
                     continue
                 rx.sched.popleft()
                 rx.hdr_got = 0
+                rx.checked = False
             moved = self._deliver() or moved
         return moved
 
@@ -347,14 +389,19 @@ class TcpConnection(Connection):
                 self._recvq.popleft()
         return moved
 
-    def _check_header(self, hdr: bytearray, ch: _Chunk) -> None:
-        magic, _flags, seq, total, off, length, tag, crc = _FRAME.unpack(hdr)
-        if magic != FRAME_MAGIC or crc != zlib.crc32(memoryview(hdr)[:_FRAME_CRC_SPAN]):
+    def _intact(self, hdr: bytearray) -> tuple[int, ...]:
+        """The fields of a whole frame header whose magic and CRC are right."""
+        fields = _FRAME.unpack(hdr)
+        if fields[0] != FRAME_MAGIC or fields[-1] != zlib.crc32(memoryview(hdr)[:_FRAME_CRC_SPAN]):
             raise TransportError(
                 f"tcp stream from rank {self.peer} is corrupted (bad frame header)",
                 peer=self.peer,
                 transport=NAME,
             )
+        return fields
+
+    def _check_header(self, hdr: bytearray, ch: _Chunk) -> None:
+        _magic, _flags, seq, total, off, length, tag, _crc = self._intact(hdr)
         if tag != ch.req.tag:  # before any byte reaches the sink
             raise tag_mismatch(NAME, self.peer, tag, ch.req.tag)
         want = (ch.req.seq, ch.req.nbytes, ch.offset, ch.length)
