@@ -280,7 +280,7 @@ class PointToPoint:
                     continue
                 conn = self.conns[p]
                 if op.peer is None:
-                    tag = conn.probe()  # type: ignore[attr-defined]
+                    tag = conn.probe()
                     if tag is None or tag >> 32 != HDR_FP:
                         continue
                 hdr = np.empty(_HDR.size, np.uint8)

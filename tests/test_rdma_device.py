@@ -19,7 +19,14 @@ import os
 import numpy as np
 import pytest
 
-from transports.base import Deadline, DeviceSpan, TransportError, TransportOptions, wait_all
+from transports.base import (
+    Cap,
+    Deadline,
+    DeviceSpan,
+    TransportError,
+    TransportOptions,
+    wait_all,
+)
 from transports.rdma import RdmaTransport
 from transports.rdma.caps import GpuInfo
 
@@ -145,7 +152,7 @@ def device_sink(out: np.ndarray, spans: list[DeviceSpan]):
 def test_device_to_device_both_ways(make_pair, path, nbytes):
     ts, cudas, (c0, c1) = make_pair(path)
     assert c0.transport == c1.transport == f"rdma:{path}"
-    assert c0.device_capable and c1.device_capable
+    assert Cap.DEVICE in c0.caps and Cap.DEVICE in c1.caps
     rng = np.random.default_rng(nbytes)
     a = rng.integers(0, 256, nbytes, dtype=np.uint8)
     b = rng.integers(0, 256, nbytes, dtype=np.uint8)
@@ -234,7 +241,7 @@ def test_host_and_device_messages_mix(make_pair):
 def test_peer_on_the_host_path(make_pair):
     """Rank 0 has device slots (dmabuf), rank 1 only host slots (host path)."""
     _, cudas, (c0, c1) = make_pair("dmabuf", "host")
-    assert c0.device_capable and not c1.device_capable
+    assert Cap.DEVICE in c0.caps and Cap.DEVICE not in c1.caps
     with pytest.raises(TransportError, match="cannot"):
         c1.isend_device(DeviceSpan(0, 8, 0))
     a = np.arange(20_000, dtype=np.uint8)
@@ -255,7 +262,7 @@ def test_peer_on_the_host_path(make_pair):
 def test_slots_wait_for_the_sinks_gpu_work(make_pair):
     """A device slot goes back to the sender only once the sink's work finished."""
     _, cudas, (c0, c1) = make_pair("dmabuf", nslots=2)
-    c1.sink_stream = 7  # the layer above names its stream: slots wait on events
+    c1.set_sink_stream(7)  # the layer above names its stream: slots wait on events
     cudas[1].hold_events = True
     a = np.arange(6 * 4096, dtype=np.uint8)
     out = np.zeros_like(a)

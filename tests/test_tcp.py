@@ -20,6 +20,7 @@ from transports.base import (
     ConnectError,
     Deadline,
     PeerClosedError,
+    TagMismatchError,
     TransportError,
     TransportOptions,
     wait_all,
@@ -31,6 +32,7 @@ from transports.tcp import (
     TcpTransport,
     decode_blob,
     encode_blob,
+    frame_header,
     select_interfaces,
 )
 
@@ -290,6 +292,99 @@ def test_size_mismatch_is_detected() -> None:
         with pytest.raises(TransportError, match="out of step") as ei:
             wait_all([s, r], Deadline.after(10))
         assert ei.value.peer == 0
+
+
+def _probe_until(b: TcpConnection, sends: list[Any]) -> int:
+    """Progress ``sends`` and probe ``b`` until it tells a tag (within 10 s)."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        for s in sends:
+            s.test()
+        tag = b.probe()
+        if tag is not None:
+            return tag
+        time.sleep(1e-4)
+    pytest.fail("probe never saw the message that was sent")
+
+
+@pytest.mark.parametrize("nsocks", [1, 3])
+def test_probe_a_message_of_many_chunks_over_several_sockets(nsocks: int) -> None:
+    """Chunk 0 travels on socket 0: a probe reads its header there, and the
+    receive posted next takes the whole message from every socket."""
+    rng = np.random.default_rng(nsocks)
+    x = rng.integers(0, 256, 5 * 4096 + 7, dtype=np.uint8)
+    y = rng.integers(0, 256, 2 * 4096, dtype=np.uint8)
+    with tcp_pair(slot_bytes=4096, extra={"tcp_nsocks": nsocks}) as (a, b):
+        assert len(b._socks) == nsocks
+        assert b.probe() is None
+        s1, s2 = a.isend(memoryview(x), 7), a.isend(memoryview(y), 9)
+        assert _probe_until(b, [s1, s2]) == 7
+        assert b.probe() == 7
+        got = np.zeros_like(x)
+        wait_all([s1, b.irecv_into(memoryview(got), 7)], Deadline.after(30))
+        assert np.array_equal(got, x)
+        assert _probe_until(b, [s2]) == 9
+        got2 = np.zeros_like(y)
+        wait_all([s2, b.irecv_into(memoryview(got2), 9)], Deadline.after(30))
+        assert np.array_equal(got2, y)
+        assert b.probe() is None
+
+
+@contextmanager
+def _raw_peer(chunk: int = 256) -> Iterator[tuple[TcpConnection, socket.socket]]:
+    """A connection over one socket of a socketpair, and the raw other end."""
+    mine, peer = socket.socketpair()
+    mine.setblocking(False)
+    conn = TcpConnection(1, [mine], chunk)
+    try:
+        yield conn, peer
+    finally:
+        conn.close()
+        peer.close()
+
+
+def _wait_none(conn: TcpConnection) -> bool:
+    """Probe for a while; True if it never told a tag."""
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        if conn.probe() is not None:
+            return False
+    return True
+
+
+def test_probe_keeps_a_partial_header() -> None:
+    """Half a frame header: no tag yet, and the half is kept; once the rest is in,
+    the tag, and the receive posted next goes on from the header probe read."""
+    payload = bytes(range(100))
+    frame = frame_header(0, 100, 0, 100, 0xABCDEF) + payload
+    with _raw_peer() as (conn, peer):
+        assert conn.probe() is None
+        peer.sendall(frame[:20])
+        assert _wait_none(conn)
+        peer.sendall(frame[20:])
+        assert _probe_until(conn, []) == 0xABCDEF
+        out = bytearray(100)
+        wait_all([conn.irecv_into(memoryview(out), 0xABCDEF)], Deadline.after(10))
+        assert bytes(out) == payload
+
+
+def test_probe_refuses_a_corrupted_header() -> None:
+    frame = bytearray(frame_header(0, 100, 0, 100, 5) + bytes(100))
+    frame[3] ^= 0x10
+    with _raw_peer() as (conn, peer):
+        peer.sendall(frame)
+        with pytest.raises(TransportError, match="corrupted"):
+            _probe_until(conn, [])
+        with pytest.raises(TransportError):  # the connection stays failed
+            conn.irecv_into(memoryview(bytearray(100)), 5)
+
+
+def test_probed_header_is_still_checked_against_the_receive() -> None:
+    with _raw_peer() as (conn, peer):
+        peer.sendall(frame_header(0, 100, 0, 100, 5) + bytes(100))
+        assert _probe_until(conn, []) == 5
+        with pytest.raises(TagMismatchError):
+            wait_all([conn.irecv_into(memoryview(bytearray(100)), 6)], Deadline.after(10))
 
 
 def test_wait_times_out_naming_peer() -> None:

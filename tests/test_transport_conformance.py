@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from tests.transport_pairs import connected_pair, transport_available
-from transports.base import Deadline, TransportError, wait_all
+from transports.base import (
+    Cap,
+    Connection,
+    Deadline,
+    TagMismatchError,
+    TransportError,
+    wait_all,
+)
 
 NAMES = ["shm", "tcp", "rdma"]
 EXTRA = {"rdma": {"rdma_provider": "soft"}}
@@ -118,7 +128,7 @@ def test_shared_send_buffer(name: str) -> None:
     receives into a buffer and slot-sized sends from it still work."""
     with _pair(name, slot_bytes=4096, nslots=2) as (a, b):
         buf = a.send_buffer(3 * 4096 + 5)
-        if not a.shares_send_buffers:
+        if Cap.SHARED_SEND_BUFFERS not in a.caps:
             assert buf is None and b.recv_buffer() is None
             return
         assert buf is not None and buf.nbytes >= 3 * 4096 + 5
@@ -158,3 +168,78 @@ def test_shared_send_buffer(name: str) -> None:
         del buf, s, r, sink  # (their views of the buffer: close unmaps it)
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("pycoll-")]
     assert not leftovers
+
+
+def test_another_tag_is_refused_before_the_sink(name: str) -> None:
+    with _pair(name, slot_bytes=4096, nslots=2) as (a, b):
+        s = a.isend(memoryview(np.ones(5000, np.uint8)), 1)
+        with pytest.raises(TagMismatchError) as ei:  # at post or while waiting
+            r = b.irecv(5000, lambda off, v: pytest.fail("a piece reached the sink"), 2)
+            wait_all([s, r], Deadline.after(30))
+        assert (ei.value.got, ei.value.expected, ei.value.peer) == (1, 2, 0)
+
+
+# --------------------------------------------------------------------------- probe
+T1, T2 = 0x0123_4567_89AB_CDEF, (1 << 64) - 2
+
+
+@contextmanager
+def _probing_pair(name: str, **kw: object) -> Iterator[tuple[Connection, Connection]]:
+    """A pair whose receiving end can probe (else the test is skipped)."""
+    with _pair(name, **kw) as (a, b):
+        if Cap.PROBE not in b.caps:
+            pytest.skip(f"{name} connections cannot probe")
+        yield a, b
+
+
+def _probe_until(b: Connection, sends: list) -> int:
+    """Progress ``sends`` and probe ``b`` until it tells a tag (within 10 s)."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        for s in sends:
+            s.test()
+        tag = b.probe()
+        if tag is not None:
+            return int(tag)
+        time.sleep(1e-4)
+    pytest.fail("probe never saw the message that was sent")
+
+
+@pytest.mark.parametrize("nbytes", [1, 5000, 3 * 4096 + 5])
+def test_probe_tells_the_next_tag_and_takes_nothing(name: str, nbytes: int) -> None:
+    rng = np.random.default_rng(nbytes)
+    x = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    y = rng.integers(0, 256, 300, dtype=np.uint8)
+    with _probing_pair(name, slot_bytes=4096, nslots=2) as (a, b):
+        assert b.probe() is None  # nothing sent yet
+        s1 = a.isend(memoryview(x), T1)
+        s2 = a.isend(memoryview(y), T2)
+        assert _probe_until(b, [s1, s2]) == T1
+        for _ in range(20):  # the same answer, and the second message stays behind it
+            s1.test()
+            s2.test()
+            assert b.probe() == T1
+        got = np.zeros_like(x)
+        r1 = b.irecv_into(memoryview(got), T1)
+        wait_all([s1, r1], Deadline.after(30))
+        assert np.array_equal(got, x)  # whole, though probed first
+        assert _probe_until(b, [s2]) == T2
+        got2 = np.zeros_like(y)
+        wait_all([s2, b.irecv_into(memoryview(got2), T2)], Deadline.after(30))
+        assert np.array_equal(got2, y)
+        assert b.probe() is None  # all taken
+
+
+def test_probe_with_a_receive_pending_is_none(name: str) -> None:
+    x = np.arange(3 * 4096 + 5, dtype=np.uint32).view(np.uint8)
+    with _probing_pair(name, slot_bytes=4096, nslots=2) as (a, b):
+        got = np.zeros_like(x)
+        r = b.irecv_into(memoryview(got), T2)
+        assert b.probe() is None
+        s = a.isend(memoryview(x), T2)
+        for _ in range(200):  # the message arrives for the pending receive
+            s.test()
+            assert b.probe() is None
+        wait_all([s, r], Deadline.after(30))
+        assert np.array_equal(got, x)
+        assert b.probe() is None

@@ -12,6 +12,7 @@ import logging
 from transports.base import (
     Backoff,
     BlobError,
+    Cap,
     ConnectError,
     Connection,
     Deadline,
@@ -30,6 +31,7 @@ from transports.base import (
 __all__ = [
     "Backoff",
     "BlobError",
+    "Cap",
     "ConnectError",
     "Connection",
     "Deadline",

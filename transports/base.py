@@ -30,6 +30,16 @@ sink, when the two differ.  The tag is opaque here (pycoll puts the call's
 sequence number and fingerprint in it), so two ranks that disagree on what they
 are doing fail loudly instead of pairing the wrong messages.
 
+Besides connections between two ranks, ranks on one host may share one segment
+among all of them: :class:`Group` is its protocol (:mod:`transports.shm_group`
+implements it), for algorithms in which every rank reads straight from every
+other.
+
+What a connection can do beyond host ``isend``/``irecv`` it declares in
+:attr:`Connection.caps`, a set of :class:`Cap` flags: the layer above reads
+that set and calls the matching verbs, and never probes a connection for
+attributes.
+
 Flow control rule the algorithms rely on: a posted send always completes once the
 peer has *posted* the matching receive, whatever the message size, as long as
 both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
@@ -38,11 +48,12 @@ both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
 from __future__ import annotations
 
 import abc
+import enum
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -400,12 +411,42 @@ class TransportOptions:
         return default
 
 
+class Cap(enum.Flag):
+    """What a connection can do beyond host :meth:`~Connection.isend`/:meth:`~Connection.irecv`.
+
+    A transport declares them in :attr:`Connection.caps`; the verbs that belong
+    to a capability raise :class:`TransportError` on a connection without it
+    (:meth:`Connection.send_buffer` returns None instead).
+    """
+
+    #: :meth:`Connection.send_buffer` can give memory the peer maps too.
+    SHARED_SEND_BUFFERS = enum.auto()
+    #: :meth:`Connection.isend_device`/:meth:`Connection.irecv_device` move GPU
+    #: memory without host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).
+    DEVICE = enum.auto()
+    #: one-sided windows on device memory (:meth:`Connection.expose`,
+    #: :meth:`Connection.open_window`, :meth:`Connection.release`,
+    #: :meth:`Connection.wait_released`).
+    ONE_SIDED = enum.auto()
+    #: device receive sinks run on a stream the layer above names
+    #: (:meth:`Connection.set_sink_stream`).
+    SINK_STREAM = enum.auto()
+    #: both ends use the same GPU (several ranks sharing one device).
+    SAME_DEVICE = enum.auto()
+    #: :meth:`Connection.probe` tells the tag of the next message without taking it.
+    PROBE = enum.auto()
+
+
 class Connection(abc.ABC):
     """One bidirectional connection to one peer."""
 
     #: e.g. "shm", "tcp", "rdma:host"
     transport: str = "?"
     peer: int = -1
+    #: what this connection can do beyond host sends and receives: each transport
+    #: declares its set on its class, and an instance may refine it when it
+    #: connects (say, :attr:`Cap.SAME_DEVICE`, known only after the handshake)
+    caps: Cap = Cap(0)
 
     @abc.abstractmethod
     def isend(self, data: memoryview, tag: int = 0) -> Request:
@@ -431,13 +472,36 @@ class Connection(abc.ABC):
 
         return self.irecv(len(out), copy, tag)
 
-    #: True when :meth:`send_buffer` can give memory the peer maps too.
-    shares_send_buffers: bool = False
+    def probe(self) -> int | None:
+        """The tag of the next message this connection would deliver, without taking it.
+
+        The tag is known once at least the message's first piece (or its
+        descriptor, or its frame header) has arrived while no receive is posted
+        on this connection; until then, and whenever a receive is pending (the
+        message is that receive's), the answer is None.  Probing consumes
+        nothing: a receive posted afterwards gets that message whole, and every
+        probe gives the same answer until it has been received.  A message of
+        zero bytes moves nothing on any transport and is never seen here.  A
+        probe may progress the connection as testing a request does.
+
+        Only with :attr:`Cap.PROBE`.
+
+        Raises:
+            TransportError: the connection has no :attr:`Cap.PROBE`, or it is
+                broken (a corrupted stream; :class:`PeerClosedError` once the
+                peer is known to have closed and nothing it sent is left).  A
+                peer that died silently is the business of :meth:`check_peer`.
+        """
+        raise TransportError(
+            f"{self.transport} cannot probe for messages",
+            peer=self.peer,
+            transport=self.transport,
+        )
 
     def send_buffer(self, nbytes: int) -> np.ndarray | None:
         """This connection's shared send buffer: ``nbytes`` or more of host memory
-        that the peer maps too, or None where there is none (other transports, no
-        room for it).
+        that the peer maps too, or None where there is none (a connection without
+        :attr:`Cap.SHARED_SEND_BUFFERS`, or no room for it).
 
         A send of bytes that lie inside it travels as a descriptor: the receiver's
         sink gets a view of the same pages, with no copy on either side, and the
@@ -454,12 +518,8 @@ class Connection(abc.ABC):
         arrived (else None): a receiver registers it with a device once."""
         return None
 
-    #: True when :meth:`isend_device`/:meth:`irecv_device` move GPU memory without
-    #: host staging (CUDA IPC, GPUDirect RDMA, DMA-BUF).
-    device_capable: bool = False
-
     def isend_device(self, data: DeviceSpan) -> Request:
-        """Post a send of device memory (only when ``device_capable``)."""
+        """Post a send of device memory (only with :attr:`Cap.DEVICE`)."""
         raise TransportError(
             f"{self.transport} cannot send device memory directly",
             peer=self.peer,
@@ -468,18 +528,27 @@ class Connection(abc.ABC):
 
     def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
         """Post a receive whose pieces reach ``sink`` as device memory on ``device``
-        (only when ``device_capable``); same ordering and alignment as :meth:`irecv`."""
+        (only with :attr:`Cap.DEVICE`); same ordering and alignment as :meth:`irecv`."""
         raise TransportError(
             f"{self.transport} cannot receive into device memory directly",
             peer=self.peer,
             transport=self.transport,
         )
 
-    #: True when the connection offers one-sided windows on device memory
-    #: (:meth:`expose`, :meth:`open_window`, :meth:`release`, :meth:`wait_released`):
-    #: the peer reads and writes our buffers itself, ordered by device events, and
-    #: the host never waits for the device.
-    one_sided: bool = False
+    def set_sink_stream(self, stream: int) -> None:
+        """Run the sinks of later device receives on ``stream`` (a CUDA stream
+        handle of this connection's device), so that their work is ordered with
+        the rest of the caller's; only with :attr:`Cap.SINK_STREAM`.  Until it is
+        called, the transport picks a stream of its own."""
+        raise TransportError(
+            f"{self.transport} takes no sink stream",
+            peer=self.peer,
+            transport=self.transport,
+        )
+
+    # One-sided windows on device memory (only with Cap.ONE_SIDED): the peer reads
+    # and writes our buffers itself, ordered by device events, and the host never
+    # waits for the device.
 
     def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         """Let the peer read and write ``spans`` once the work queued on ``stream`` is
@@ -559,3 +628,88 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- node group
+class Group(Protocol):
+    """Memory that every rank of a group shares (ranks on one host): the node-wide
+    segment that :class:`transports.shm_group.ShmGroup` implements.
+
+    Every rank counts the same steps (``seq``); for each it writes its slot or
+    posts ranges of its own memory, publishes the step, and says when it is done
+    reading the others'.  Each rank has ``slots`` (K) slots and step ``s`` uses
+    slot ``s % K`` (and posted range ``s % K``): it is rewritten K steps later, once
+    every peer is done with it.
+    """
+
+    rank: int
+    size: int
+    slot_bytes: int
+    slots: int  # slots per rank (K); step s uses slot s % K
+    cma: bool  # whether posted ranges may be read and written (else all goes by slots)
+    seq: int  # the last step this rank used
+    ahead: int  # steps a rank may post before it has consumed them (at most slots)
+    # The chain of the calls' fingerprints as of the latest step, and as of the
+    # step of each slot index, kept above ``step_bits``; a step does ``chain =
+    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % slots]
+    # = chain`` (what :meth:`step` does; steps written out for post_word and
+    # wait_word need not keep ``chains``), and its posted word is ``chain | s``.
+    chain: int
+    chains: list[int]
+    chain_mul: int
+    chain_mask: int
+    step_bits: int
+
+    def step(self, fingerprint: int) -> int:
+        """Take the next step (``seq + 1``) of a call with this fingerprint; return it."""
+        ...
+
+    def skip(self, fingerprint: int) -> None:
+        """Fold a call that took no step (one this rank rejected) into the chain."""
+        ...
+
+    def views(self, dtype: Any, count: int) -> list[list[Any]]:
+        """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
+        ...
+
+    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Wait until this rank may rewrite its slot for step ``seq``."""
+        ...
+
+    def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
+        """Publish step ``seq`` (and a range of this process's memory peers may read);
+        ``consumed``: this rank is done with step ``seq - 1`` (see ``ahead``)."""
+        ...
+
+    def done(self, seq: int) -> None:
+        """This rank has finished reading everything of step ``seq``."""
+        ...
+
+    def post_word(self, i: int, word: int, seq: int) -> None:
+        """``post(seq)`` with its posted word made by the caller (``i = seq % slots``)."""
+        ...
+
+    def wait_word(
+        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """``wait`` for the step of the caller-made posted word ``word``."""
+        ...
+
+    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
+        """Until every rank of ``peers`` posted step ``seq``; a peer whose step ``seq``
+        has another chain raises :class:`transports.base.TagMismatchError`."""
+        ...
+
+    def wait_done(
+        self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
+    ) -> None:
+        """Until every rank of ``peers`` is done with step ``seq``."""
+        ...
+
+    def read(self, j: int, seq: int, offset: int, out: Any) -> None:
+        """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
+        ...
+
+    def write(self, j: int, seq: int, offset: int, src: Any) -> None:
+        """Copy ``src`` into the range rank j posted for step ``seq``, from ``offset``."""
+        ...

@@ -55,6 +55,7 @@ from transports import _atomic, _cma, _exit, _segment
 from transports.base import (
     PIECE_ALIGN,
     BlobError,
+    Cap,
     ConnectError,
     Connection,
     Deadline,
@@ -329,6 +330,7 @@ class _Direction:
 
 class ShmConnection(Connection):
     transport = "shm"
+    caps = Cap.SHARED_SEND_BUFFERS | Cap.PROBE
 
     def __init__(
         self,
@@ -403,8 +405,6 @@ class ShmConnection(Connection):
 
         return self._irecv(len(out), copy, np.frombuffer(out, dtype=np.uint8), tag)
 
-    shares_send_buffers = True
-
     def send_buffer(self, nbytes: int) -> np.ndarray | None:
         self._check_open()
         if self._sbuf is None and not self._sbuf_failed:
@@ -435,17 +435,30 @@ class ShmConnection(Connection):
     def recv_buffer(self) -> np.ndarray | None:
         return self._rbuf  # type: ignore[no-any-return]
 
+    def probe(self) -> int | None:
+        """The tag in the metadata of the inbound ring's oldest unread slot: with no
+        receive queued, every earlier message was taken whole, so that slot (a
+        piece or a descriptor) starts the next message."""
+        self._check_open()
+        if self._recvs:
+            return None
+        inn = self._in
+        if inn.head.load() <= self._recvd:  # acquire: the slot's metadata is written
+            return None
+        slot = self._recvd % inn.nslots
+        return int(_META.unpack_from(self._mm, inn.meta_off + _META.size * slot)[3])
+
     def _irecv(self, nbytes: int, sink: Sink, dest: Any, tag: int) -> Request:
         self._check_open()
         if nbytes == 0:
             return DoneRequest(self.peer)
         if self._cma_min and not self._cma_me.load():
-            self._probe()
+            self._probe_cma()
         req = _ShmRecv(self, nbytes, sink, dest, tag)
         self._recvs.append(req)
         return req
 
-    def _probe(self) -> None:
+    def _probe_cma(self) -> None:
         """Try one direct read of the peer's mapping; publish whether it worked."""
         addr = struct.unpack_from("<Q", self._mm, _MAPADDR_OFF[1 - self._side])[0]
         if not addr:

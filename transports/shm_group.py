@@ -62,7 +62,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -71,6 +71,7 @@ from transports.base import (
     Backoff,
     ConnectError,
     Deadline,
+    Group,
     PeerClosedError,
     TagMismatchError,
     TransportError,
@@ -135,7 +136,7 @@ _HANDLE = struct.Struct("<QQ8s")  # the creator's pid, its descriptor, the token
 
 
 class ShmGroup:
-    """This rank's view of the group segment.
+    """This rank's view of the group segment: a :class:`transports.base.Group`.
 
     Create it with :meth:`create` (the lowest rank) or :meth:`attach` (the others).
 
@@ -604,3 +605,9 @@ class ShmGroup:
 
 def _closed(value: int) -> None:
     raise TransportError("group segment is closed", transport=TRANSPORT)
+
+
+if TYPE_CHECKING:
+
+    def _is_a_group(g: ShmGroup) -> Group:
+        return g  # mypy checks here that ShmGroup meets the protocol

@@ -16,95 +16,22 @@ that keeps :mod:`transports.base`'s flow-control rule):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from transports.base import Backoff, Connection, Deadline, Request, idle_round, wait_all
-
-
-class Group(Protocol):
-    """Memory that every rank of the communicator shares (ranks on one host).
-
-    Every rank counts the same steps (``seq``); for each it writes its slot or
-    posts ranges of its own memory, publishes the step, and says when it is done
-    reading the others'.  Each rank has ``slots`` (K) slots and step ``s`` uses
-    slot ``s % K`` (and posted range ``s % K``): it is rewritten K steps later, once
-    every peer is done with it.
-    """
-
-    rank: int
-    size: int
-    slot_bytes: int
-    slots: int  # slots per rank (K); step s uses slot s % K
-    cma: bool  # whether posted ranges may be read and written (else all goes by slots)
-    seq: int  # the last step this rank used
-    ahead: int  # steps a rank may post before it has consumed them (at most slots)
-    # The chain of the calls' fingerprints as of the latest step, and as of the
-    # step of each slot index, kept above ``step_bits``; a step does ``chain =
-    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % slots]
-    # = chain`` (what :meth:`step` does; steps written out for post_word and
-    # wait_word need not keep ``chains``), and its posted word is ``chain | s``.
-    chain: int
-    chains: list[int]
-    chain_mul: int
-    chain_mask: int
-    step_bits: int
-
-    def step(self, fingerprint: int) -> int:
-        """Take the next step (``seq + 1``) of a call with this fingerprint; return it."""
-        ...
-
-    def skip(self, fingerprint: int) -> None:
-        """Fold a call that took no step (one this rank rejected) into the chain."""
-        ...
-
-    def views(self, dtype: Any, count: int) -> list[list[Any]]:
-        """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
-        ...
-
-    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Wait until this rank may rewrite its slot for step ``seq``."""
-        ...
-
-    def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
-        """Publish step ``seq`` (and a range of this process's memory peers may read);
-        ``consumed``: this rank is done with step ``seq - 1`` (see ``ahead``)."""
-        ...
-
-    def done(self, seq: int) -> None:
-        """This rank has finished reading everything of step ``seq``."""
-        ...
-
-    def post_word(self, i: int, word: int, seq: int) -> None:
-        """``post(seq)`` with its posted word made by the caller (``i = seq % slots``)."""
-        ...
-
-    def wait_word(
-        self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
-    ) -> None:
-        """``wait`` for the step of the caller-made posted word ``word``."""
-        ...
-
-    def wait(self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Until every rank of ``peers`` posted step ``seq``; a peer whose step ``seq``
-        has another chain raises :class:`transports.base.TagMismatchError`."""
-        ...
-
-    def wait_done(
-        self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
-    ) -> None:
-        """Until every rank of ``peers`` is done with step ``seq``."""
-        ...
-
-    def read(self, j: int, seq: int, offset: int, out: Any) -> None:
-        """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
-        ...
-
-    def write(self, j: int, seq: int, offset: int, src: Any) -> None:
-        """Copy ``src`` into the range rank j posted for step ``seq``, from ``offset``."""
-        ...
+# Group is the node-wide segment's protocol (transports.shm_group implements it);
+# the algorithms import it from here.
+from transports.base import (
+    Backoff,
+    Connection,
+    Deadline,
+    Group,
+    Request,
+    idle_round,
+    wait_all,
+)
 
 
 def _bytes(a: Any) -> memoryview:

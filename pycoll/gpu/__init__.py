@@ -8,6 +8,8 @@ buffer shows up or a GPU is probed at :func:`pycoll.init`.
   device bytes per peer (device-capable connection, or pinned host staging).
 * :mod:`pycoll.gpu.staging`: the pinned double-buffered D2H / wire / H2D pipeline.
 * :mod:`pycoll.gpu.context`: streams, events and the collective bodies.
+* :mod:`pycoll.gpu.windows`: collectives through one-sided device windows
+  (``direct``: every rank reads and writes its peers' buffers itself).
 * :mod:`pycoll.gpu.jobs`: device collectives as jobs (retire events that keep
   buffers alive, failures, and the gates that would let every call only enqueue).
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from pycoll.config import Config
 from pycoll.errors import ConnectError
+from transports.base import Cap
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +71,14 @@ def setup(boot: Any, config: Config, rank: int, size: int) -> Any:
         local
         and wiring is not None
         and len(wiring.conns) == size - 1
-        and all(c.one_sided for c in wiring.conns.values())
+        and all(Cap.ONE_SIDED in c.caps for c in wiring.conns.values())
     )
     one_sided = all(boot.allgather(bool(mine), t, what))
     # every rank on the same GPU: one rank's kernels can do a collective's work
     same = bool(
         mine
         and wiring is not None
-        and all(getattr(c, "same_device", False) for c in wiring.conns.values())
+        and all(Cap.SAME_DEVICE in c.caps for c in wiring.conns.values())
     )
     shared = all(boot.allgather(same, t, what))
     if not local:

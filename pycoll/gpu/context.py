@@ -32,14 +32,14 @@ from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
 from pycoll.collectives.base import Spec
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
-from pycoll.gpu import direct
+from pycoll.gpu import windows
 from pycoll.gpu import reduce as dreduce
-from pycoll.gpu.direct import Scratch, Windows
+from pycoll.gpu.windows import Scratch, Windows
 from pycoll.gpu.jobs import Gates, Inflight, Job
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
 from pycoll.reduce import ReduceOp
-from transports.base import Backoff, Connection, Deadline
+from transports.base import Backoff, Cap, Connection, Deadline
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class GpuContext:
         if peer in self.dconns:
             return self.kinds[peer]
         c = host_conns.get(peer)
-        if c is not None and c.device_capable:
+        if c is not None and Cap.DEVICE in c.caps:
             return host_kinds[peer]
         return f"staged:{host_kinds.get(peer, '?')}"
 
@@ -513,8 +513,8 @@ class DeviceCall(Job):
         coll, op = spec.coll, spec.op
         if spec.n == 1 or spec.x.count == 0 or not coll.moves(spec):
             return None
-        if algo == "direct":  # one-sided windows (pycoll.gpu.direct)
-            fn = getattr(direct, coll.name)
+        if algo == "direct":  # one-sided windows (pycoll.gpu.windows)
+            fn = getattr(windows, coll.name)
             pre = (op, spec.x.dtype) if coll.reduces else ()
             return lambda a, b: fn(self.windows(), *pre, *coll.args(spec, a, b))
         g = algorithms.get(coll.name, algo)

@@ -95,7 +95,7 @@ class Gates:
         memory and the side stream (keep it as long as the gates)."""
         import cupy
 
-        from transports import cuda_ipc
+        from transports import cuda_driver
 
         rt = cupy.cuda.runtime
         with cupy.cuda.Device(device):
@@ -104,7 +104,7 @@ class Gates:
             rt.memsetAsync(int(mem.ptr), 0, 4 * GATES, side.ptr)
             rt.streamSynchronize(side.ptr)  # zeroed before any stream waits on it
         gates = cls(
-            int(mem.ptr), int(side.ptr), cuda_ipc.stream_write, cuda_ipc.stream_wait, device
+            int(mem.ptr), int(side.ptr), cuda_driver.stream_write, cuda_driver.stream_wait, device
         )
         return gates, (mem, side)
 

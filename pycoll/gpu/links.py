@@ -3,8 +3,8 @@
 The algorithms are the host ones; they slice arrays generically, so CuPy slices
 go through them unchanged.  Per peer, :class:`DeviceLinks` picks the route:
 
-* a device-capable connection (``cuda_ipc`` from the device table, or an RDMA
-  connection registered with GPUDirect/DMA-BUF) moves the bytes GPU to GPU
+* a device connection (:attr:`~transports.base.Cap.DEVICE`: ``cuda_ipc`` from
+  the device table, or an RDMA connection registered with GPUDirect/DMA-BUF) moves the bytes GPU to GPU
   through :meth:`~transports.base.Connection.isend_device` and
   :meth:`~transports.base.Connection.irecv_device`; a receive's sink copies or
   reduces straight out of the transport's device memory;
@@ -26,7 +26,15 @@ import numpy as np
 
 from pycoll.algorithms.links import Links
 from pycoll.gpu.staging import Pinned, StagedRecv, StagedSend
-from transports.base import Backoff, Connection, Deadline, DeviceSpan, DoneRequest, Request
+from transports.base import (
+    Backoff,
+    Cap,
+    Connection,
+    Deadline,
+    DeviceSpan,
+    DoneRequest,
+    Request,
+)
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _DEFAULT = 4  # cudaMemcpyDefault
@@ -78,8 +86,8 @@ class DeviceLinks(Links):
         self._ev = 0
         self.piece = piece
         for c in dconns.values():
-            if hasattr(c, "sink_stream"):
-                c.sink_stream = self._sptr  # receive sinks run on our stream too
+            if Cap.SINK_STREAM in c.caps:
+                c.set_sink_stream(self._sptr)  # receive sinks run on our stream too
 
     # ----------------------------------------------------------------- routing
     def _route(self, peer: int) -> Connection:
@@ -99,7 +107,7 @@ class DeviceLinks(Links):
         ptr = int(a.data.ptr)
         if n == 0:
             req: Request = DoneRequest(peer)
-        elif conn.device_capable:
+        elif Cap.DEVICE in conn.caps:
             req = conn.isend_device(DeviceSpan(ptr, n, self._device, self._sptr))
         else:
             req = StagedSend(conn, ptr, n, self.piece, self._sptr, self._pool)
@@ -110,7 +118,7 @@ class DeviceLinks(Links):
         conn = self._route(peer)
         if out.nbytes == 0:
             return DoneRequest(peer)
-        if not conn.device_capable:
+        if Cap.DEVICE not in conn.caps:
             return StagedRecv(conn, out, None, None, self.piece, self._stream, self._pool)
         rt = self._rt
         optr = int(out.data.ptr)
@@ -127,7 +135,7 @@ class DeviceLinks(Links):
         conn = self._route(peer)
         if out.nbytes == 0:
             return DoneRequest(peer)
-        if not conn.device_capable:
+        if Cap.DEVICE not in conn.caps:
             return StagedRecv(
                 conn, out, local, f, self.piece, self._stream, self._pool, incoming_first
             )

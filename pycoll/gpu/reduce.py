@@ -181,7 +181,7 @@ def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
 
 # ------------------------------------------------------------ one kernel per call
 # On a GPU that several ranks share, one rank makes every copy and runs every
-# reduction of a collective (see pycoll.gpu.direct).  Each launch there costs
+# reduction of a collective (see pycoll.gpu.windows).  Each launch there costs
 # microseconds of host time and a slot in the device's queue, and n blocks of n
 # ranks make n**2 copies; these kernels do a collective's work in one launch.
 # Each thread handles one element index of every block.

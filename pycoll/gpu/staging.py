@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from transports.base import Connection, Request
+from transports.base import Cap, Connection, Request
 
 _NOT_READY = 600  # cudaErrorNotReady
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
@@ -398,7 +398,7 @@ class StagedRecv(Request):
         self._isz = out.dtype.itemsize
         self._optr = int(out.data.ptr)
         # the peer may send from its shared buffer: take pieces in place (see module)
-        self._in_place = conn.shares_send_buffers
+        self._in_place = Cap.SHARED_SEND_BUFFERS in conn.caps
         self._lane = pool.lane(conn, "r")
         self._lane.append(self)
 

@@ -28,7 +28,7 @@ import pytest
 cp = pytest.importorskip("cupy", reason="GPU tests need CuPy")
 pytest.importorskip("cuda.bindings", reason="the rdma device paths need cuda-bindings")
 
-from transports.base import Deadline, DeviceSpan, TransportOptions, wait_all  # noqa: E402
+from transports.base import Cap, Deadline, DeviceSpan, TransportOptions, wait_all  # noqa: E402
 from transports.rdma import RdmaTransport, dmabuf  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -96,7 +96,7 @@ def test_dmabuf_export_of_a_pool_suballocation_is_a_real_fd():
 def test_device_registration(pair):
     path, ts, conns = pair
     for t, c in zip(ts, conns, strict=True):
-        assert c.transport == f"rdma:{path}" and c.device_capable
+        assert c.transport == f"rdma:{path}" and Cap.DEVICE in c.caps
         reg = t.dev_recv_reg
         assert reg is not None and reg.path == path
         if path == "dmabuf":
@@ -117,7 +117,8 @@ def test_cupy_arrays_both_ways(pair, count, named_stream):
     stream = cp.cuda.get_current_stream()
     if named_stream:  # as pycoll's DeviceLinks does: sinks run on the collective's stream
         stream = cp.cuda.Stream(non_blocking=True)
-        c0.sink_stream = c1.sink_stream = int(stream.ptr)
+        c0.set_sink_stream(int(stream.ptr))
+        c1.set_sink_stream(int(stream.ptr))
     cp.cuda.runtime.deviceSynchronize()  # the inputs are ready before other streams use them
 
     def sink_into(out):

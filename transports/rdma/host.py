@@ -3,9 +3,8 @@
 Registration is ``ibv_reg_mr`` on a host virtual address; the kernel pins the
 pages and gives the NIC their bus addresses.  Every RDMA connection uses this
 path for its flow-control slots and send staging.  GPU arrays on this path are
-staged through pinned host buffers: :func:`stage_device_send` and
-:func:`stage_device_recv` are the hook for that pipeline (device -> pinned host
--> wire, wire -> pinned host -> device), still to be filled by the GPU code.
+staged through pinned host memory by the layer above, which sees a connection
+without :attr:`~transports.base.Cap.DEVICE`.
 """
 
 from __future__ import annotations
@@ -74,13 +73,3 @@ class HostBuffer:
 def register(verbs: Any, pd: Any, addr: int, nbytes: int, access: int) -> Registration:
     """``ibv_reg_mr`` on a host range."""
     return Registration(verbs.MR(pd, nbytes, access, address=addr), addr, nbytes, NAME)
-
-
-def stage_device_send(*_args: object) -> None:
-    """Hook: copy a GPU range into pinned host staging before it is posted."""
-    raise NotImplementedError("host staging of GPU buffers over RDMA is not implemented yet")
-
-
-def stage_device_recv(*_args: object) -> None:
-    """Hook: copy received bytes from pinned host staging into a GPU range."""
-    raise NotImplementedError("host staging of GPU buffers over RDMA is not implemented yet")

@@ -2,7 +2,7 @@
 peers' buffers itself, and the host never waits for the device.
 
 When every pair of ranks has a one-sided connection (CUDA IPC between ranks of
-one host; :attr:`transports.base.Connection.one_sided`), a collective is:
+one host; :attr:`transports.base.Cap.ONE_SIDED`), a collective is:
 
 1. *expose*: each rank shows its peers its input (and, for allreduce, its
    output) once the work already queued on its stream is done;
@@ -157,13 +157,13 @@ class Scratch:
         self._verdict: dict[int, bool] = {}
 
     def shareable(self, ptr: int) -> bool:
-        from transports import cuda_ipc
+        from transports import cuda_driver
 
-        base = cuda_ipc.allocation_base(ptr)
+        base = cuda_driver.allocation_base(ptr)
         ok = self._verdict.get(base)
         if ok is None:
             try:
-                cuda_ipc.export(ptr)
+                cuda_driver.export(ptr)
                 ok = True
             except UnshareableMemoryError:
                 ok = False

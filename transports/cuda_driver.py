@@ -1,0 +1,120 @@
+"""CUDA helpers that any transport (and the layer above) may use: which device is
+current, where an allocation starts, its IPC handle, and 32-bit words that
+streams write and wait on.
+
+CuPy's runtime module and the driver library (``libcuda.so.1``, through ctypes,
+for the few calls CuPy lacks) are loaded on first use, never at import time, so
+``import transports`` works on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from transports.base import TransportError, UnshareableMemoryError
+
+__all__ = [
+    "allocation_base",
+    "driver",
+    "export",
+    "on_device",
+    "runtime",
+    "stream_wait",
+    "stream_write",
+]
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, wrap-safe
+
+
+def runtime() -> Any:
+    """CuPy's runtime module (imported on first use, never at import time)."""
+    import cupy
+
+    return cupy.cuda.runtime
+
+
+_libcuda: Any = None
+
+
+def driver() -> Any:
+    """The CUDA driver library, for the few calls CuPy's runtime module lacks."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+        for fn in (lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        _libcuda = lib
+    return _libcuda
+
+
+def stream_write(stream: int, addr: int, value: int) -> None:
+    """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
+    err = driver().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0)
+    if err:
+        raise TransportError(f"cuda: cuStreamWriteValue32 failed with CUDA error {err}")
+
+
+def stream_wait(stream: int, addr: int, value: int) -> None:
+    """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
+    err = driver().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
+    if err:
+        raise TransportError(f"cuda: cuStreamWaitValue32 failed with CUDA error {err}")
+
+
+def allocation_base(ptr: int) -> int:
+    """The base address of the CUDA allocation holding device pointer ``ptr``.
+
+    Raises:
+        UnshareableMemoryError: ``ptr`` is not device memory.
+    """
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    if err:
+        raise UnshareableMemoryError(
+            f"cuda: {ptr:#x} is not device memory (cuMemGetAddressRange: error {err})"
+        )
+    return int(base.value)
+
+
+def export(ptr: int) -> tuple[bytes, int]:
+    """The IPC handle of the allocation holding device pointer ``ptr``, and the
+    offset of ``ptr`` in it (``cudaIpcGetMemHandle`` names whole allocations).
+
+    Raises:
+        UnshareableMemoryError: the memory cannot be shared (say, from a
+            stream-ordered ``cudaMallocAsync`` pool or the virtual-memory APIs).
+    """
+    base = allocation_base(ptr)
+    try:
+        handle = runtime().ipcGetMemHandle(base)
+    except Exception as exc:
+        raise UnshareableMemoryError(
+            f"cuda: device memory at {ptr:#x} cannot be shared: {exc}"
+        ) from exc
+    return bytes(handle), ptr - base
+
+
+class on_device:  # lower case: used like a function, ``with on_device(d):``
+    """``with on_device(d):`` makes CUDA device ``d`` current, then restores the old one."""
+
+    __slots__ = ("_dev", "_old", "_rt")
+
+    def __init__(self, dev: int) -> None:
+        self._dev = dev
+        self._rt = runtime()
+        self._old = -1
+
+    def __enter__(self) -> None:
+        self._old = int(self._rt.getDevice())
+        if self._old != self._dev:
+            self._rt.setDevice(self._dev)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old != self._dev:
+            self._rt.setDevice(self._old)
