@@ -20,11 +20,17 @@ import numpy as np
 from pycoll.bootstrap import wire
 from pycoll.collectives import (
     ALLGATHER,
+    ALLGATHERV,
     ALLREDUCE,
+    ALLTOALL,
+    ALLTOALLV,
     BARRIER,
     BROADCAST,
+    GATHER,
     REDUCE,
     REDUCE_SCATTER,
+    REDUCE_SCATTERV,
+    SCATTER,
 )
 from pycoll.config import Config, setup_logging
 from pycoll.dispatch import Dispatch
@@ -127,7 +133,8 @@ class Communicator:
         )
         # A sub-communicator's ranks are not the device connections': its device
         # buffers go through pinned host memory.
-        self._call = Dispatch(eng, self._policy, self._gpu, device=root).call
+        dispatch = Dispatch(eng, self._policy, self._gpu, device=root)
+        self._call, self._call_v = dispatch.call, dispatch.call_v
         self._peers = PeerCalls(eng)
 
     # ------------------------------------------------------------------ public
@@ -274,6 +281,135 @@ class Communicator:
             None (or a Request).
         """
         return self._call(BARRIER, None, None, None, 0, "auto", async_op, None)
+
+    def alltoall(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send block j of ``sendbuf`` (``size * k`` elements) to rank j; block j of
+        the output comes from rank j.
+
+        Args:
+            sendbuf: contiguous array of ``size * k`` elements.
+            recvbuf: output of the same size and dtype (not overlapping
+                ``sendbuf``), or None for a new array of ``sendbuf``'s shape.
+            algorithm: "auto", "pairwise" or "direct" (every rank on one host).
+            async_op, stream: as for :meth:`allreduce`.
+
+        Returns:
+            The output (or a Request).
+        """
+        return self._call(ALLTOALL, sendbuf, recvbuf, None, 0, algorithm, async_op, stream)
+
+    def alltoallv(
+        self,
+        sendbuf: Any,
+        sendcounts: Any,
+        recvbuf: Any,
+        recvcounts: Any,
+        *,
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send ``sendcounts[j]`` elements to rank j and receive ``recvcounts[j]``
+        from it; the blocks lie at the prefix sums of the counts (zeros allowed).
+
+        Rank i's ``sendcounts[j]`` must equal rank j's ``recvcounts[i]``.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        counts = (sendcounts, recvcounts)
+        return self._call_v(ALLTOALLV, sendbuf, recvbuf, counts, None, async_op, stream)
+
+    def gather(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        root: int = 0,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Gather every rank's ``sendbuf`` (k elements) into ``recvbuf`` on ``root``,
+        rank-major.
+
+        On the root ``recvbuf`` holds ``size * k`` elements (None: a new array of
+        shape ``(size, *sendbuf.shape)``; in place, ``sendbuf`` is block ``root``
+        of it); other ranks ignore it.  ``algorithm``: "auto", "linear" or "tree".
+
+        Returns:
+            The output on the root, None elsewhere (or a Request).
+        """
+        return self._call(GATHER, sendbuf, recvbuf, None, root, algorithm, async_op, stream)
+
+    def scatter(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        *,
+        root: int = 0,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send block j of the root's ``sendbuf`` (``size * k`` elements) into rank
+        j's ``recvbuf`` (k elements).
+
+        Other ranks than the root ignore ``sendbuf`` (pass None).  In place on the
+        root, ``recvbuf`` is block ``root`` of ``sendbuf``.  ``algorithm``:
+        "auto", "linear" or "tree".
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call(SCATTER, sendbuf, recvbuf, None, root, algorithm, async_op, stream)
+
+    def allgatherv(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        counts: Any,
+        *,
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Gather rank j's ``sendbuf`` (``counts[j]`` elements) into every rank's
+        ``recvbuf`` at the prefix sum of the counts before j (zeros allowed).
+
+        Every rank passes the same ``counts``; in place, ``sendbuf`` is this
+        rank's block of ``recvbuf``.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call_v(ALLGATHERV, sendbuf, recvbuf, counts, None, async_op, stream)
+
+    def reduce_scatterv(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        counts: Any,
+        *,
+        op: str | ReduceOp = "sum",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Reduce ``sendbuf`` (``sum(counts)`` elements); rank r gets the reduced
+        block r (``counts[r]`` elements, zeros allowed) in ``recvbuf``.
+
+        Every rank passes the same ``counts``; ``op`` as for :meth:`allreduce`.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call_v(REDUCE_SCATTERV, sendbuf, recvbuf, counts, op, async_op, stream)
 
     # ------------------------------------------------------------------ point-to-point
     def send(self, buf: Any, peer: int, *, tag: int = 0, async_op: bool = False) -> Any:

@@ -120,6 +120,13 @@ def estimate(
             return (n - 1 + chunks) * k.alpha + nbytes * k.beta
         if algorithm == "tree":
             return (2 * lg + chunks) * k.alpha + 2 * nbytes * k.beta
+    if collective in ("alltoall", "alltoallv") and algorithm == "pairwise":
+        return (n - 1) * k.alpha + f * nbytes * k.beta
+    if collective in ("gather", "scatter"):  # nbytes: one rank's block
+        if algorithm == "linear":  # one step; the root's posts each cost a little
+            return (1 + 0.25 * (n - 2)) * k.alpha + (n - 1) * nbytes * k.beta
+        if algorithm == "tree":  # forwarded blocks are copied again on the way
+            return lg * k.alpha + 1.5 * (n - 1) * nbytes * k.beta
     if collective == "reduce":
         # ring: reduce-scatter (scratch hand-offs) and then a gather that waits on every
         # block; measured at n = 2..4 it pays about two steps per slice more
@@ -158,6 +165,10 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> fl
         if small:
             return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
         return 3 * a + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+    if collective == "alltoall":  # nbytes: one rank's whole input
+        if small:  # copied into the slot, then each block out of the peers'
+            return a + 2 * nbytes * k.beta
+        return 2 * a + f * nbytes * k.beta
     if collective == "allgather":  # nbytes: one rank's block
         if small:
             return a + n * nbytes * k.beta

@@ -41,6 +41,9 @@ broadcast: every non-root reads the root's buffer; N read.
 reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
 reduce: a reduce-scatter into segments, then every rank writes its segment
     into the root's output.
+alltoall: slots: every rank's slot holds a piece of each of its blocks, and
+    rank r copies piece r out of every peer's.  By address: rank r writes its
+    block j into rank j's output; (n-1) k.
 barrier: every rank publishes a step and waits for everyone's.
 """
 
@@ -446,6 +449,42 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
         G.wait((root,), t, dl, bo)
         G.write(root, t, b[r] * x.itemsize, mine)
     _finish(L, G, t)
+
+
+@register("alltoall", "direct")
+def alltoall(L: Links, x: Any, out: Any) -> None:
+    """By address (with cross-memory copies, above a slot): each rank writes its
+    block j into rank j's output, at its own place there, as allgather does;
+    else round by round through the slots, each slot holding a piece of every
+    block, from which every peer takes its own."""
+    G = _group(L)
+    n, r = L.size, L.rank
+    dl, bo = L.deadline, L.backoff
+    k = x.size // n
+    if G.cma and x.nbytes > G.slot_bytes:
+        s = _post_buffer(L, G, out)
+        at = r * k * x.itemsize
+        for j in _others(n, r):
+            G.wait((j,), s, dl, bo)
+            G.write(j, s, at, x[j * k : (j + 1) * k])
+        _finish(L, G, s)
+        return
+    others = _others(n, r)
+    per_round = max(1, G.slot_bytes // x.itemsize // n)
+    for lo, hi, s, v in _rounds(L, G, x.dtype, k, per_round, n):
+        c = hi - lo
+        G.claim(s, dl, bo)
+        mine = v[r]
+        if c == k:
+            mine[...] = x
+        else:
+            for b in range(n):
+                mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
+        G.post(s)
+        for j in others:
+            G.wait((j,), s, dl, bo)
+            out[j * k + lo : j * k + hi] = v[j][r * c : (r + 1) * c]
+        G.done(s)
 
 
 @register("barrier", "direct")

@@ -26,10 +26,13 @@ from pycoll.collectives.base import (
 
 
 class Allgather(Collective):
+    windows = True
     name = "allgather"
     ident = 2
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
         given = recvbuf is not None

@@ -26,11 +26,14 @@ from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
 
 class ReduceScatter(Collective):
+    windows = True
     name = "reduce_scatter"
     ident = 4
     reduces = True
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         rop = parse_op(op, r, what)
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
