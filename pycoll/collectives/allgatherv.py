@@ -7,6 +7,7 @@ Every rank passes the same ``counts``; ``recvbuf`` holds their sum.  In place,
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from pycoll.buffers import as_buffer
@@ -17,7 +18,9 @@ from pycoll.collectives.base import (
     Spec,
     Step,
     check_alias,
+    nothing,
     output,
+    own_then,
 )
 from pycoll.collectives.vcounts import counts, digest
 from pycoll.errors import InvalidArgumentError
@@ -73,18 +76,9 @@ class Allgatherv(Collective):
         r = spec.r
         lo = sum(spec.counts[:r])
         hi = lo + spec.counts[r]
-        own = not spec.in_place
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            def run() -> None:
-                if own:
-                    oa[lo:hi] = xa
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+        if spec.in_place:
+            return nothing if step is None else partial(partial, step)
+        return own_then(step, lambda x, out: (out[lo:hi], x))
 
 
 ALLGATHERV = Allgatherv()

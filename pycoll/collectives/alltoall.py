@@ -17,11 +17,12 @@ from pycoll.collectives.base import (
     Prepare,
     Spec,
     Step,
+    blocks,
     check_alias,
     empty_like,
     output,
+    own_then,
 )
-from pycoll.errors import InvalidArgumentError
 
 
 class Alltoall(Collective):
@@ -33,11 +34,7 @@ class Alltoall(Collective):
     ) -> Spec:
         what = self.name
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
-        if x.count % n:
-            raise InvalidArgumentError(
-                f"rank {r}: {what}: sendbuf has {x.count} elements, "
-                f"not a multiple of the communicator size {n}"
-            )
+        blocks(x, n, r, what)
         given = recvbuf is not None
         if not given:
             recvbuf = empty_like(x, x.shape)
@@ -62,18 +59,7 @@ class Alltoall(Collective):
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r, k = spec.r, spec.x.count // spec.n
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            mine, own = oa[r * k : (r + 1) * k], xa[r * k : (r + 1) * k]
-
-            def run() -> None:
-                mine[...] = own
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x[r * k : (r + 1) * k]))
 
 
 ALLTOALL = Alltoall()

@@ -20,6 +20,7 @@ from pycoll.collectives.base import (
     Step,
     check_alias,
     output,
+    own_then,
 )
 from pycoll.collectives.vcounts import counts
 from pycoll.errors import InvalidArgumentError
@@ -76,16 +77,7 @@ class Alltoallv(Collective):
         sc, rc = spec.counts
         s0, r0 = sum(sc[:r]), sum(rc[:r])
         m = sc[r]
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            def run() -> None:
-                oa[r0 : r0 + m] = xa[s0 : s0 + m]
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+        return own_then(step, lambda x, out: (out[r0 : r0 + m], x[s0 : s0 + m]))
 
 
 ALLTOALLV = Alltoallv()

@@ -164,6 +164,23 @@ class Collective:
         return f"<collective {self.name}>"
 
 
+def own_then(step: Step | None, part: Callable[[Any, Any], tuple[Any, Any]]) -> Prepare:
+    """The envelope of a collective whose rank keeps a part of its own: ``part(x,
+    out)`` gives (where in the output, what of the input), copied before ``step``."""
+
+    def prepare(x: Any, out: Any) -> Callable[[], None]:
+        dst, src = part(x, out)
+
+        def run() -> None:
+            dst[...] = src
+            if step is not None:
+                step(x, out)
+
+        return run
+
+    return prepare
+
+
 def nothing(x: Any, out: Any) -> Callable[[], None]:
     """The ``prepare`` of a call with nothing to do (a rank alone, no bytes)."""
     return _noop
@@ -174,6 +191,16 @@ def _noop() -> None:
 
 
 # ---------------------------------------------------------------------- checks
+def blocks(x: Buffer, n: int, r: int, what: str, arg: str = "sendbuf") -> int:
+    """Elements a block of ``x``, which must hold ``n`` of them."""
+    if x.count % n:
+        raise InvalidArgumentError(
+            f"rank {r}: {what}: {arg} has {x.count} elements, "
+            f"not a multiple of the communicator size {n}"
+        )
+    return x.count // n
+
+
 def check_root(root: object, n: int, r: int, what: str) -> int:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < n:
         raise InvalidArgumentError(f"rank {r}: {what}: root={root!r} is not in [0, {n})")

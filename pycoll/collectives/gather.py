@@ -23,6 +23,7 @@ from pycoll.collectives.base import (
     empty_like,
     nothing,
     output,
+    own_then,
 )
 
 
@@ -70,21 +71,9 @@ class Gather(Collective):
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r, k = spec.r, spec.x.count
-        own = r == spec.root and not spec.in_place
-        if not own:
+        if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            mine = oa[r * k : (r + 1) * k]
-
-            def run() -> None:
-                mine[...] = xa
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 
 GATHER = Gather()

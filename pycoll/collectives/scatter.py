@@ -17,10 +17,12 @@ from pycoll.collectives.base import (
     Prepare,
     Spec,
     Step,
+    blocks,
     check_alias,
     check_root,
     nothing,
     output,
+    own_then,
 )
 from pycoll.errors import InvalidArgumentError
 
@@ -53,12 +55,8 @@ class Scatter(Collective):
                 result=out.obj,
             )
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
-        if x.count % n:
-            raise InvalidArgumentError(
-                f"rank {r}: {what}: sendbuf has {x.count} elements, "
-                f"not a multiple of the communicator size {n}"
-            )
-        out = output(recvbuf, x, x.count // n, r, what)
+        k = blocks(x, n, r, what)
+        out = output(recvbuf, x, k, r, what)
         how = f"recvbuf must be exactly block {r} of sendbuf"
         in_place = False
         if out is not x:
@@ -75,29 +73,17 @@ class Scatter(Collective):
             in_place=in_place,
             x_written=False,
             result=out.obj,
-            count=x.count // n,
+            count=k,
         )
 
     def staging(self, spec: Spec) -> tuple[bool, bool]:
         return spec.r == spec.root, True
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        r = spec.r
+        r, k = spec.r, spec.fp_count
         if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
-        k = spec.fp_count
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            own = xa[r * k : (r + 1) * k]
-
-            def run() -> None:
-                oa[...] = own
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+        return own_then(step, lambda x, out: (out, x[r * k : (r + 1) * k]))
 
 
 SCATTER = Scatter()
