@@ -352,11 +352,11 @@ def test_cma_pages_times_every_mix_of_page_kinds() -> None:
 
 def test_versus_refuses_an_unknown_system() -> None:
     cmd = mpiexec(2) + [sys.executable, str(BENCH / "versus.py"), "allreduce", "8",
-                        "--systems", "auto,gloo"]  # fmt: skip
+                        "--systems", "auto,nccl"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "'gloo' is not auto, mpi or one of" in proc.stdout + proc.stderr
+    assert "'nccl' is not auto, mpi, gloo or one of" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(30)
