@@ -18,17 +18,42 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+#: The collectives ``all`` means in the sweep (the five of the first releases).
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce")
+#: Block movers without a reduction, and the ring shift of point-to-point.
+EXCHANGES = ("alltoall", "gather", "scatter", "sendrecv")
 OPS = ("sum", "prod", "min", "max", "avg")
 
-#: nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw * factor(n)
+#: nccl-tests' bus-bandwidth factors: busbw = algbw * factor(n).  Its
+#: doc/PERFORMANCE.md gives all but the last three, which are in its
+#: gather.cu, scatter.cu and sendrecv.cu (GetBw):
+#:
+#: ==============  ==========  =============================================
+#: allreduce       2(n-1)/n    each element: n-1 additions, n assignments
+#: allgather       (n-1)/n     each rank takes n-1 blocks of size / n
+#: reduce_scatter  (n-1)/n     each rank reduces n-1 blocks of size / n
+#: broadcast       1           all of size leaves the root
+#: reduce          1           all of size reaches the root
+#: alltoall        (n-1)/n     each rank sends n-1 of its n blocks
+#: gather          (n-1)/n     the root takes n-1 blocks of size / n
+#: scatter         (n-1)/n     the root gives out n-1 blocks of size / n
+#: sendrecv        1           each rank sends size and receives size
+#: ==============  ==========  =============================================
 BUSBW_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "sendrecv": lambda n: 1.0,
 }
+
+
+class Skip(Exception):
+    """A system cannot run this case; the message is the one-line reason."""
 
 
 def _dtypes() -> dict[str, tuple[np.dtype, str]]:
@@ -104,19 +129,27 @@ def size_list(lo: int, hi: int, factor: float, step: int = 0) -> list[int]:
 
 
 def geometry(collective: str, size: int, itemsize: int, n: int) -> tuple[int, int, int]:
-    """(send count, recv count, total count) for an nccl-tests ``size``.
+    """(send count, recv count, count column) for an nccl-tests ``size``.
 
-    As nccl-tests does, ``size`` is the larger buffer: the output of allgather,
-    the input of reduce_scatter; each rank's block is ``size / n`` rounded down
-    (at least one element).
+    As nccl-tests does, ``size`` is the larger buffer: the output of allgather
+    and gather (on the root), the input of reduce_scatter and scatter (on the
+    root), each rank's send and receive buffer of alltoall, the message of
+    sendrecv; each rank's block is ``size / n`` rounded down (at least one
+    element; nccl-tests' scatter also rounds it down to 16 bytes, this does
+    not).  The measured size is ``max(send, recv) * itemsize``.
+
+    The count column is the larger buffer's elements for the first five
+    collectives, and, as nccl-tests' alltoall_perf, gather_perf and
+    scatter_perf print it, one block's (``size / n``) for those three.
     """
     count = max(1, size // itemsize)
-    if collective == "allgather":
-        per = max(1, count // n)
-        return per, per * n, per * n
-    if collective == "reduce_scatter":
-        per = max(1, count // n)
-        return per * n, per, per * n
+    per = max(1, count // n)
+    if collective in ("allgather", "gather"):
+        return per, per * n, per if collective == "gather" else per * n
+    if collective in ("reduce_scatter", "scatter"):
+        return per * n, per, per if collective == "scatter" else per * n
+    if collective == "alltoall":
+        return per * n, per * n, per
     return count, count, count
 
 

@@ -5,13 +5,32 @@ Run under mpiexec; rank 0 prints::
     mpiexec -n 4 python benchmarks/sweep.py allreduce -b 8 -e 256M -f 4
     mpiexec -n 4 python benchmarks/sweep.py all -b 1M -e 64M -f 4 --algorithm all \\
         --baselines mpi,gloo --json out.json --plot plots/
+    mpiexec -n 4 python benchmarks/sweep.py alltoall -b 8 -e 16M -f 8 --baselines mpi,gloo
 
 Flags follow nccl-tests: ``-b`` min bytes, ``-e`` max bytes, ``-f`` factor (or
 ``-i`` increment), ``-n`` iterations, ``-w`` warm-up iterations, ``-c`` check
 (0 off), ``-d`` dtype (or ``all``), ``-o`` op (or ``all``), ``-r`` root;
-repetitions are ``--repetitions``.  ``size`` is nccl-tests' size: the buffer
-of allreduce, broadcast and reduce, the *output* of allgather and the *input*
-of reduce_scatter (each rank's block is size / n).
+repetitions are ``--repetitions``.  The collective ``all`` is the first five
+(allreduce, allgather, broadcast, reduce_scatter, reduce); alltoall, gather,
+scatter and sendrecv run by name.
+
+``size`` and ``count`` are nccl-tests' (its ``*_perf`` print the larger
+buffer's bytes, and the elements of the count argument):
+
+==============  ===============================================  ==============
+collective      size                                             count
+==============  ===============================================  ==============
+allreduce       the buffer                                       size elements
+broadcast       the buffer                                       size elements
+reduce          the buffer                                       size elements
+allgather       the output (each rank sends size / n)            size elements
+reduce_scatter  the input (each rank receives size / n)          size elements
+alltoall        each rank's send and receive buffer              size / n
+gather          the root's output (each rank sends size / n)     size / n
+scatter         the root's input (each rank receives size / n)   size / n
+sendrecv        what each rank sends to rank + 1 and receives    size elements
+                from rank - 1
+==============  ===============================================  ==============
 
 Timing (OSU style): per system and size, ``-w`` warm-up calls, an MPI barrier,
 then ``-n`` timed calls; ``time`` is the per-call mean on the slowest rank (max
@@ -19,18 +38,25 @@ over ranks).  For each size every system runs in turn (pycoll's algorithms, then
 the baselines) before the next size, so machine noise hits them alike.
 
 Columns: ``size count type redop root``, then ``time algbw busbw #wrong`` for
-the out-of-place and for the in-place call side by side, as in nccl-tests (time in us; algbw = size / time and busbw = algbw * factor in GB/s,
-factor 2(n-1)/n for allreduce, (n-1)/n for allgather and reduce_scatter, 1 for
-broadcast and reduce); with ``--limits`` a ``frac`` column, busbw as a fraction of
+the out-of-place and for the in-place call side by side, as in nccl-tests
+(time in us; algbw = size / time and busbw = algbw * factor in GB/s, with
+nccl-tests' factors, ``common.BUSBW_FACTOR``: 2(n-1)/n for allreduce, (n-1)/n
+for allgather, reduce_scatter, alltoall, gather and scatter, 1 for broadcast,
+reduce and sendrecv); with ``--limits`` a ``frac`` column, busbw as a fraction of
 the memory-bandwidth bound of that algorithm (see ``benchmarks/limits.py``); then
 per baseline ``<b>(us)``, its time, and ``x<b>`` = baseline time / pycoll time
 (above 1: pycoll is faster).
 
 Baselines use the same buffers in the same job: ``mpi`` (mpi4py's
-``Allreduce``/``Allgather``/``Bcast``/``Reduce_scatter_block``/``Reduce`` on the
-NumPy arrays), ``gloo`` (torch.distributed over tensors that share the arrays'
-memory; its allreduce and reduce work in place on the output buffer), and
-``nccl`` (torch.distributed, ``--device cuda`` only).  ``avg`` is a sum followed
+``Allreduce``/``Allgather``/``Bcast``/``Reduce_scatter_block``/``Reduce``,
+``Alltoall``/``Gather``/``Scatter``/``Sendrecv`` on the NumPy arrays), ``gloo``
+(torch.distributed over tensors that share the arrays' memory; its allreduce
+and reduce work in place on the output buffer; ``all_to_all_single``,
+``gather``, ``scatter``, and for sendrecv an ``isend`` and an ``irecv`` posted
+together by ``batch_isend_irecv``), and ``nccl`` (torch.distributed,
+``--device cuda`` only).  alltoall, gather, scatter and sendrecv are checked
+against inputs whose every value tells the sender and the place
+(``exchanges.py``).  ``avg`` is a sum followed
 by a division for the baselines, as pycoll does it.  A baseline that cannot run
 (not installed, dtype or op unsupported) is skipped with a one-line reason.
 
@@ -61,11 +87,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import exchanges
 import hostmem
 from common import (
     BUSBW_FACTOR,
     COLLECTIVES,
+    EXCHANGES,
     OPS,
+    Skip,
     dtype_names,
     geometry,
     host_meta,
@@ -77,23 +106,19 @@ from common import (
 
 #: Collectives with a root, and with a reduction op (nccl-tests prints root -1
 #: and redop none for the others).
-ROOTED = ("broadcast", "reduce")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
 
 
 def forms(coll: str, asked: list[bool]) -> list[bool]:
     """The forms (in place or not) of ``coll`` measured: those asked for, where it
-    has both; pycoll's broadcast has only the in-place form, reduce_scatter only
-    the out-of-place one."""
+    has both; pycoll's broadcast has only the in-place form, reduce_scatter,
+    alltoall, gather, scatter and sendrecv only the out-of-place one."""
     if coll == "broadcast":
         return [True]
-    if coll == "reduce_scatter":
+    if coll in ("reduce_scatter", *EXCHANGES):
         return [False]
     return asked
-
-
-class Skip(Exception):
-    """A system cannot run this case; the message is the one-line reason."""
 
 
 # --------------------------------------------------------------------------- arguments
@@ -102,7 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="nccl-tests style sweep of pycoll collectives (run under mpiexec)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("collective", choices=(*COLLECTIVES, "all"))
+    ap.add_argument(
+        "collective",
+        choices=(*COLLECTIVES, *EXCHANGES, "all"),
+        help=f"all: the first five ({', '.join(COLLECTIVES)}); {', '.join(EXCHANGES)} run by name",
+    )
     ap.add_argument("-b", "--minbytes", default="8", help="min size in bytes (8, 64K, 1M)")
     ap.add_argument("-e", "--maxbytes", default="32M", help="max size in bytes")
     ap.add_argument(
@@ -123,7 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "-d", "--datatype", default="float32", help="dtype (float, half, int32 ...) or all"
     )
     ap.add_argument("-o", "--op", default="sum", help=f"reduction op: {', '.join(OPS)} or all")
-    ap.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
+    ap.add_argument(
+        "-r", "--root", type=int, default=0, help="root of broadcast, reduce, gather, scatter"
+    )
     ap.add_argument(
         "--algorithm",
         default="auto",
@@ -245,6 +276,10 @@ def _combine(a: np.ndarray, b: np.ndarray, op: str) -> np.ndarray:
 def expected(case: Case, rank: int, n: int) -> np.ndarray | None:
     """The NumPy reference of this rank's output (None: this rank has no output)."""
     c = case.collective
+    if c in EXCHANGES:
+        return exchanges.expected(
+            c, rank, n, case.root, case.send_count, case.recv_count, case.dtype
+        )
     if c == "broadcast":
         return rank_input(case.root, case.count, case)
     if c == "allgather":
@@ -295,8 +330,11 @@ class Buffers:
 
 
 def input_bytes(case: Case) -> int:
-    """Bytes of one rank's input (the size pycoll's ``auto`` decides by)."""
+    """Bytes of one rank's input (the size pycoll's ``auto`` decides by; for
+    scatter, the block each rank receives)."""
     count = case.count if case.collective == "broadcast" else case.send_count
+    if case.collective == "scatter":
+        count = case.recv_count
     return count * case.dtype.itemsize
 
 
@@ -311,9 +349,11 @@ def tuned_calls(comm: Any, coll: str, nbytes: int) -> dict[str, int]:
     return out
 
 
-def make_buffers(case: Case, xp: Any, hugepages: str = "numpy") -> Buffers:
+def make_buffers(case: Case, xp: Any, hugepages: str = "numpy", rank: int = 0) -> Buffers:
     """Device buffers from ``xp``; host ones each in its own mapping, backed by
-    pages as ``hugepages`` says (see ``benchmarks/hostmem.py``)."""
+    pages as ``hugepages`` says (see ``benchmarks/hostmem.py``).  A buffer that
+    ``rank`` does not hold (gather's output off the root, scatter's input) is
+    None."""
 
     def empty(count: int) -> Any:
         if xp is np:
@@ -323,7 +363,9 @@ def make_buffers(case: Case, xp: Any, hugepages: str = "numpy") -> Buffers:
     if case.collective == "broadcast":
         b = empty(case.count)
         return Buffers(b, b, xp)
-    return Buffers(empty(case.send_count), empty(case.recv_count), xp)
+    has_send, has_recv = exchanges.holds(case.collective, rank, case.root)
+    send = empty(case.send_count) if has_send else None
+    return Buffers(send, empty(case.recv_count) if has_recv else None, xp)
 
 
 # --------------------------------------------------------------------------- systems
@@ -354,6 +396,13 @@ def _default_load(
 
     def load() -> None:
         c = case.collective
+        if c in EXCHANGES:
+            if bufs.send is not None:
+                x = exchanges.rank_data(rank, case.send_count, case.dtype)
+                bufs.load(bufs.send, x)
+            if bufs.recv is not None:
+                bufs.poison(bufs.recv)
+            return
         if c == "broadcast":
             if rank == case.root:
                 bufs.load(bufs.send, rank_input(rank, case.count, case))
@@ -393,6 +442,9 @@ class Runner:
     def pycoll(self, algo: str, case: Case, bufs: Buffers) -> Prepared:
         c, comm, op, root = case.collective, self.comm, case.op, case.root
         s, r = bufs.send, bufs.recv
+        if c in EXCHANGES:
+            call = exchanges.pycoll_call(comm, c, s, r, algo, root)
+            return Prepared(call, _default_load(case, bufs, self.rank), lambda: r)
         inplace = case.inplace and c in ("allreduce", "allgather", "reduce")
         if c == "allreduce":
             call = (
@@ -437,6 +489,9 @@ class Runner:
             raise Skip("MPI has no bfloat16 datatype")
         c, w, root = case.collective, self.mpi, case.root
         s, r = bufs.send, bufs.recv
+        if c in EXCHANGES:
+            call = exchanges.mpi_call(w, c, s, r, root)
+            return Prepared(call, _default_load(case, bufs, self.rank), lambda: r)
         mop = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[
             case.op
         ]
@@ -510,6 +565,8 @@ class Runner:
 
     def _tensor(self, arr: Any, case: Case) -> Any:
         torch = self.torch
+        if arr is None:  # a buffer this rank does not hold
+            return None
         if self.xp is not np:
             return torch.as_tensor(arr, device="cuda")
         if case.dtype_name == "bfloat16":
@@ -528,6 +585,9 @@ class Runner:
         top = {"sum": R.SUM, "avg": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[case.op]
         c, root, n = case.collective, case.root, self.n
         ts, tr = self._tensor(bufs.send, case), self._tensor(bufs.recv, case)
+        if c in EXCHANGES:
+            call = exchanges.torch_call(dist, group, c, ts, tr, root, self.rank, n)
+            return Prepared(call, _default_load(case, bufs, self.rank), lambda: tr)
         in_recv = c in ("allreduce", "reduce")
         if c == "allreduce":
             base = lambda: dist.all_reduce(tr, op=top, group=group)
@@ -922,12 +982,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         seen = set()
         for s in sizes:
             sc, rc, tc = geometry(coll, s, dtype.itemsize, n)
-            if tc in seen:
+            nbytes = max(sc, rc) * dtype.itemsize  # nccl-tests' size: the larger buffer
+            if nbytes in seen:
                 continue
-            seen.add(tc)
+            seen.add(nbytes)
             groups.append(
                 [
-                    Case(coll, tc * dtype.itemsize, sc, rc, tc, dtype, dname, op, args.root, ip)
+                    Case(coll, nbytes, sc, rc, tc, dtype, dname, op, args.root, ip)
                     for ip in forms(coll, args.variants)
                 ]
             )
@@ -942,7 +1003,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         if live:
             say(f"# pycoll algorithm: {algos[0]}")
-            table.show_algo = algos[0] == "auto"
+            table.show_algo = algos[0] == "auto" and bool(reg)
             say(table.header())
         rows: dict[str, list[str]] = {a_: [] for a_ in algos}
         busbws: dict[str, list[float]] = {a_: [] for a_ in algos}
@@ -950,14 +1011,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for group in groups:
             halves: dict[str, dict[bool, Any]] = {a_: {} for a_ in algos}
             for case in group:
-                bufs = make_buffers(case, xp, args.hugepages)
+                bufs = make_buffers(case, xp, args.hugepages, rank)
                 ref = expected(case, rank, n) if args.check else None
                 # the model's pick, by the bytes each rank passes in (an allgather's
                 # block, not nccl-tests' size, which is the whole output): auto's
                 # first; where the model sees close contenders auto times them as it
                 # runs (pycoll.tune), and the records say what it ran ("auto_ran")
-                nbytes = input_bytes(case)
-                auto_choice = comm._policy.algorithm(coll, "auto", nbytes)
+                nbytes = input_bytes(case)  # (sendrecv has no algorithms to choose)
+                auto_choice = comm._policy.algorithm(coll, "auto", nbytes) if reg else None
                 per_sys: dict[str, list[dict[str, Any]]] = {}
                 prepared: dict[str, Prepared | None] = {}
                 for sysm in systems:
@@ -996,6 +1057,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 huge = None
                 if xp is np:
                     own = (bufs.send,) if bufs.send is bufs.recv else (bufs.send, bufs.recv)
+                    own = tuple(b for b in own if b is not None)
                     fr = [f for f in w.allgather(hostmem.hugepage_fraction(*own)) if f is not None]
                     huge = round(statistics.mean(fr), 3) if fr else None
                 for rep in range(args.reps):
@@ -1106,7 +1168,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not live:
             for a_ in algos:
                 say(f"#\n# pycoll algorithm: {a_}")
-                table.show_algo = a_ == "auto"
+                table.show_algo = a_ == "auto" and bool(reg)
                 say(table.header())
                 for line in rows[a_]:
                     say(line)

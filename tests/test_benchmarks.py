@@ -352,11 +352,11 @@ def test_cma_pages_times_every_mix_of_page_kinds() -> None:
 
 def test_versus_refuses_an_unknown_system() -> None:
     cmd = mpiexec(2) + [sys.executable, str(BENCH / "versus.py"), "allreduce", "8",
-                        "--systems", "auto,gloo"]  # fmt: skip
+                        "--systems", "auto,nccl"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "'gloo' is not auto, mpi or one of" in proc.stdout + proc.stderr
+    assert "'nccl' is not auto, mpi, gloo or one of" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(30)
@@ -376,3 +376,161 @@ def test_traffic_model_matches_ring_counts() -> None:
     assert limits.bound_time("allreduce", "direct", n, N, lim) == pytest.approx(2.25 * N / 1e9)
     bc = limits.traffic("broadcast", "direct", n, N, root=2)
     assert [c["copied"] for c in bc] == [N, N, 0.0, N]
+
+
+# --------------------------------------------------------------------------- the exchanges
+EXCHANGES = ("alltoall", "gather", "scatter", "sendrecv")
+
+
+def test_exchange_geometry_and_factors_as_nccl_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """size is the larger buffer; count one block's elements for alltoall, gather and
+    scatter (nccl-tests' paramcount), the message's for sendrecv; busbw factors
+    (n-1)/n and 1."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import common
+
+    # (send, recv, count column) of 4-byte elements at size 64 B, n = 4
+    assert common.geometry("alltoall", 64, 4, 4) == (16, 16, 4)
+    assert common.geometry("gather", 64, 4, 4) == (4, 16, 4)
+    assert common.geometry("scatter", 64, 4, 4) == (16, 4, 4)
+    assert common.geometry("sendrecv", 64, 4, 4) == (16, 16, 16)
+    assert common.geometry("alltoall", 8, 4, 4) == (4, 4, 1)  # at least one element a block
+    for coll in ("alltoall", "gather", "scatter"):
+        assert common.BUSBW_FACTOR[coll](4) == pytest.approx(0.75)
+    assert common.BUSBW_FACTOR["sendrecv"](4) == 1.0
+
+
+def test_exchange_references_tell_a_misplaced_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inputs make a block from the wrong rank, or the right rank's wrong
+    block, differ from the reference in every element."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import exchanges
+
+    n, k, dt = 3, 5, np.dtype(np.int8)
+    ref = exchanges.expected("alltoall", 1, n, 0, n * k, n * k, dt)
+    assert ref is not None
+    swapped = np.concatenate([ref[k : 2 * k], ref[:k], ref[2 * k :]])
+    assert np.count_nonzero(swapped != ref) == 2 * k
+    from_rank_0 = exchanges.rank_data(0, n * k, dt)[0:k]  # rank 0's own block, not rank 1's
+    assert np.all(from_rank_0 != ref[:k])
+    g = exchanges.expected("gather", 2, n, 2, k, n * k, dt)
+    assert g is not None and g.size == n * k
+    assert exchanges.expected("gather", 0, n, 2, k, n * k, dt) is None
+    s = exchanges.expected("scatter", 1, n, 2, n * k, k, dt)
+    assert np.array_equal(s, exchanges.rank_data(2, n * k, dt)[k : 2 * k])
+    r = exchanges.expected("sendrecv", 0, n, 0, k, k, dt)
+    assert np.array_equal(r, exchanges.rank_data(2, k, dt))  # from rank - 1
+    assert np.all(r != exchanges.rank_data(1, k, dt))
+    assert int(exchanges.rank_data(7, 1000, dt).max()) < 0x5A  # never the poison byte
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("coll", EXCHANGES)
+def test_sweep_exchanges_against_mpi(tmp_path: Path, coll: str) -> None:
+    out_json = tmp_path / "x.json"
+    rooted = coll in ("gather", "scatter")
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "sweep.py"), coll,
+        "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "-r", "1",
+        "--algorithm", "all", "--baselines", "mpi", "--timeout", "60", "--no-progress",
+        "--hugepages", "off", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    assert "skipped" not in proc.stdout, proc.stdout
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert f"# {coll}  dtype float32  op none  root {1 if rooted else -1}" in proc.stdout
+    rows = _rows(proc.stdout)
+    # size count type redop root | time algbw busbw #wrong mpi(us) xmpi | in place: "-"
+    sizes = [8, 64, 512, 4096]
+    algos = {"alltoall": 3, "gather": 3, "scatter": 3, "sendrecv": 1}[coll]  # auto + each
+    assert len(rows) == len(sizes) * algos, proc.stdout
+    for r in rows:
+        size, count = int(r[0]), int(r[1])
+        assert size in sizes and r[2] == "float" and r[3] == "none", r
+        assert count == (size // 4 if coll == "sendrecv" else size // 4 // 2), r
+        assert int(r[4]) == (1 if rooted else -1), r
+        assert r[8] == "0" and r[9] != "skip", r  # #wrong, the MPI baseline's time
+        assert set(r[11:17]) == {"-"}, r  # no in-place form
+    recs = json.loads(out_json.read_text())["records"]
+    assert {r["system"] for r in recs} == {"pycoll", "mpi"}
+    assert all(r["wrong"] == 0 and not r["inplace"] and r["collective"] == coll for r in recs)
+    factor = 1.0 if coll == "sendrecv" else 0.5
+    assert all(r["busbw"] == pytest.approx(r["algbw"] * factor) for r in recs)
+    assert all(r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3) for r in recs)
+
+
+@pytest.mark.timeout(90)
+def test_versus_alltoall_takes_turns_with_mpi_and_gloo(tmp_path: Path) -> None:
+    gloo = importlib.util.find_spec("torch") is not None
+    systems = ["auto", "pairwise", "mpi"] + ["gloo"] * gloo
+    out_json = tmp_path / "v.json"
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "versus.py"), "alltoall", "8", "4K",
+        "--systems", ",".join(systems), "--rounds", "3", "--block-time", "0.002",
+        "--settle", "0.02", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert "skipped" not in proc.stdout, proc.stdout
+    rows = _rows(proc.stdout)
+    assert [r[1] for r in rows] == systems * 2, proc.stdout
+    assert [int(r[0]) for r in rows] == [8] * len(systems) + [4096] * len(systems)
+    recs = json.loads(out_json.read_text())["records"]
+    assert len(recs) == 2 * len(systems) * 3
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in recs)
+    assert {r["count"] for r in recs} == {1, 512}  # one block: size / n elements
+    if gloo:  # only a block right after Gloo's settles
+        assert not any(r["settled"] for r in recs if r["system"] == "gloo")
+
+
+@pytest.mark.timeout(90)
+def test_versus_pingpong_gives_time_and_bandwidth(tmp_path: Path) -> None:
+    """Rank 0 to rank 1 and back; at n = 3 rank 2 idles; time is half the round
+    trip and GB/s is size / time."""
+    out_json = tmp_path / "p.json"
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "versus.py"), "pingpong", "8", "64K",
+        "--systems", "pycoll,mpi", "--rounds", "3", "--block-time", "0.002",
+        "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 80)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert "half the round trip" in proc.stdout
+    rows = _rows(proc.stdout)
+    # size system calls time(us) GB/s xpycoll p10 p90
+    assert [(int(r[0]), r[1]) for r in rows] == [
+        (8, "pycoll"),
+        (8, "mpi"),
+        (65536, "pycoll"),
+        (65536, "mpi"),
+    ], proc.stdout
+    for r in rows:
+        size, t, bw = int(r[0]), float(r[3]), float(r[4])
+        assert t > 0 and bw == pytest.approx(size / t / 1e3, rel=0.01, abs=1e-3), r
+    assert all(r[5] == "1.000" for r in rows if r[1] == "pycoll")
+    recs = json.loads(out_json.read_text())["records"]
+    assert len(recs) == 2 * 2 * 3 and all(r["wrong"] == 0 for r in recs)
+    assert all(r["bw_GBps"] == pytest.approx(r["size"] / r["time_us"] / 1e3) for r in recs)
+
+
+@pytest.mark.timeout(120)
+def test_matrix_at_tiny_sizes(tmp_path: Path) -> None:
+    out_json = tmp_path / "m.json"
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "matrix.py"), "--sizes", "8,1K", "--rounds", "2",
+        "--block-time", "0.002", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    colls = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+    table = proc.stdout.split("# MPI time / pycoll time")[1].split("\n", 1)[1]
+    assert table.splitlines()[0].split()[1:] == ["collective", "8B", "1K"], table
+    cells = {r[0]: r[1:] for r in _rows(table)}
+    assert set(cells) == set(colls) and all(len(v) == 2 for v in cells.values()), table
+    doc = json.loads(out_json.read_text())
+    assert len(doc["matrix"]) == 8 and len(doc["records"]) == 8 * 2 * 2
+    for c in doc["matrix"]:
+        assert c["wrong"] == 0 and c["pycoll_us"] > 0 and c["mpi_us"] > 0
+        assert c["ratio"] == pytest.approx(c["mpi_us"] / c["pycoll_us"])
+        shown = cells[c["collective"]][[8, 1024].index(c["size_asked"])]
+        assert float(shown) == pytest.approx(c["ratio"], abs=0.006)

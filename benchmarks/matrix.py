@@ -1,0 +1,283 @@
+"""pycoll's ``auto`` against MPI, by collective and size: the "ahead of MPI at
+every size" matrix.
+
+Run under mpiexec; rank 0 prints::
+
+    mpiexec -n 2 python benchmarks/matrix.py
+    mpiexec -n 4 python benchmarks/matrix.py --json out/matrix_n4.json
+    mpiexec -n 2 python benchmarks/matrix.py --sizes 8,1K --collectives allreduce
+
+Cells are **MPI time / pycoll time**: above 1 pycoll is faster.
+
+What runs: pycoll's ``comm.<collective>(..., algorithm="auto")`` and mpi4py's
+``Allreduce``, ``Allgather``, ``Bcast`` and ``Reduce_scatter_block`` (the calls
+of ``sweep.py``; out of place, broadcast in place from root 0, op sum), for
+allreduce, allgather, broadcast and reduce_scatter at 8 B, 1 KiB, 64 KiB,
+1 MiB, 16 MiB and 128 MiB (nccl-tests' sizes, as in sweep.py: the output of
+allgather, the input of reduce_scatter).  Both systems work on the very same
+float32 arrays, allocated as a user's script would: inputs by
+``numpy.random.Generator.standard_normal``, outputs by ``np.empty`` (no
+page alignment, no huge-page policy: ``hostmem`` is not used).
+
+How it times (``versus.py``'s machinery), for each collective and size:
+
+1. A pilot: each system calls back to back for about 0.1 s (at least 3 calls);
+   its time per call on the slowest rank sets the calls per block, about
+   ``--block-time`` (50 ms) of calls, 1 to 10000.
+2. ``--rounds`` (7) rounds; in each, the two systems take one block each, in an
+   order shuffled anew each round (the same on every rank).  A block is
+   ``--warm`` (3) untimed calls (no more than the shorter of the two blocks
+   has calls), an MPI barrier, then the block's calls back to back; its time
+   is the mean per call, the maximum over ranks.
+3. A system's time is the median over rounds of its block times; the cell is
+   MPI's over pycoll's.  The JSON also has each round's pair and the ratio's
+   10th and 90th percentile over rounds.
+
+Each system's output is checked against NumPy before the rounds and after
+them (poisoned first; reductions to a relative 1e-5, since the order of the
+additions differs): ``#wrong`` counts elements over all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt_size, geometry, host_meta, parse_size, run_or_abort
+from sweep import Buffers, Case, Prepared, Runner, System, input_bytes, tuned_calls
+from versus import alternate, block_calls, pilot
+
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+SIZES = "8,1K,64K,1M,16M,128M"
+DTYPE = np.dtype(np.float32)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="pycoll auto against MPI by collective and size (run under mpiexec)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--sizes", default=SIZES, help=f"comma list of sizes (default {SIZES})")
+    ap.add_argument(
+        "--collectives",
+        default=",".join(COLLECTIVES),
+        help=f"comma list of {', '.join(COLLECTIVES)} (default all four)",
+    )
+    ap.add_argument("--rounds", type=int, default=7, help="blocks per system (default 7)")
+    ap.add_argument(
+        "--block-time", type=float, default=0.05, help="seconds of calls per block (0.05)"
+    )
+    ap.add_argument("--warm", type=int, default=3, help="untimed calls before each block (3)")
+    ap.add_argument("--transport", default=None, help="pycoll transports, e.g. shm")
+    ap.add_argument("--json", default=None, help="write the matrix and every block here")
+    a = ap.parse_args(argv)
+    try:
+        a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    except (ValueError, ArithmeticError):
+        ap.error(f"--sizes {a.sizes!r}: a comma list of sizes (8, 1K, 16M)")
+    a.collectives = [c.strip() for c in a.collectives.split(",") if c.strip()]
+    for c in a.collectives:
+        if c not in COLLECTIVES:
+            ap.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES)}")
+    if not a.sizes or any(s <= 0 for s in a.sizes) or not a.collectives:
+        ap.error("--sizes and --collectives: at least one each, sizes above 0")
+    if a.rounds < 1 or a.block_time <= 0 or a.warm < 0:
+        ap.error("--rounds must be >= 1, --block-time > 0, --warm >= 0")
+    return a
+
+
+def _input(rank: int, case: Case) -> np.ndarray:
+    """Rank ``rank``'s input: standard normal float32 from a seed every rank knows."""
+    rng = np.random.default_rng([rank, COLLECTIVES.index(case.collective), case.size])
+    return rng.standard_normal(case.send_count, dtype=DTYPE)
+
+
+def _reference(case: Case, rank: int, n: int) -> np.ndarray:
+    """NumPy's output on ``rank`` (sums in rank order)."""
+    c = case.collective
+    if c == "broadcast":
+        return _input(0, case)
+    if c == "allgather":
+        return np.concatenate([_input(p, case) for p in range(n)])
+    acc = _input(0, case)
+    for p in range(1, n):
+        acc += _input(p, case)
+    if c == "reduce_scatter":
+        k = case.recv_count
+        return acc[rank * k : (rank + 1) * k]
+    return acc
+
+
+def _buffers(case: Case, rank: int) -> Buffers:
+    """Plain NumPy arrays: the input from ``np.random``, the output ``np.empty``."""
+    x = _input(rank, case)
+    if case.collective == "broadcast":
+        return Buffers(x, x, np)
+    return Buffers(x, np.empty(case.recv_count, DTYPE), np)
+
+
+def _poison_outputs(case: Case, bufs: Buffers, rank: int) -> None:
+    """Poison where the output lands (a broadcast's non-root buffers), inputs kept."""
+    if case.collective != "broadcast":
+        bufs.poison(bufs.recv)
+    elif rank != case.root:
+        bufs.poison(bufs.send)
+
+
+def _wrong(w: Any, p: Prepared, ref: np.ndarray) -> int:
+    """Call once on poisoned outputs; elements off NumPy's, summed over ranks."""
+    from mpi4py import MPI
+
+    p.load()
+    p.call()
+    got = np.asarray(p.output()).reshape(-1)
+    bad = int(np.count_nonzero(~np.isclose(got, ref, rtol=1e-5, atol=1e-5)))
+    return int(w.allreduce(bad, op=MPI.SUM))
+
+
+def _cell(x: float | None) -> str:
+    return f"{x:>8.2f}" if x is not None else f"{'-':>8}"
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from dataclasses import replace
+
+    from mpi4py import MPI
+
+    import pycoll
+
+    w = MPI.COMM_WORLD
+    rank, n = w.Get_rank(), w.Get_size()
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    cfg: dict[str, Any] = {}
+    if args.transport:
+        cfg["transports"] = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    comm = pycoll.init(w, **cfg)
+    kinds = sorted({comm.transport_of(p) for p in range(n) if p != rank} or {"self"})
+    transport = "+".join(sorted({k for ks in w.allgather(kinds) for k in ks}))
+    runner = Runner(args, w, comm, np)
+    systems = [System("pycoll", "auto"), System("mpi")]
+    meta = host_meta()
+    say(
+        f"# matrix: pycoll auto against MPI, n = {n}, transport {transport}, float32, "
+        f"{args.rounds} rounds of one block of about {args.block_time * 1e3:g} ms per "
+        "system, a new order each round"
+    )
+    say(
+        "# time: median over rounds of the block's per-call mean on the slowest rank; "
+        "xmpi = MPI time / pycoll time (above 1: pycoll faster), p10 p90 of it per round"
+    )
+    say(
+        f"#{'collective':>15} {'size':>10} {'pycoll(us)':>11} {'mpi(us)':>10} {'xmpi':>7} "
+        f"{'p10':>6} {'p90':>6} {'#wrong':>6}  auto ran"
+    )
+    records: list[dict[str, Any]] = []
+    cells: list[dict[str, Any]] = []
+    total_wrong = 0
+    for coll in args.collectives:
+        for asked in args.sizes:
+            sc, rc, tc = geometry(coll, asked, DTYPE.itemsize, n)
+            nbytes = max(sc, rc) * DTYPE.itemsize  # nccl-tests' size: the larger buffer
+            case = Case(coll, nbytes, sc, rc, tc, DTYPE, "float32", "sum", 0, False)
+            bufs = _buffers(case, rank)
+            ref = _reference(case, rank, n)
+            load = lambda case=case, bufs=bufs: _poison_outputs(case, bufs, rank)
+            prep = {s.label: replace(runner.prepare(s, case, bufs), load=load) for s in systems}
+            wrong = {lab: _wrong(w, p, ref) for lab, p in prep.items()}
+            calls = {
+                lab: (p.call, block_calls(pilot(w, p.call), args.block_time))
+                for lab, p in prep.items()
+            }
+            nb = input_bytes(case)
+            before = tuned_calls(comm, coll, nb)
+            warm = min(args.warm, *(k for _, k in calls.values()))  # no more than a block
+            secs, _ = alternate(w, calls, args.rounds, warm, f"matrix {coll} {nbytes}")
+            after = tuned_calls(comm, coll, nb)
+            ran = {a: c - before.get(a, 0) for a, c in after.items() if c - before.get(a, 0)}
+            if not ran:  # untuned: auto runs its model's pick
+                ran = {comm._policy.algorithm(coll, "auto", nb): 0}
+            for lab, p in prep.items():
+                wrong[lab] += _wrong(w, p, ref)
+            ours, theirs = secs["pycoll:auto"], secs["mpi"]
+            per_round = [m / o for m, o in zip(theirs, ours, strict=True)]
+            t_ours, t_mpi = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
+            ratio = t_mpi / t_ours
+            bad = sum(wrong.values())
+            total_wrong += bad
+            p10, p90 = np.percentile(per_round, [10, 90])
+            what = ", ".join(f"{a} {c}" if c else a for a, c in ran.items())
+            say(
+                f" {coll:>15} {nbytes:>10} {t_ours:>11.2f} {t_mpi:>10.2f} {ratio:>7.3f} "
+                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {what}"
+            )
+            cells.append(
+                {
+                    "collective": coll,
+                    "size_asked": asked,
+                    "size": nbytes,
+                    "pycoll_us": t_ours,
+                    "mpi_us": t_mpi,
+                    "ratio": ratio,
+                    "ratio_p10": float(p10),
+                    "ratio_p90": float(p90),
+                    "wrong": bad,
+                    "calls": {lab: k for lab, (_, k) in calls.items()},
+                    "auto_ran": ran,
+                }
+            )
+            for lab, ts in secs.items():
+                for rnd, t in enumerate(ts):
+                    records.append(
+                        {
+                            "collective": coll,
+                            "size": nbytes,
+                            "nranks": n,
+                            "system": "pycoll" if lab.startswith("pycoll") else lab,
+                            "round": rnd,
+                            "calls": calls[lab][1],
+                            "time_us": t * 1e6,
+                            "wrong": wrong[lab],
+                        }
+                    )
+            del prep, calls, bufs, ref, load
+    say("#")
+    say(f"# MPI time / pycoll time, n = {n} (above 1: pycoll faster)")
+    say(f"#{'collective':>15}" + "".join(f"{fmt_size(s):>8}" for s in args.sizes))
+    by = {(c["collective"], c["size_asked"]): c["ratio"] for c in cells}
+    for coll in args.collectives:
+        say(f" {coll:>15}" + "".join(_cell(by.get((coll, s))) for s in args.sizes))
+    ahead = sum(c["ratio"] > 1 for c in cells)
+    say(f"# pycoll ahead in {ahead} of {len(cells)} cells")
+    say(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    comm.close()
+    if rank == 0 and args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "meta": {**meta, "argv": sys.argv, "nranks": n, "transport": transport},
+            "matrix": cells,
+            "records": records,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        say(f"# wrote {len(cells)} cells and {len(records)} blocks to {args.json}")
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    cells = run_or_abort(run, parse_args(argv))
+    return 1 if any(c["wrong"] for c in cells) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
