@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,13 +69,14 @@ class Call:
     algorithm: str
     ctx: int = 0  # its communicator's context
     layout: int = 0  # a v-variant's counts, digested
+    #: its :func:`fingerprint`, made once
+    fp: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def fp(self) -> int:
-        """Its :func:`fingerprint`."""
-        return fingerprint(
+    def __post_init__(self) -> None:
+        fp = fingerprint(
             self.collective, self.count, self.dtype, self.op, self.root, self.ctx, self.layout
         )
+        object.__setattr__(self, "fp", fp)
 
 
 def describe(call: Call) -> str:

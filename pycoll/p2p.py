@@ -50,6 +50,12 @@ _HDR = struct.Struct("<IIqQI12x")  # magic, context, tag, count, dtype id (32 by
 _MAGIC = 0x50325031  # "P2P1"
 HDR_FP = zlib.crc32(b"pycoll point-to-point header")
 DATA_FP = zlib.crc32(b"pycoll point-to-point payload")
+EAGER_FP = zlib.crc32(b"pycoll point-to-point eager message")
+#: A payload up to this many bytes travels inside its header's message, padded to
+#: EAGER_BYTES: one transport message instead of two, which halves a small
+#: message's cost.
+EAGER_BYTES = 256
+EAGER_MAX = EAGER_BYTES - _HDR.size
 _M32 = 0xFFFFFFFF
 _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _DTYPES = {i: dt for dt, i in _DTYPE_IDS.items()}
@@ -183,13 +189,19 @@ class PointToPoint:
         conn = self.conns[peer]
         n = self.sent.get(peer, 0)
         self.sent[peer] = n + 1
-        op.hdr = np.frombuffer(
-            _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0)), np.uint8
-        ).copy()
-        op.reqs = [
-            conn.isend(_bytes(op.hdr), (HDR_FP << 32) | (n & _M32)),
-            conn.isend(_bytes(b.flat), (DATA_FP << 32) | (n & _M32)),
-        ]
+        head = _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+        nbytes = b.nbytes
+        if nbytes <= EAGER_MAX:  # one message: header, payload, padding
+            op.hdr = msg = np.zeros(EAGER_BYTES, np.uint8)
+            msg[: _HDR.size] = np.frombuffer(head, np.uint8)
+            msg[_HDR.size : _HDR.size + nbytes] = np.frombuffer(_bytes(b.flat), np.uint8)
+            op.reqs = [conn.isend(_bytes(msg), (EAGER_FP << 32) | (n & _M32))]
+        else:
+            op.hdr = np.frombuffer(head, np.uint8).copy()
+            op.reqs = [
+                conn.isend(_bytes(op.hdr), (HDR_FP << 32) | (n & _M32)),
+                conn.isend(_bytes(b.flat), (DATA_FP << 32) | (n & _M32)),
+            ]
         self.sends.append(op)
 
     def post_recv(self, op: Op) -> None:
@@ -269,8 +281,10 @@ class PointToPoint:
         return moved
 
     def _want_headers(self) -> None:
-        """Post a header receive where a pending receive may need the next message:
-        on its source's connection, or, for any source, where one has arrived."""
+        """Receive the next message's header where a pending receive may need it:
+        on its source's connection, or any source's, once one has arrived there
+        (:meth:`~transports.base.Connection.probe` tells a header from an eager
+        message, and both from a collective's message)."""
         busy = self.heads.keys() | self.arriving.keys()
         for op in self.recvs:
             if op.msg is not None:
@@ -280,18 +294,33 @@ class PointToPoint:
                 if p in busy or p == self.rank:  # its own messages wait in unexpected
                     continue
                 conn = self.conns[p]
-                if op.peer is None:
-                    tag = conn.probe()
-                    if tag is None or tag >> 32 != HDR_FP:
-                        continue
-                hdr = np.empty(_HDR.size, np.uint8)
+                tag = conn.probe()
+                if tag is None:
+                    continue
                 n = self.taken.get(p, 0)
-                self.heads[p] = (conn.irecv_into(_bytes(hdr), (HDR_FP << 32) | (n & _M32)), hdr)
+                kind = tag >> 32
+                if kind not in (HDR_FP, EAGER_FP) or tag & _M32 != n & _M32:
+                    if op.peer is None:
+                        continue  # another source may send it
+                    raise self._not_p2p(p, op)
+                hdr = np.empty(EAGER_BYTES if kind == EAGER_FP else _HDR.size, np.uint8)
+                self.heads[p] = (conn.irecv_into(_bytes(hdr), tag), hdr)
                 busy = busy | {p}
 
+    def _not_p2p(self, peer: int, op: Op) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"rank {self.rank}: {op.describe()}: rank {peer}'s next message is not a "
+            "point-to-point message of this order (it started a collective, or other calls, "
+            "that this rank has not): point-to-point calls and collectives must be posted "
+            "in an order both ranks share",
+            rank=self.rank,
+            ranks=(peer,),
+        )
+
     def _header(self, peer: int, hdr: np.ndarray) -> None:
-        """A header from ``peer`` arrived: route its payload."""
-        magic, ctx, tag, count, dtype = _HDR.unpack(hdr.tobytes())
+        """A header from ``peer`` arrived: route its payload (an eager message's
+        is inside it)."""
+        magic, ctx, tag, count, dtype = _HDR.unpack(hdr[: _HDR.size].tobytes())
         if magic != _MAGIC:
             raise CollectiveMismatchError(
                 f"rank {self.rank}: a point-to-point header from rank {peer} is corrupt",
@@ -303,6 +332,14 @@ class PointToPoint:
         m = Message(peer, ctx, tag, count, dtype)
         dt = _DTYPES.get(dtype)
         nbytes = count * (dt.itemsize if dt is not None else 1)
+        if hdr.size == EAGER_BYTES:  # the payload came with it
+            m.data = hdr[_HDR.size : _HDR.size + nbytes]
+            for op in self.recvs:
+                if op.msg is None and op.source is None and op.accepts(m):
+                    self._take(op, m)
+                    return
+            self.unexpected.append(m)
+            return
         conn = self.conns[peer]
         data_tag = (DATA_FP << 32) | (n & _M32)
         for op in self.recvs:
@@ -347,7 +384,8 @@ class PointToPoint:
                 continue
             waiting = [r for op in ops for r in op.reqs if not r._done]
             waiting += [r for r, _ in self.heads.values()]
-            idle_round(backoff, waiting or [_Idle(self._awaited(ops))], deadline)
+            waiting.append(_Idle(self._awaited(ops), self.conns))
+            idle_round(backoff, waiting, deadline)
 
     def drain(self, backoff: Backoff) -> None:
         """Complete every pending operation (before a collective runs)."""
@@ -358,23 +396,31 @@ class PointToPoint:
         end = monotonic() + seconds
         self.complete([op], backoff, lambda: monotonic() >= end)
 
-    def _awaited(self, ops: list[Op]) -> int:
+    def _awaited(self, ops: list[Op]) -> list[int]:
+        """The peers the pending ops wait for (a receive from any source: all)."""
+        peers: set[int] = set()
         for op in ops:
-            if not op.done and op.peer is not None:
-                return op.peer
-        return -1
+            if not op.done:
+                peers.update(op.peers if op.peer is None else (op.peer,))
+        peers.discard(self.rank)
+        return sorted(peers)
 
 
 class _Idle(Request):
-    """What a wait with nothing posted yet (a receive from any source that has
-    seen no header) gives :func:`idle_round`: never done, no activity, its peer
-    named in a timeout."""
+    """What a wait for messages not yet arrived (nothing posted for them) gives
+    :func:`idle_round`: never done, the first awaited peer named in a timeout,
+    and every awaited peer's connection asked whether it is alive."""
 
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
+    def __init__(self, peers: list[int], conns: dict[int, Connection]) -> None:
+        self.peer = peers[0] if peers else -1
+        self._conns = [conns[p] for p in peers if p in conns]
 
     def _progress(self) -> bool:
         return False
+
+    def check_peer(self) -> None:
+        for c in self._conns:
+            c.check_peer()
 
 
 # ---------------------------------------------------------------------- the calls
