@@ -418,6 +418,26 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
         a.close()
 
 
+def test_group_segment_close_because_names_the_rank_that_failed() -> None:
+    """A rank that closes the group segment because another rank failed says so
+    in its "closed" word: a rank waiting on it names both."""
+    from transports.base import Backoff, Deadline, PeerClosedError
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+    with _group_pair(2) as (a, b):
+        b.close_because(5)
+        with pytest.raises(
+            PeerClosedError, match="rank 1 closed its connection because rank 5"
+        ) as ei:
+            a.wait([1], 1, Deadline.after(5), quick)
+        assert (ei.value.peer, ei.value.cause_rank) == (1, 5)
+    with _group_pair(2) as (a, b):
+        b.close()
+        with pytest.raises(PeerClosedError) as ei:
+            a.wait([1], 1, Deadline.after(5), quick)
+        assert ei.value.cause_rank is None
+
+
 @contextlib.contextmanager
 def _group_pair(k: int) -> typing.Iterator[tuple[typing.Any, typing.Any]]:
     """Ranks 0 and 1 of a two-rank group segment with K = ``k`` slots of 4 KiB."""
