@@ -57,16 +57,27 @@ class Wiring:
     group: ShmGroup | None = None  # the segment every rank shares, when on one host
     group_why: str = "not built"
 
-    def close(self) -> None:
+    def close(self, cause: int | None = None) -> None:
+        """Close the group segment, the connections and the transports.
+
+        ``cause``: the rank (as the transports number it) whose failure this rank
+        closes because of; every peer is told (``close_because``) and names it.
+        """
         if self.group is not None:
             try:
-                self.group.close()
+                if cause is None:
+                    self.group.close()
+                else:
+                    self.group.close_because(cause)
             except Exception as exc:
                 log.warning("closing the group segment: %s", exc)
             self.group = None
         for c in reversed(list(self.conns.values())):
             try:
-                c.close()
+                if cause is None:
+                    c.close()
+                else:
+                    c.close_because(cause)
             except Exception as exc:
                 log.warning("closing connection to %d: %s", c.peer, exc)
         self.conns.clear()

@@ -15,7 +15,10 @@ time, each numbered, tagged and recorded, and how a failure ends them.
   ranks where they are (:mod:`pycoll.diagnose`) and names the ranks that did
   not arrive.
 * **Failure.** Every error but a user error leaves the communicator unusable
-  (``failed``); transport errors become pycoll's at this boundary.
+  (``failed``); transport errors become pycoll's at this boundary.  A failure
+  owed to a peer (it closed or died, or timed out) names the rank that failed
+  first, and this rank closes its connections telling every peer so (at once
+  when a peer is gone, at ``close`` after a timeout): see :mod:`pycoll.errors`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from pycoll.errors import (
     CommunicatorClosedError,
     ConcurrentCallError,
     InvalidArgumentError,
+    PeerAbortedError,
     PycollError,
     from_transport,
 )
@@ -53,7 +57,13 @@ from pycoll.guard import AGREE_FP, CHECK_FP, FINGERPRINTS_MAX, M32, Call, finger
 from pycoll.plans import RECVBUF, SENDBUF, Kind, Plan, Plans, make_room
 from pycoll.reduce import ReduceOp, ufunc
 from pycoll.requests import DeviceRequest, Request
-from transports.base import Backoff, Deadline, TagMismatchError
+from transports.base import (
+    Backoff,
+    Deadline,
+    PeerClosedError,
+    TagMismatchError,
+    TransportTimeout,
+)
 from transports.base import TransportError as WireError
 
 if TYPE_CHECKING:
@@ -535,7 +545,9 @@ class Engine:
             err.__cause__ = exc
             exc = err
         elif isinstance(exc, WireError):
-            err = from_transport(exc, self.rank, where, self.kinds)
+            if fam.blame is None:
+                fam.blame = blame(exc, fam.rank)
+            err = from_transport(exc, self.rank, where, self.kinds, fam.rank)
             err.__cause__ = exc
             exc = err
         rec[_STATUS] = f"failed: {type(exc).__name__}"
@@ -557,9 +569,13 @@ class Engine:
             # Raised, so not logged at ERROR too (the user would see it twice).
             log.info("rank %d raises: %s", self.rank, exc)
             log.info("flight recorder of rank %d:\n  %s", self.rank, "\n  ".join(exc.recorder))
-        if isinstance(exc, CollectiveMismatchError) and fam.wiring is not None:
+        if fam.wiring is not None and (
+            isinstance(exc, CollectiveMismatchError)
+            or (isinstance(exc, PeerAbortedError) and fam.blame is not None)
+        ):
             # The peers may wait for bytes this rank will never send: closing every
-            # connection and the group makes them fail now, not at the timeout.
+            # connection and the group makes them fail now, not at the timeout,
+            # and names to them the rank that failed first (fam.blame).
             self.close_wiring()
         raise exc
 
@@ -629,3 +645,19 @@ class Engine:
             algorithms.get("allgather", "ring")(L, sig, out)
 
         guard.check_match(self.rank, self.size, seq, call, ident, _COLL_NAMES, allgather)
+
+
+def blame(exc: WireError, me: int) -> int | None:
+    """The rank that a transport error is owed to (transport numbering), or None.
+
+    A peer that closed or died is; so is the rank it named as the reason it
+    closed, unless that is this rank ``me`` (it saw this rank fail: nobody else
+    to name); a timeout is owed to the first peer it waited for.
+    """
+    if isinstance(exc, PeerClosedError):
+        if exc.cause_rank is None:
+            return exc.peer
+        return None if exc.cause_rank == me else exc.cause_rank
+    if isinstance(exc, TransportTimeout) and exc.pending:
+        return exc.pending[0]
+    return None

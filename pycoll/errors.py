@@ -10,12 +10,19 @@
     ├── ConcurrentCallError                      two threads ran collectives on one communicator at once
     └── TransportError                           a connection failed: rank, peer, transport, errno
         ├── ConnectError                         set-up failed, or no transport reaches a peer
-        ├── PeerAbortedError                     a peer exited or aborted
+        ├── PeerAbortedError                     a peer exited or aborted (the first to fail)
         └── CollectiveTimeout                    ranks did not arrive within PYCOLL_TIMEOUT
 
 System errors carry ``rank``, ``peer`` and ``transport`` (None where there is
 none) and keep the transport's own exception as ``__cause__``
 (:func:`translate` does the mapping at the boundary).
+
+Blame.  A rank whose collective fails because of a peer closes its connections
+saying which rank failed (``Connection.close_because``), so a rank that is no
+neighbour of a dead one hears of it from a live one: its
+:class:`PeerAbortedError` names the rank that failed first as ``peer``, and
+the live rank it heard it from as ``via`` ("rank 3 closed its connections
+because rank 2 failed"), never blaming that one.
 """
 
 from __future__ import annotations
@@ -128,7 +135,20 @@ class ConnectError(TransportError):
 
 
 class PeerAbortedError(TransportError):
-    """A peer exited, aborted or closed its end in the middle of a collective."""
+    """A peer exited, aborted or closed its end in the middle of a collective.
+
+    Attributes:
+        peer: the rank that failed first, as far as this rank knows: the one it
+            saw exit or close, or the one named by a peer that closed because
+            of it.
+        via: the live peer that closed its connections because ``peer``
+            failed, and told this rank so; None when this rank saw ``peer`` go
+            itself.  ``transport`` is that of the connection it learnt it by.
+    """
+
+    def __init__(self, message: str, *, via: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.via = via
 
 
 class CollectiveTimeout(TransportError):
@@ -150,9 +170,17 @@ class CollectiveTimeout(TransportError):
 
 
 def from_transport(
-    exc: tb.TransportError, rank: int, what: str, transport_of: dict[int, str]
+    exc: tb.TransportError,
+    rank: int,
+    what: str,
+    transport_of: dict[int, str],
+    me: int | None = None,
 ) -> TransportError | CollectiveMismatchError:
-    """The pycoll exception for a :mod:`transports` exception (raise it ``from exc``)."""
+    """The pycoll exception for a :mod:`transports` exception (raise it ``from exc``).
+
+    ``me``: this rank as the transports number it (its rank in the root
+    communicator, ``rank`` where None), to tell when a peer closed because of it.
+    """
     if isinstance(exc, tb.TagMismatchError):
         return CollectiveMismatchError(
             f"rank {rank}: {what}: mismatched collectives: {exc}",
@@ -172,6 +200,9 @@ def from_transport(
         )
     cls: type[TransportError] = TransportError
     if isinstance(exc, tb.PeerClosedError):
+        cause = exc.cause_rank
+        if cause is not None and cause != exc.peer:
+            return _closed_because(exc, cause, rank, what, rank if me is None else me)
         cls = PeerAbortedError
     elif isinstance(exc, tb.ConnectError):
         cls = ConnectError
@@ -179,6 +210,30 @@ def from_transport(
         f"rank {rank}: {what}: {exc}",
         rank=rank,
         peer=exc.peer,
+        transport=exc.transport,
+        errno=exc.errno,
+    )
+
+
+def _closed_because(
+    exc: tb.PeerClosedError, cause: int, rank: int, what: str, me: int
+) -> PeerAbortedError:
+    """Peer ``exc.peer`` closed its connections because rank ``cause`` failed."""
+    if cause == me:  # it saw this rank fail (say, time out): nobody else to name
+        return PeerAbortedError(
+            f"rank {rank}: {what}: rank {exc.peer} closed its connections because it saw "
+            f"this rank fail ({exc})",
+            rank=rank,
+            peer=exc.peer,
+            transport=exc.transport,
+            errno=exc.errno,
+        )
+    return PeerAbortedError(
+        f"rank {rank}: {what}: rank {exc.peer} closed its connections because rank {cause} "
+        f"failed ({exc})",
+        rank=rank,
+        peer=cause,
+        via=exc.peer,
         transport=exc.transport,
         errno=exc.errno,
     )

@@ -51,6 +51,7 @@ class Family:
     """
 
     def __init__(self, rank: int, config: Config, wiring: Any, gpu: Any, bootstrap: Any) -> None:
+        self.rank = rank  # in the root communicator, as the transports number ranks
         self.wiring = wiring
         self.gpu = gpu  # the device side (pycoll.gpu.context), or None
         self.bootstrap = bootstrap
@@ -59,6 +60,9 @@ class Family:
         self.closed = False
         self.aborted = False
         self.failed: BaseException | None = None
+        # the rank (as the transports number it) whose failure this family failed
+        # because of: every peer is told when the connections close
+        self.blame: int | None = None
         # a device collective failed on the worker and no call has raised it yet
         self.unseen = False
         self.executor: ThreadPoolExecutor | None = None
@@ -80,7 +84,7 @@ class Family:
 
     def close_wiring(self) -> None:
         if self.wiring is not None:
-            self.wiring.close()
+            self.wiring.close(self.blame)
             self.wiring = None
         self.conns = {}
 

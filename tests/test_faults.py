@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -80,20 +81,29 @@ def assert_clean(res: dict) -> None:
     assert res["segments"] == [], res["segments"]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["shm", "tcp", "direct"])  # direct: the group segment
-def test_killed_rank_is_reported_fast(tmp_path, transport):
-    # Hydra, even with -disable-auto-cleanup, now and then kills the survivors
-    # shortly after a rank dies; try again before judging.
+def run_kill(transport: str, n: int, victim: int, tmp_path: Path) -> dict[int, dict]:
+    """The kill scenario (rank ``victim`` dies mid-loop) at ``n`` ranks: every report.
+
+    Hydra, even with -disable-auto-cleanup, now and then kills the survivors
+    shortly after a rank dies; try again before judging.
+    """
+    res: dict[int, dict] = {}
     for attempt in range(4):
         d = tmp_path / str(attempt)
         d.mkdir()
         try:
-            res = run(f"kill-{transport}", 3, d)
+            res = run(f"kill-{transport}", n, d, SCENARIO_VICTIM=str(victim))
         except AssertionError:
             continue
-        if 0 in res and 2 in res:
+        if set(range(n)) - {victim} <= set(res):
             break
+    return res
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["shm", "tcp", "direct"])  # direct: the group segment
+def test_killed_rank_is_reported_fast(tmp_path, transport):
+    res = run_kill(transport, 3, 1, tmp_path)
     assert 1 not in res, "the victim survived"
     for r in (0, 2):
         o = res[r]
@@ -445,3 +455,29 @@ def test_timeout_is_inactivity_not_a_deadline_per_collective(tmp_path):
     assert o["error"] == "CollectiveTimeout" and o["missing"] == [1], o
     assert "no progress for 1 s" in o["message"], o
     assert o["elapsed"] < 6, o
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["shm", "tcp", "direct", "rdma"])  # rdma: the soft provider
+def test_every_survivor_names_the_rank_that_died(tmp_path, transport):
+    """n = 4, rank 2 killed mid-loop; rank 0 is no neighbour of it in the ring.
+    Every survivor names rank 2 (``peer``, and first in its message), and a live
+    rank that closed its connections because of it is said to have (``via``),
+    never blamed."""
+    dead, n = 2, 4
+    live = set(range(n)) - {dead}
+    res = run_kill(transport, n, dead, tmp_path)
+    assert dead not in res and live <= set(res), res
+    for r in sorted(live):
+        o = res[r]
+        assert o["error"] == "PeerAbortedError", (r, o)
+        assert o["peer"] == dead, (r, o)
+        assert o.get("via") in (None, *(live - {r})), (r, o)
+        # "rank r: allreduce #k: " and then what happened, which names rank 2 first
+        # or says that a live rank closed because of it
+        said = o["message"].split(": ", 2)[2]
+        first = re.search(r"\b(?:rank|peer) (\d+)\b", said)
+        because = f"rank {o.get('via')} closed its connections because rank {dead} failed"
+        assert first is not None, (r, o)
+        assert int(first[1]) == dead or said.startswith(because), (r, o)
+        assert o["elapsed"] < 15, (r, o)

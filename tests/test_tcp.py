@@ -33,12 +33,14 @@ from transports.tcp import (
     decode_blob,
     encode_blob,
     frame_header,
+    goodbye_header,
     select_interfaces,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"job-secret"
+HDR_BYTES = 40  # a frame header
 
 
 def _opts(rank: int, size: int = 2, **kw: Any) -> TransportOptions:
@@ -385,6 +387,79 @@ def test_probed_header_is_still_checked_against_the_receive() -> None:
         assert _probe_until(conn, []) == 5
         with pytest.raises(TagMismatchError):
             wait_all([conn.irecv_into(memoryview(bytearray(100)), 6)], Deadline.after(10))
+
+
+def test_goodbye_where_a_header_is_due_names_the_rank_that_failed() -> None:
+    """A goodbye read where the next frame header is due: the receive raises
+    PeerClosedError with the rank it names, before any byte reaches the sink."""
+    with _raw_peer() as (conn, peer):
+        peer.sendall(frame_header(0, 100, 0, 100, 5) + bytes(range(100)) + goodbye_header(4))
+        out = bytearray(100)
+        wait_all([conn.irecv_into(memoryview(out), 5)], Deadline.after(10))
+        assert bytes(out) == bytes(range(100))
+        with pytest.raises(PeerClosedError, match="closed the connection because rank 4") as ei:
+            wait_all([conn.irecv_into(memoryview(bytearray(100)), 5)], Deadline.after(10))
+        assert (ei.value.peer, ei.value.cause_rank) == (1, 4)
+
+
+@pytest.mark.parametrize("cut", [0, 20, 190])  # at a header, inside one, inside a payload
+def test_goodbye_behind_untaken_frames_is_found_when_the_peer_is_gone(cut: int) -> None:
+    """A peer seen gone (here: its hang-up) is read to its goodbye, past frames no
+    receive took, from wherever the receive had stopped (the first ``cut`` bytes
+    of the stream arrived while a receive was posted; chunks of 256 bytes)."""
+    msg = bytes(range(256)) + bytes(44)
+    stream = frame_header(0, 300, 0, 256, 5) + msg[:256] + frame_header(0, 300, 256, 44, 5)
+    stream += msg[256:] + frame_header(1, 10, 0, 10, 5) + bytes(10) + goodbye_header(2)
+    with _raw_peer() as (conn, peer):
+        r = conn.irecv_into(memoryview(bytearray(300)), 5)
+        peer.sendall(stream[:cut])
+        end = time.monotonic() + 5
+        while conn._rx[0].hdr_got < min(cut, HDR_BYTES) and time.monotonic() < end:
+            r.test()
+        r.test()
+        peer.sendall(stream[cut:])
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(PeerClosedError) as ei:
+            conn.check_peer()
+        assert (ei.value.peer, ei.value.cause_rank) == (1, 2), ei.value
+        assert "because rank 2 failed" in str(ei.value)
+
+
+def test_close_because_finishes_the_frame_under_way() -> None:
+    """A send part-way out when the connection closes with a reason: the rest of
+    its frame goes first, then the goodbye, then the end of the stream."""
+    chunk = 1 << 18
+    mine, peer = socket.socketpair()
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    mine.setblocking(False)
+    conn = TcpConnection(1, [mine], chunk)
+    payload = np.arange(2 * chunk, dtype=np.uint8)
+    conn.isend(memoryview(payload), 9).test()
+    assert 0 < conn._sendq[0][0].sent < HDR_BYTES + chunk  # part of frame 0 is out
+    got = bytearray()
+
+    def drain() -> None:
+        while data := peer.recv(1 << 16):
+            got.extend(data)
+
+    th = threading.Thread(target=drain)
+    th.start()
+    conn.close_because(6)
+    th.join(10)
+    peer.close()
+    want = frame_header(0, 2 * chunk, 0, chunk, 9) + payload[:chunk].tobytes() + goodbye_header(6)
+    assert bytes(got) == want
+
+
+def test_close_because_does_not_wait_for_a_peer_that_is_gone() -> None:
+    """No goodbye waits on a peer that already closed: closing after a failure
+    stays quick however many such peers there are."""
+    with tcp_pair(extra={"tcp_nsocks": 2}) as (a, b):
+        b.close()
+        time.sleep(0.05)
+        t = time.monotonic()
+        a.close_because(5)
+        assert time.monotonic() - t < 0.05
 
 
 def test_wait_times_out_naming_peer() -> None:

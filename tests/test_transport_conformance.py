@@ -15,6 +15,7 @@ from transports.base import (
     Cap,
     Connection,
     Deadline,
+    PeerClosedError,
     TagMismatchError,
     TransportError,
     wait_all,
@@ -107,6 +108,37 @@ def test_closed_peer_is_reported(name: str) -> None:
         r = a.irecv_into(memoryview(bytearray(8)))
         with pytest.raises(TransportError):
             wait_all([r], Deadline.after(10))
+
+
+def test_close_because_names_the_rank_that_failed(name: str) -> None:
+    """A side that closes because another rank failed says so on the connection:
+    the peer's error names the side (``peer``) and that rank (``cause_rank``); a
+    plain close names none."""
+    with _pair(name) as (a, b):
+        b.close_because(7)
+        r = a.irecv_into(memoryview(bytearray(8)))
+        with pytest.raises(PeerClosedError) as ei:
+            wait_all([r], Deadline.after(10))
+        assert ei.value.peer == 1 and ei.value.cause_rank == 7, ei.value
+        assert "because rank 7 failed" in str(ei.value)
+    with _pair(name) as (a, b):
+        b.close()
+        r = a.irecv_into(memoryview(bytearray(8)))
+        with pytest.raises(PeerClosedError) as ei:
+            wait_all([r], Deadline.after(10))
+        assert ei.value.peer == 1 and ei.value.cause_rank is None, ei.value
+
+
+def test_close_because_is_read_behind_untaken_messages_by_a_sender(name: str) -> None:
+    """The reason reaches a peer that only sends, past messages it never received
+    (tcp skips their frames to the goodbye)."""
+    with _pair(name, slot_bytes=1 << 12, nslots=2) as (a, b):
+        wait_all([b.isend(memoryview(np.arange(1000, dtype=np.uint8)))], Deadline.after(10))
+        b.close_because(3)
+        big = np.ones(8 << 20, np.uint8)
+        with pytest.raises(PeerClosedError) as ei:
+            wait_all([a.isend(memoryview(big))], Deadline.after(10))
+        assert ei.value.peer == 1 and ei.value.cause_rank == 3, ei.value
 
 
 def test_close_is_idempotent_and_leaks_no_fds(name: str) -> None:

@@ -96,6 +96,36 @@ def test_error_tree() -> None:
     assert (u.rank, u.peer, u.transport) == (2, None, None)
 
 
+def test_a_peer_that_closed_because_of_another_rank_is_not_blamed() -> None:
+    """A transport's PeerClosedError with the rank the peer closed because of
+    becomes a PeerAbortedError naming that rank (``peer``) and the peer (``via``);
+    the rank this one closes because of follows the same rule (engine.blame)."""
+    from pycoll.engine import blame
+    from pycoll.errors import from_transport
+    from transports.base import PeerClosedError, TransportTimeout
+
+    told = PeerClosedError("tcp peer rank 3 closed", peer=3, transport="tcp", cause_rank=2)
+    e = from_transport(told, 0, "allreduce #7", {3: "tcp"})
+    assert isinstance(e, pycoll.PeerAbortedError)
+    assert (e.rank, e.peer, e.via, e.transport) == (0, 2, 3, "tcp")
+    assert str(e).startswith(
+        "rank 0: allreduce #7: rank 3 closed its connections because rank 2 failed ("
+    )
+    assert blame(told, 0) == 2
+    seen = PeerClosedError("tcp peer rank 2 closed", peer=2, transport="tcp")
+    e = from_transport(seen, 1, "allreduce #7", {2: "tcp"})
+    assert (e.peer, getattr(e, "via", "-")) == (2, None) and blame(seen, 1) == 2
+    # a peer that closed because it saw this rank fail: it is named, nobody else
+    mine = PeerClosedError("shm: peer 3 closed", peer=3, transport="shm", cause_rank=1)
+    e = from_transport(mine, 1, "allreduce #7", {3: "shm"})
+    assert (e.peer, getattr(e, "via", "-")) == (3, None) and blame(mine, 1) is None
+    assert "because it saw this rank fail" in str(e)
+    # sub-communicators: ``me`` is the rank the transports know this one by
+    e = from_transport(mine, 0, "allreduce #7", {}, me=1)
+    assert e.peer == 3 and "because it saw this rank fail" in str(e)
+    assert blame(TransportTimeout("t", pending=[4, 5]), 0) == 4
+
+
 def test_config_from_env() -> None:
     c = Config.from_env(
         {
@@ -416,6 +446,26 @@ def test_group_segment_waits_time_out_and_notice_dead_or_closed_peers() -> None:
     finally:
         b.close()
         a.close()
+
+
+def test_group_segment_close_because_names_the_rank_that_failed() -> None:
+    """A rank that closes the group segment because another rank failed says so
+    in its "closed" word: a rank waiting on it names both."""
+    from transports.base import Backoff, Deadline, PeerClosedError
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+    with _group_pair(2) as (a, b):
+        b.close_because(5)
+        with pytest.raises(
+            PeerClosedError, match="rank 1 closed its connection because rank 5"
+        ) as ei:
+            a.wait([1], 1, Deadline.after(5), quick)
+        assert (ei.value.peer, ei.value.cause_rank) == (1, 5)
+    with _group_pair(2) as (a, b):
+        b.close()
+        with pytest.raises(PeerClosedError) as ei:
+            a.wait([1], 1, Deadline.after(5), quick)
+        assert ei.value.cause_rank is None
 
 
 @contextlib.contextmanager

@@ -292,19 +292,37 @@ def find(
         mm.close()
 
 
+#: A side's "closed" word in a shared-memory segment: 0 while open, CLOSED once
+#: closed, and ``BECAUSE + r`` once closed because rank r failed (one store, so a
+#: reader sees the reason with the flag or not at all).
+CLOSED = 1
+BECAUSE = 2
+
+
+def closed_word(cause: int | None) -> int:
+    """The "closed" word to store: closed, and why (``cause``: the rank that failed)."""
+    return CLOSED if cause is None else BECAUSE + cause
+
+
 def check_alive(closed: _atomic.Counter, pid: int, who: str, *, peer: int, transport: str) -> None:
     """The liveness check of every shared-memory peer (shm, shm_group, cuda_ipc).
 
-    ``closed`` is the peer's "closed" flag in the segment (set by its close(), or
-    by :mod:`transports._exit` when it exits without one); ``pid`` its pid in our
-    pid namespace (0: unknown), which tells a killed peer apart.
+    ``closed`` is the peer's "closed" word in the segment (set by its close(), or
+    by :mod:`transports._exit` when it exits without one; see :func:`closed_word`);
+    ``pid`` its pid in our pid namespace (0: unknown), which tells a killed peer apart.
 
     Raises:
-        PeerClosedError: the peer closed its end or has exited; the message
-            starts with ``who`` ("shm: peer 3").
+        PeerClosedError: the peer closed its end (``cause_rank``: the rank it
+            closed because of, if it said) or has exited; the message starts
+            with ``who`` ("shm: peer 3").
     """
-    if closed.load():
-        raise PeerClosedError(f"{who} closed its connection", peer=peer, transport=transport)
+    word = closed.load()
+    if word:
+        cause = word - BECAUSE if word >= BECAUSE else None
+        why = "" if cause is None else f" because rank {cause} failed"
+        raise PeerClosedError(
+            f"{who} closed its connection{why}", peer=peer, transport=transport, cause_rank=cause
+        )
     if pid and process_gone(pid):
         raise PeerClosedError(f"{who} (pid {pid}) has exited", peer=peer, transport=transport)
 

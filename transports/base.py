@@ -91,7 +91,18 @@ class ConnectError(TransportError):
 
 
 class PeerClosedError(TransportError):
-    """The peer went away: closed socket, dead process behind a segment, QP error."""
+    """The peer went away: closed socket, dead process behind a segment, QP error.
+
+    Attributes:
+        cause_rank: the rank the peer named when it closed: it closed its end
+            because that rank failed (:meth:`Connection.close_because`).  None
+            when it gave no reason: it closed, exited or died of its own accord,
+            or was seen dead.
+    """
+
+    def __init__(self, message: str, *, cause_rank: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.cause_rank = cause_rank
 
 
 class TagMismatchError(TransportError):
@@ -584,6 +595,20 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything; idempotent."""
+
+    def close_because(self, rank: int) -> None:
+        """:meth:`close`, telling the peer why: this end closes because rank
+        ``rank`` failed (it saw that rank's connection break, or heard it from
+        another peer's goodbye).  The peer's next :class:`PeerClosedError` on this
+        connection carries ``cause_rank = rank``, so that it names the rank that
+        failed first rather than this one.
+
+        The reason travels only here, on the way out: sends and receives carry
+        nothing more for it.  Best effort: a peer that cannot read it (the goodbye
+        lost, or the peer itself gone) sees a plain close.  A transport that has no
+        way to say it closes plainly (this default).
+        """
+        self.close()
 
     def __enter__(self) -> Connection:
         return self

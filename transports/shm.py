@@ -9,7 +9,8 @@ set-up included, leaks nothing: the memory goes with the last process that maps 
 Layout (offsets in bytes)::
 
     0      header: magic, version, nslots, slot_bytes, identity (at 32), pid,
-           "closed" flag and shared send buffer's handle per side
+           "closed" word (and why: transports._segment.closed_word) and shared
+           send buffer's handle per side
     4096   direction 0 (lo -> hi) control: head, tail (own cache lines), slot metadata
            (piece length, offset, descriptor address, the message's tag)
     6144   direction 1 (hi -> lo) control
@@ -74,13 +75,13 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
-_VERSION = 3
+_VERSION = 4
 _PAGE = 4096
 _HDR = struct.Struct("<IIQ")  # at offset 8, after the magic: version, nslots, slot_bytes
 _CTRL0 = 4096
 _CTRL_SIZE = 2048
 _DATA0 = 8192
-# per-side words in the header: pid and closed flag, on their own cache lines
+# per-side words in the header: pid and "closed" word, on their own cache lines
 _PID_OFF = (256, 384)
 _CLOSED_OFF = (512, 640)
 # per side: "I can read my peer's memory directly" (0 unknown, 1 yes, 2 no), and
@@ -359,6 +360,7 @@ class ShmConnection(Connection):
         self._sends: deque[_ShmSend] = deque()
         self._recvs: deque[_ShmRecv] = deque()
         self._closed = False
+        self._cause: int | None = None  # the rank this side closes because of (close_because)
         self._sent = 0  # local copies of our own counters
         self._recvd = 0
         self._closed_peer = _atomic.Counter(mm, _CLOSED_OFF[1 - self._side])
@@ -675,13 +677,18 @@ class ShmConnection(Connection):
                 f"shm connection to peer {self.peer} is closed", peer=self.peer, transport="shm"
             )
 
+    def close_because(self, rank: int) -> None:
+        """Close; the peer reads ``rank`` with our "closed" word (one store)."""
+        self._cause = rank
+        self.close()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         _exit.forget(self)
         try:
-            self._closed_me.store(1)
+            self._closed_me.store(_segment.closed_word(self._cause))
         except ValueError:
             pass
         for c in (self._out.head, self._out.tail, self._in.head, self._in.tail):

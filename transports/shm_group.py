@@ -14,9 +14,9 @@ Layout (offsets in bytes)::
     0        header: magic, version, ranks, slot_bytes, slots (K), identity (at 32)
     4096     control, LINE bytes a rank: K "posted" words (one per slot index),
              the "done" counter on its own cache line, then pid, pid namespace,
-             a "closed" flag, the address of the rank's mapping (for the
-             direct-read probe), and a posted (address, length) range per slot
-             index
+             a "closed" word (and why: :func:`transports._segment.closed_word`),
+             the address of the rank's mapping (for the direct-read probe), and
+             a posted (address, length) range per slot index
     DATA0    slots: rank j's slot i at DATA0 + (K j + i) * slot_bytes
 
 Protocol.  Every rank counts the same sequence numbers (one per step of a
@@ -89,7 +89,7 @@ SLOTS = 8
 AHEAD = 4
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 4
+_VERSION = 5
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
@@ -571,14 +571,22 @@ class ShmGroup:
         if not self._closed:
             self._closed_flag[self.rank].store(1)
 
+    def close_because(self, rank: int) -> None:
+        """:meth:`close`, and the others read why with our "closed" word: this rank
+        closes because rank ``rank`` failed (``PeerClosedError.cause_rank``)."""
+        self._close(rank)
+
     def close(self) -> None:
         """Unmap (and drop the handle); idempotent."""
+        self._close(None)
+
+    def _close(self, cause: int | None) -> None:
         if self._closed:
             return
         self._closed = True
         _exit.forget(self)
         try:
-            self._closed_flag[self.rank].store(1)
+            self._closed_flag[self.rank].store(_segment.closed_word(cause))
         except ValueError:
             pass
         for c in (*(w for ws in self._posted for w in ws), *self._done, *self._closed_flag):

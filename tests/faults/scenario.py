@@ -24,6 +24,8 @@ import pycoll
 NAME, OUTDIR = sys.argv[1], sys.argv[2]
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+#: The rank the kill scenarios kill.
+VICTIM = int(os.environ.get("SCENARIO_VICTIM", "1"))
 # The launcher stops forwarding output once a rank dies: log to a file instead,
 # and never die of SIGPIPE (MPI_Init may have restored its default action).
 signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -75,7 +77,7 @@ def outcome(exc: BaseException | None, start: float) -> dict[str, object]:
         return d
     d["error"] = type(exc).__name__
     d["message"] = str(exc)
-    for attr in ("missing", "waiting_on", "peer", "ranks", "recorder"):
+    for attr in ("missing", "waiting_on", "peer", "via", "ranks", "recorder"):
         if hasattr(exc, attr):
             v = getattr(exc, attr)
             d[attr] = list(v) if isinstance(v, tuple) else v
@@ -86,13 +88,14 @@ def outcome(exc: BaseException | None, start: float) -> dict[str, object]:
 
 def kill(transport: str, algorithm: str = "auto") -> None:
     before = fds()
-    comm = pycoll.init(timeout=60, transports=(transport,))
+    extra = {"rdma_provider": "soft", "socket_ifname": "lo"} if transport == "rdma" else {}
+    comm = pycoll.init(timeout=60, transports=(transport,), **extra)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     x = np.ones(1 << 18, np.float32)
     small = np.ones(3, np.float32)
     comm.allreduce(x, algorithm=algorithm)
     WORLD.Barrier()
-    if RANK == 1:
+    if RANK == VICTIM:
         threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         time.sleep(10)
     start = time.monotonic()
@@ -113,7 +116,7 @@ def kill(transport: str, algorithm: str = "auto") -> None:
     # The launcher tears the job down once a survivor exits: wait for the others.
     end = time.monotonic() + 60
     while time.monotonic() < end and not all(
-        os.path.exists(os.path.join(OUTDIR, f"rank{r}.json")) for r in range(SIZE) if r != 1
+        os.path.exists(os.path.join(OUTDIR, f"rank{r}.json")) for r in range(SIZE) if r != VICTIM
     ):
         time.sleep(0.05)
     os._exit(0)  # a dead rank would make MPI_Finalize wait
@@ -331,6 +334,7 @@ def progress(transport: str, mib: int) -> None:
     "kill-shm": lambda: kill("shm", "ring"),
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
+    "kill-rdma": lambda: kill("rdma", "ring"),
     "exit-shm-raise": lambda: exit_early("shm", "ring", "raise"),
     "exit-shm-exit": lambda: exit_early("shm", "ring", "exit"),
     "exit-direct-raise": lambda: exit_early("shm", "direct", "raise"),

@@ -35,7 +35,10 @@ after everything already posted, so the peer's receives fail at once with
 :class:`~transports.base.PeerClosedError` once the bytes sent before it are
 delivered (a hardware peer would otherwise learn only when it next sends and
 its retries run out).  A rank that exits without closing sends it from its
-exit hook (:mod:`transports._exit`).
+exit hook (:mod:`transports._exit`).  A goodbye carries no credits: its low
+bits (:data:`IMM_BYE_CAUSE`) hold the rank that the sender closes because of
+plus one (:meth:`RdmaConnection.close_because`), 0 when it gives no reason, and
+the peer's error carries that rank as ``cause_rank``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ log = logging.getLogger(__name__)
 
 IMM_CREDIT = 1 << 31  # a credit-only write: the low 16 bits are the count
 IMM_GOODBYE = 1 << 30  # with IMM_CREDIT: the sender closed (or is exiting); nothing follows
+IMM_BYE_CAUSE = IMM_GOODBYE - 1  # in a goodbye: 1 + the rank it closed because of, or 0
 IMM_LAST = 1 << 16
 IMM_DEVICE = 1 << 17  # the piece is in the receiver's device slot, not its host slot
 IMM_PIGGY_SHIFT = 18  # credits riding on a data piece: bits 18..30
@@ -314,14 +318,15 @@ class RdmaConnection(Connection):
     def check_peer(self) -> None:
         self._raise_if_broken()
 
-    def post_goodbye(self) -> bool:
+    def post_goodbye(self, cause: int | None = None) -> bool:
         """Tell the peer that nothing more comes from here (a zero-byte write with
         :data:`IMM_GOODBYE`), after everything already posted; best effort.
 
         Its receives then fail with :class:`PeerClosedError` instead of waiting
         for their timeout: a hardware peer whose partner is gone learns it only
         when it next sends, and the soft provider only when the sockets close.
-        Returns whether it was posted.
+        ``cause``: the rank this side closes because of, which the peer's error
+        names (``cause_rank``).  Returns whether it was posted.
         """
         with self.tr._lock:
             if self.closed or self._bye or self.error is not None or self.goodbye is not None:
@@ -332,7 +337,7 @@ class RdmaConnection(Connection):
                 wr_id=WR_GOODBYE,
                 opcode=self._e.IBV_WR_RDMA_WRITE_WITH_IMM,
                 num_sge=0,
-                imm_data=IMM_CREDIT | IMM_GOODBYE,
+                imm_data=IMM_CREDIT | IMM_GOODBYE | (0 if cause is None else cause + 1),
             )
             wr.set_wr_rdma(self.remote_rkey, self.remote_base)
             try:
@@ -342,10 +347,17 @@ class RdmaConnection(Connection):
             self._bye = 1
             return True
 
+    def close_because(self, rank: int) -> None:
+        """Close; the goodbye names ``rank`` (see the module docstring)."""
+        self._close(rank)
+
     def close(self) -> None:
+        self._close(None)
+
+    def _close(self, cause: int | None) -> None:
         if self.closed:
             return
-        if self.post_goodbye():
+        if self.post_goodbye(cause):
             self.tr.await_goodbyes([self], GOODBYE_WAIT)
         self.closed = True
         self.tr._forget(self)
@@ -379,11 +391,14 @@ class RdmaConnection(Connection):
             return
         if self.arrivals and isinstance(req, _RecvReq) and not self.closed:
             return
+        bye = self.goodbye
         if self.error is not None:
+            if bye is not None and bye.cause_rank is not None and not self.closed:
+                raise bye  # the QP broke after a goodbye that said why: the reason wins
             raise self.error
         if isinstance(req, _SendReq) and req.posted == req.nbytes:
             return
-        raise self.goodbye  # type: ignore[misc]
+        raise bye  # type: ignore[misc]
 
     def _progress(self) -> None:
         """Take completions, deliver arrivals, post what flow control allows.
@@ -442,12 +457,16 @@ class RdmaConnection(Connection):
             self._post_recv()
             imm = int(wc.imm_data)
             if imm & IMM_CREDIT:
-                self.credits += imm & 0xFFFF
-                if imm & IMM_GOODBYE and self.goodbye is None:
+                if not imm & IMM_GOODBYE:
+                    self.credits += imm & 0xFFFF
+                elif self.goodbye is None:
+                    cause = (imm & IMM_BYE_CAUSE) - 1
+                    why = f" because rank {cause} failed" if cause >= 0 else ""
                     self.goodbye = PeerClosedError(
-                        f"rdma: peer {self.peer} closed its connection",
+                        f"rdma: peer {self.peer} closed its connection{why}",
                         peer=self.peer,
                         transport=self.transport,
+                        cause_rank=cause if cause >= 0 else None,
                     )
             else:
                 self.credits += (imm >> IMM_PIGGY_SHIFT) & IMM_PIGGY_MAX

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 #:           (zeros for its own rank)
 #:   trailer CRC-32 of everything before it
 BLOB_MAGIC = b"PCRD"
-BLOB_VERSION = 3
+BLOB_VERSION = 4  # 4: a goodbye names the rank it closed because of
 BLOB_HEADER = struct.Struct("<4sBBBBHxxIIIIIQ16s16sIxxxxQ")
 BLOB_ENTRY = struct.Struct("<II")
 BLOB_CRC = struct.Struct("<I")

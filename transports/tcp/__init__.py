@@ -19,11 +19,19 @@ from __future__ import annotations
 
 from transports.tcp.blob import Endpoint, decode_blob, encode_blob, plan_route
 from transports.tcp.connection import _FRAME as _FRAME  # the frame header (wire tests)
-from transports.tcp.connection import FRAME_MAGIC, HDR, TcpConnection, frame_header
+from transports.tcp.connection import (
+    BYE_MAGIC,
+    FRAME_MAGIC,
+    HDR,
+    TcpConnection,
+    frame_header,
+    goodbye_header,
+)
 from transports.tcp.interfaces import NAME, Address, host_id, select_interfaces
 from transports.tcp.transport import DEFAULT_BUFSIZE, DEFAULT_NSOCKS, TcpTransport
 
 __all__ = [
+    "BYE_MAGIC",
     "DEFAULT_BUFSIZE",
     "DEFAULT_NSOCKS",
     "FRAME_MAGIC",
@@ -36,6 +44,7 @@ __all__ = [
     "decode_blob",
     "encode_blob",
     "frame_header",
+    "goodbye_header",
     "host_id",
     "plan_route",
     "select_interfaces",

@@ -12,15 +12,29 @@ read once the matching receive is posted, and any request's progress drives the
 whole connection in both directions, which is what makes the flow-control rule
 of :mod:`transports.base` hold.  :meth:`TcpConnection.probe` reads the next
 header on socket 0 only, where every message's chunk 0 travels.
+
+A connection closed because another rank failed (:meth:`TcpConnection.close_because`)
+ends each socket's stream with a *goodbye*: a frame header of its own magic
+(:data:`BYE_MAGIC`) whose tag field holds the rank that failed, and no payload,
+after the frame that was going out (finished) and before the FIN.  A reader
+meets it where it expects the next header and raises
+:class:`~transports.base.PeerClosedError` with ``cause_rank`` set; one that
+learns otherwise that the peer is gone (EOF, a reset, a hang-up) reads what is
+left of the streams, skipping the frames no receive took, to find it
+(:meth:`TcpConnection._last_words`).  Only a broken header looks at that magic,
+so the data path pays nothing for it.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import fcntl
 import select
 import socket
 import struct
+import termios
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +62,11 @@ SLOTS_PER_SOCKET = 2
 MAX_ROUNDS = 8
 
 FRAME_MAGIC = 0x5043  # "PC"
+BYE_MAGIC = 0x4742  # "BG": a goodbye, see the module docstring
+#: How long closing with a reason may spend on its goodbyes (finishing the frame
+#: under way, then the goodbye, then the peer's acknowledgement), and how long a
+#: reader waits for one once the peer is gone; both only after a failure.
+GOODBYE_WAIT = 0.1
 # magic, flags, sequence, message bytes, offset, length, the message's tag, and
 # the crc32 of the rest
 _FRAME_HEAD = struct.Struct("<HHIQQIQ")
@@ -59,6 +78,12 @@ HDR = _FRAME.size
 def frame_header(seq: int, total: int, off: int, length: int, tag: int) -> bytes:
     """The header of a chunk of ``length`` bytes at ``off`` of message ``seq``."""
     head = _FRAME_HEAD.pack(FRAME_MAGIC, 0, seq, total, off, length, tag)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def goodbye_header(cause: int) -> bytes:
+    """The goodbye that ends a stream whose sender closes because rank ``cause`` failed."""
+    head = _FRAME_HEAD.pack(BYE_MAGIC, 0, 0, 0, 0, 0, cause)
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -280,8 +305,14 @@ class TcpConnection(Connection):
         return any_moved
 
     def _fail(self, exc: TransportError) -> None:
-        if self._error is None:
-            self._error = exc
+        if self._error is not None:
+            return
+        if isinstance(exc, PeerClosedError) and exc.cause_rank is None and not self._closed:
+            cause = self._last_words()
+            if cause is not None:  # it closed because another rank failed: say so
+                exc.cause_rank = cause
+                exc.args = (f"{exc.args[0]}; it closed because rank {cause} failed",)
+        self._error = exc
 
     def _os_error(self, exc: OSError, doing: str) -> TransportError:
         gone = {
@@ -390,15 +421,31 @@ class TcpConnection(Connection):
         return moved
 
     def _intact(self, hdr: bytearray) -> tuple[int, ...]:
-        """The fields of a whole frame header whose magic and CRC are right."""
+        """The fields of a whole frame header whose magic and CRC are right.
+
+        Raises:
+            PeerClosedError: the header is the peer's goodbye (``cause_rank`` set).
+            TransportError: the header is broken.
+        """
         fields = _FRAME.unpack(hdr)
         if fields[0] != FRAME_MAGIC or fields[-1] != zlib.crc32(memoryview(hdr)[:_FRAME_CRC_SPAN]):
+            cause = _goodbye(hdr)
+            if cause is not None:
+                raise self._closed_because(cause)
             raise TransportError(
                 f"tcp stream from rank {self.peer} is corrupted (bad frame header)",
                 peer=self.peer,
                 transport=NAME,
             )
         return fields
+
+    def _closed_because(self, cause: int) -> PeerClosedError:
+        return PeerClosedError(
+            f"tcp peer rank {self.peer} closed the connection because rank {cause} failed",
+            peer=self.peer,
+            transport=NAME,
+            cause_rank=cause,
+        )
 
     def _check_header(self, hdr: bytearray, ch: _Chunk) -> None:
         _magic, _flags, seq, total, off, length, tag, _crc = self._intact(hdr)
@@ -425,10 +472,7 @@ class TcpConnection(Connection):
 
     # ----------------------------------------------------------------- liveness
     def _hung_up(self) -> bool:
-        poller = select.poll()
-        for s in self._socks:
-            poller.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-        return bool(poller.poll(0))
+        return any(_hung_up(s) for s in self._socks)
 
     def check_peer(self) -> None:
         """Raise :class:`PeerClosedError` if the peer closed or reset the connection."""
@@ -456,7 +500,72 @@ class TcpConnection(Connection):
         if not done():
             self.check_peer()
 
+    def _last_words(self) -> int | None:
+        """The peer is gone: the rank its goodbye names, read from what is left of
+        its streams (frames that no receive took are skipped), or None when no
+        socket ends with one within :data:`GOODBYE_WAIT`."""
+        end = time.monotonic() + GOODBYE_WAIT
+        buf = memoryview(bytearray(1 << 16))
+        for s, sock in enumerate(self._socks):
+            rx = self._rx[s]
+            # where the stream stands: inside a chunk's payload, or a header begun
+            skip = rx.sched[0].length - rx.sched[0].filled if rx.checked else 0
+            head = bytearray(rx.hdr[: rx.hdr_got]) if not rx.checked else bytearray()
+            while True:
+                if len(head) >= HDR:
+                    cause = _goodbye(head[:HDR])
+                    if cause is not None:
+                        return cause
+                    fields = _FRAME.unpack(head[:HDR])
+                    if fields[0] != FRAME_MAGIC:
+                        break  # not a stream we can follow
+                    skip = fields[5]
+                    del head[:HDR]
+                    cut = min(skip, len(head))
+                    del head[:cut]
+                    skip -= cut
+                    continue
+                try:
+                    n = sock.recv_into(buf)
+                except (BlockingIOError, InterruptedError):
+                    if not _ready(sock, select.POLLIN, end):
+                        break
+                    continue
+                except OSError:
+                    break
+                if n == 0:
+                    break
+                cut = min(skip, n)
+                skip -= cut
+                head += buf[cut:n]
+        return None
+
     # ----------------------------------------------------------------- close
+    def close_because(self, rank: int) -> None:
+        """Close, ending each stream with a goodbye that names ``rank`` (see the
+        module docstring): the frame under way is finished first, frames not
+        begun are dropped, and each socket waits (within :data:`GOODBYE_WAIT` in
+        all) until the peer has its bytes, since closing with unread input
+        resets the connection and drops what is still queued.  Best effort."""
+        if self._closed:
+            return
+        if not isinstance(self._error, PeerClosedError):
+            end = time.monotonic() + GOODBYE_WAIT
+            bye = goodbye_header(rank)
+            for s, sock in enumerate(self._socks):
+                if _hung_up(sock):
+                    continue  # the peer is closing or gone: it reads no more
+                q = self._sendq[s]
+                fr = q[0] if q and q[0].sent else None
+                rest = b"" if fr is None else bytes(fr.hdr + bytes(fr.payload))[fr.sent :]
+                try:
+                    if _send_all(sock, rest + bye, end):
+                        sock.shutdown(socket.SHUT_WR)
+                        _drained(sock, end)
+                except OSError:
+                    pass
+        self.close()
+
     def close(self) -> None:
         """Close the sockets; pending requests then raise.  Idempotent."""
         if self._closed:
@@ -473,3 +582,53 @@ class TcpConnection(Connection):
         if self._owner is not None:
             self._owner._forget(self)
             self._owner = None
+
+
+def _goodbye(hdr: bytes | bytearray) -> int | None:
+    """The rank a goodbye header names, or None if ``hdr`` is not an intact goodbye."""
+    magic, *_, cause, crc = _FRAME.unpack(hdr)
+    if magic != BYE_MAGIC or crc != zlib.crc32(memoryview(hdr)[:_FRAME_CRC_SPAN]):
+        return None
+    return int(cause)
+
+
+def _send_all(sock: socket.socket, data: bytes, end: float) -> bool:
+    """Send ``data`` on a non-blocking socket before monotonic time ``end``; whether it all went."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view, socket.MSG_NOSIGNAL) :]
+        except (BlockingIOError, InterruptedError):
+            if not _ready(sock, select.POLLOUT, end):
+                return False
+    return True
+
+
+def _ready(sock: socket.socket, events: int, end: float) -> bool:
+    """Wait until ``sock`` has one of ``events`` (or an error), at most until ``end``."""
+    left = end - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock, events)
+    return bool(poller.poll(left * 1000))
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed or reset ``sock`` (or shut down its sending side)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
+
+
+def _drained(sock: socket.socket, end: float) -> None:
+    """Wait, until monotonic time ``end`` at most, for the peer to acknowledge
+    every byte sent on ``sock`` (Linux: TIOCOUTQ counts those not yet acknowledged),
+    or to hang up (then it reads no more)."""
+    nap = 1e-4
+    while True:
+        left = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        if not int.from_bytes(left, "little") or _hung_up(sock) or time.monotonic() >= end:
+            return
+        time.sleep(nap)
+        nap = min(2 * nap, 5e-3)

@@ -38,7 +38,7 @@ MAX_PENDING = 64
 _NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _MAX_ACCEPT_PAUSE = 1.0
 
-HS_VERSION = 1
+HS_VERSION = 2  # 2: streams may end with a goodbye (connection.py)
 # challenge: magic, version, acceptor rank, nonce
 _CHALLENGE = struct.Struct("<4sB3xI16s")
 # hello: magic, version, src, dst, socket index, nsocks, chunk bytes, nonce, mac
