@@ -419,9 +419,9 @@ class Engine:
                 self.seq = seq = self.seq + 1
                 fp = self.fp = call.fp
                 self.tag = (fp << 32) | (seq & M32)  # what links() gives this call's messages
+                self.seen(call)
             else:
                 seq = self.seq
-            self.seen(call)
             rec: list[Any] = [seq, call, monotonic(), None, "running"]
             self.recent.append(rec)
             fam.running = rec
