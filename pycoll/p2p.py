@@ -45,7 +45,7 @@ from pycoll.errors import CollectiveMismatchError, CollectiveTimeout, InvalidArg
 from pycoll.guard import Call
 from pycoll.plans import make_room
 from pycoll.reduce import DTYPES
-from transports.base import Backoff, Connection, Deadline, Request, idle_round
+from transports.base import Backoff, Connection, Deadline, Request, idle_round, wait_all
 
 _HDR = struct.Struct("<IIqQI12x")  # magic, context, tag, count, dtype id (32 bytes)
 _MAGIC = 0x50325031  # "P2P1"
@@ -165,6 +165,7 @@ class PointToPoint:
 
         #: anything posted and not yet over (a collective completes it first)
         self.live = False
+        self._eager = np.empty(EAGER_BYTES, np.uint8)  # recv_now's message
 
     @property
     def pending(self) -> bool:
@@ -339,6 +340,7 @@ class PointToPoint:
                 if op.msg is None and op.source is None and op.accepts(m):
                     self._take(op, m)
                     return
+            m.data = m.data.copy()  # (``hdr`` may be reused)
             self.unexpected.append(m)
             return
         conn = self.conns[peer]
@@ -363,6 +365,37 @@ class PointToPoint:
             self.arriving[peer] = m
         else:
             m.req = None
+
+    # ------------------------------------------------------------------ one call alone
+    def recv_now(self, op: Op, backoff: Backoff) -> None:
+        """A blocking receive from one peer while nothing else is pending: the
+        common case, done without the general bookkeeping when the peer's next
+        message is an eager one (else as :meth:`post_recv` and :meth:`complete`)."""
+        peer = op.peer
+        assert peer is not None and not self.pending and peer != self.rank
+        if not self.unexpected:
+            conn = self.conns[peer]
+            deadline = Deadline(None, self.timeout)
+            backoff.reset()
+            tag = conn.probe()
+            idle = None
+            while tag is None:
+                idle = idle or _Idle([peer], self.conns)
+                idle_round(backoff, [idle], deadline)
+                tag = conn.probe()
+            n = self.taken.get(peer, 0)
+            if tag >> 32 == EAGER_FP and tag & _M32 == n & _M32:
+                req = conn.irecv_into(_bytes(self._eager), tag)
+                if not req.test():
+                    wait_all([req], deadline, backoff)
+                self.recvs.append(op)
+                self._header(peer, self._eager)
+                if op.done:
+                    self.recvs.remove(op)
+                    return
+                self.recvs.remove(op)
+        self.post_recv(op)
+        self.complete([op], backoff)
 
     # ------------------------------------------------------------------ waiting
     def complete(
@@ -494,6 +527,11 @@ class PeerCalls:
         eng = self.engine
 
         def run() -> None:
+            if complete and len(ops) == 1 and not p2p.pending:
+                op = ops[0]
+                if not op.send and op.peer is not None and op.peer != p2p.rank:
+                    p2p.recv_now(op, eng.backoff)
+                    return
             for op in ops:
                 if op.send:
                     p2p.post_send(op)
