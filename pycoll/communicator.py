@@ -43,29 +43,16 @@ __all__ = ["Communicator", "DeviceRequest", "Request"]
 
 
 class Communicator:
-    """A group of ranks that run collectives together.
+    """A group of ranks that run collectives together; make one with :func:`pycoll.init`.
 
-    Create it with :func:`pycoll.init`.  Every collective validates its
-    arguments before any byte moves, and all ranks of the group must call the
-    same collectives in the same order.  The guard that is always on sees it
-    where they do not (:mod:`pycoll.guard`): each message carries its call's tag
-    (sequence number and fingerprint), each group step a chain of fingerprints,
-    and a rank that meets another raises :class:`CollectiveMismatchError` and
-    closes its connections so that its peers fail too.  A call rejected for its
-    arguments counts as a call.  ``PYCOLL_CHECK=1`` compares every rank's call
-    (and sequence number) before it runs, for a message that names each rank's
-    arguments.
-
-    Threads: any thread may call, one collective at a time; with several
-    threads the program makes the order the same on every rank (each call after
-    the last returned, or ``async_op=True`` calls, which run in submission order
-    on the worker thread, blocking calls made meanwhile after them).  A call
-    that enters while another thread's collective runs raises
-    :class:`ConcurrentCallError`, so does the one it overlapped when it ends,
-    and the communicator is unusable: overlapping calls have no order every rank
-    shares, and pycoll never pairs them by chance.  The check is a lock taken
-    without waiting.  ``PYCOLL_TIMEOUT`` counts seconds without
-    progress (:class:`transports.base.Deadline`).
+    Every call validates its arguments before any byte moves; all ranks must call
+    the same collectives in the same order, and the guard that is always on
+    (:mod:`pycoll.guard`) raises :class:`CollectiveMismatchError` where they do
+    not.  Threads: any thread may call, one call at a time (a call that overlaps
+    another thread's raises :class:`ConcurrentCallError`, and so does the one it
+    overlapped); ``async_op=True`` calls run in submission order on one worker.
+    ``PYCOLL_TIMEOUT`` counts seconds without progress.  README, "Reliability",
+    says it all at length.
     """
 
     def __init__(self, bootstrap: Bootstrap, config: Config) -> None:
@@ -368,21 +355,12 @@ class Communicator:
 
     # ------------------------------------------------------------------ point-to-point
     def send(self, buf: Any, peer: int, *, tag: int = 0, async_op: bool = False) -> Any:
-        """Send ``buf`` to rank ``peer``; it matches that rank's receive with the same tag.
+        """Send ``buf`` (a contiguous array) to rank ``peer`` with a 64-bit ``tag``;
+        with ``async_op`` return a request (``wait()``, ``test()``).
 
-        Messages from one rank to another match in the order they were sent, for
-        each tag.  Point-to-point calls are ordered with the collectives of this
-        communicator as in NCCL (:mod:`pycoll.p2p`): a collective first completes
-        the calls posted before it.
-
-        Args:
-            buf: contiguous array (host or device; device buffers go through host memory).
-            peer: the destination rank (this rank too).
-            tag: a 64-bit integer.
-            async_op: return a request (``wait()``, ``test()``) instead of completing.
-
-        Returns:
-            None (or a request).
+        Messages from one rank to another match in the order they were sent, per
+        tag; point-to-point calls are ordered with this communicator's
+        collectives as in NCCL (:mod:`pycoll.p2p`).
 
         Raises:
             InvalidArgumentError: a bad buffer, peer or tag.
@@ -393,19 +371,15 @@ class Communicator:
     def recv(
         self, buf: Any, peer: int | None = None, *, tag: int = 0, async_op: bool = False
     ) -> Any:
-        """Receive into ``buf`` the next message from rank ``peer`` (any rank with
-        None) that has tag ``tag``.
+        """Receive into ``buf`` the next message with ``tag`` from rank ``peer`` (any
+        rank with None); return ``buf`` (or a request whose ``wait()`` does).
 
-        The message must have ``buf``'s element count and dtype: another raises
-        :class:`CollectiveMismatchError` and writes nothing.  :attr:`last_source`
-        (or the request's ``source``) says who sent it.
-
-        Returns:
-            ``buf`` (or a request whose ``wait()`` returns it).
+        :attr:`last_source` (or the request's ``source``) says who sent it.
 
         Raises:
             InvalidArgumentError: a bad buffer, peer or tag.
-            CollectiveMismatchError: the message's count or dtype differs.
+            CollectiveMismatchError: the message has another count or dtype
+                (nothing is written).
             PeerAbortedError: the peer is gone.
         """
         return self._peers.call(False, buf, peer, tag, async_op)
