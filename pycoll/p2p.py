@@ -191,15 +191,16 @@ class PointToPoint:
         conn = self.conns[peer]
         n = self.sent.get(peer, 0)
         self.sent[peer] = n + 1
-        head = _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+        fields = (_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
         nbytes = b.nbytes
         if nbytes <= EAGER_MAX:  # one message: header, payload, padding
-            op.hdr = msg = np.zeros(EAGER_BYTES, np.uint8)
-            msg[: _HDR.size] = np.frombuffer(head, np.uint8)
-            msg[_HDR.size : _HDR.size + nbytes] = np.frombuffer(_bytes(b.flat), np.uint8)
-            op.reqs = [conn.isend(_bytes(msg), (EAGER_FP << 32) | (n & _M32))]
+            op.hdr = msg = np.empty(EAGER_BYTES, np.uint8)
+            view = _bytes(msg)
+            _HDR.pack_into(view, 0, *fields)
+            msg[_HDR.size : _HDR.size + nbytes] = b.flat.view(np.uint8)
+            op.reqs = [conn.isend(view, (EAGER_FP << 32) | (n & _M32))]
         else:
-            op.hdr = np.frombuffer(head, np.uint8).copy()
+            op.hdr = np.frombuffer(_HDR.pack(*fields), np.uint8).copy()
             op.reqs = [
                 conn.isend(_bytes(op.hdr), (HDR_FP << 32) | (n & _M32)),
                 conn.isend(_bytes(b.flat), (DATA_FP << 32) | (n & _M32)),
