@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from time import monotonic
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 import pycoll
-from pycoll.errors import CollectiveTimeout, InvalidArgumentError, PycollError
+from pycoll.errors import CollectiveTimeout, InvalidArgumentError
 from pycoll.torch_backend.errors import GLOO, P2P, torch_error, unsupported
 from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
-from pycoll.torch_backend.work import Busy, Work
+from pycoll.torch_backend.work import Work
+from pycoll.torch_backend.worker import Lane
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             barrier on it (bounded by the timeout) before closing ``comm``.
         store: the group's ``torch.distributed`` store (``monitored_barrier`` meets
             there); None: ``monitored_barrier`` is unsupported.
+        lane: the worker thread of ``comm``'s family (:mod:`.worker`), shared with
+            the groups over communicators split from the same root; None: a new one.
 
     Every collective is bounded by ``comm.config.timeout``.
     """
@@ -46,6 +49,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         size: int,
         bootstrap: Any = None,
         store: Any = None,
+        lane: Lane | None = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         if (comm.rank, comm.size) != (rank, size):
@@ -62,12 +66,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._busy = Busy()
-        self._worker = threading.Thread(target=self._serve, name="pycoll-torch", daemon=True)
-        self._worker.start()
+        self._lane = (lane or Lane()).join()
         self._closed = False
-        self._broken = False
 
     # --- identity
     def getBackendName(self) -> str:
@@ -103,51 +103,122 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._comm
 
     # --- the worker
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            run, work = job
-            work._run(run)
-            if isinstance(work._error, PycollError) and not isinstance(
-                work._error, InvalidArgumentError
-            ):
-                self._broken = True  # the communicator is unusable; peers may be gone
-
     def _enqueue(self, what: str, run: Callable[[], Any]) -> Work:
         if self._closed:
             raise RuntimeError(f"pycoll backend: {self!r} is shut down")
-        work = Work(what, self._rank, self._timeout, self._busy)
-        self._jobs.put((run, work))
+        lane = self._lane
+        work = Work(what, self._rank, self._timeout, lane.busy)
+        lane.put(run, work)
         return work
 
     def shutdown(self) -> None:
-        """Finish queued collectives, stop the worker, close the communicator."""
+        """Finish queued calls, close the communicator, stop the worker (once no
+        group of the family uses it)."""
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        self._worker.join()
-        if self._broken:  # a failed collective: the peers may be gone, wait for none
-            self._comm.abort()
-            return
-        if self._bootstrap is not None:
-            # Every rank must have drained its last collective before any closes:
-            # a shm peer that sees the other end closed fails a receive whose data
-            # was already delivered.
-            try:
-                self._bootstrap.barrier(self._comm.config.timeout, "pycoll backend: shutdown")
-            except pycoll.PycollError as exc:
-                log.warning("pycoll backend: %s", exc)
-        self._comm.close()
+        lane = self._lane
+
+        def close() -> None:
+            if lane.broken:  # a failed call: the peers may be gone, wait for none
+                self._comm.abort()
+                return
+            if self._bootstrap is not None:
+                # Every rank must have drained its last collective before any closes:
+                # a shm peer that sees the other end closed fails a receive whose
+                # data was already delivered.
+                try:
+                    self._bootstrap.barrier(self._comm.config.timeout, "pycoll backend: shutdown")
+                except pycoll.PycollError as exc:
+                    log.warning("pycoll backend: %s", exc)
+            self._comm.close()
+
+        try:
+            lane.call(close)
+        finally:
+            lane.leave()
 
     def abort(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
         self._comm.abort()
+        self._lane.leave(wait=False)
+
+    # --- subgroups
+    @property
+    def new_group(self) -> Callable[..., Any] | None:
+        """torch's hook for subgroups of the default group: :meth:`split_group`
+        where a split can make the group, else None (torch then builds it through
+        the backend's creator, over a bootstrap of its own, as for any backend).
+
+        ``dist.new_group`` calls ``default_pg.new_group(ranks, timeout=...,
+        pg_options=..., group_name=..., group_desc=...)`` on every rank of the
+        world, member or not, where the default group has that method, without
+        the backend it was asked for; its caller's frame holds that.  A split
+        needs every rank of this group, so only calls where every rank enters
+        take it: backend ``pycoll``, no ``use_local_synchronization``, and this
+        group's timeout (or torch's default, which leaves it to pycoll).
+        """
+        caller = sys._getframe(1)
+        if caller.f_code.co_name != "_new_group_with_tag" or self._closed:
+            return None
+        asked = caller.f_locals
+        if str(asked.get("backend")) != NAME or asked.get("use_local_synchronization"):
+            return None
+        t = asked.get("timeout")
+        if isinstance(t, timedelta) and t not in (
+            default_pg_timeout,
+            timedelta(seconds=self._timeout),
+        ):
+            return None
+        return self._new_subgroup
+
+    def _new_subgroup(
+        self,
+        ranks: Sequence[int],
+        timeout: timedelta | None = None,
+        pg_options: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+    ) -> ProcessGroupPycoll | None:
+        return self.split_group(ranks, timeout, pg_options, group_name, group_desc)
+
+    def split_group(  # type: ignore[override]
+        self,
+        new_ranks: Sequence[int],
+        timeout: timedelta | None = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> ProcessGroupPycoll | None:
+        """The group of ``new_ranks`` (ranks of this group; their order is the new
+        group's), split from this group's communicator; every rank of this group
+        calls it.  It shares this group's connections and worker thread, and its
+        timeout.
+
+        Returns:
+            The new group, or None on a rank that is not in ``new_ranks``.
+        """
+        members = [int(r) for r in new_ranks]
+        me = self._rank
+        color, key = (0, members.index(me)) if me in members else (None, 0)
+        if self._closed:
+            raise RuntimeError(f"pycoll backend: {self!r} is shut down")
+        try:
+            comm = self._lane.call(lambda: self._comm.split(color, key))
+        except BaseException as exc:
+            raise torch_error(exc) from None
+        if comm is None:
+            return None
+        store = None
+        if self._store is not None:
+            store = dist.PrefixStore(f"pycoll/split/{group_name}/", self._store)
+        pg = ProcessGroupPycoll(comm, comm.rank, comm.size, store=store, lane=self._lane)
+        pg.setGroupName(group_name or "")
+        pg.setGroupDesc(group_desc or "undefined")
+        return pg
 
     # --- collectives
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
@@ -484,9 +555,6 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def _end_coalescing(self, device: Any) -> Any:
         raise unsupported(self._rank, "coalescing (_coalescing_manager)", GLOO)
-
-    def split_group(self, *args: Any, **kw: Any) -> Any:
-        raise unsupported(self._rank, "split_group", "use dist.new_group(ranks, backend='pycoll')")
 
     def merge_remote_group(self, *args: Any, **kw: Any) -> Any:
         raise unsupported(self._rank, "merge_remote_group", GLOO)

@@ -1,5 +1,5 @@
-"""torch's ``Work`` for pycoll's collectives: one per call, completed by the
-group's worker thread."""
+"""torch's ``Work`` for pycoll's calls: one per call, completed by the group's
+worker thread (:mod:`pycoll.torch_backend.worker`)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,33 @@ class Busy:
         self.since: float | None = None
 
 
+class Posted:
+    """A point-to-point call posted on the communicator, completed later.
+
+    Args:
+        request: pycoll's request (``test()``, ``wait()``).
+        finish: run once the request completed; returns the Work's outputs.
+    """
+
+    __slots__ = ("finish", "request")
+
+    def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
+        self.request = request
+        self.finish = finish
+
+
 class Work(dist._Work):  # type: ignore[misc,name-defined]
-    """One collective, queued to its group's worker thread: torch's ``Work``.
+    """One call (a collective, a send or a receive), queued to its group's worker
+    thread: torch's ``Work``.
 
     ``wait()`` (what the synchronous ``dist.*`` calls run) and ``result()`` raise
-    the collective's error; ``get_future()``'s future completes with the outputs
-    or fails with that error; ``is_completed()``, ``is_success()`` and
-    ``exception()`` say how it ended.  No wait is unbounded: each collective is
-    bounded by the communicator's timeout, and one that has run longer than that
-    plus a grace period (a stuck worker) makes every waiter raise.
+    the call's error; ``get_future()``'s future completes with the outputs or
+    fails with that error; ``is_completed()``, ``is_success()`` and
+    ``exception()`` say how it ended; a receive's ``source_rank()`` names its
+    sender.  No wait is unbounded: each collective is bounded by the
+    communicator's timeout, and one that has run longer than that plus a grace
+    period (a stuck worker) makes every waiter raise; a posted send or receive
+    waits for its peer at most the timeout.
     """
 
     def __init__(self, what: str, rank: int, timeout: float, worker: Busy) -> None:
@@ -48,6 +66,8 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._outputs: Any = None
+        self._posted: float | None = None  # when its send or receive was posted
+        self._source: int | None = None  # a receive's sender, once complete
         self._head: torch.futures.Future[Any] = torch.futures.Future()
         # Future.set_exception stores the exception as the future's *value* (only
         # Python's wait() raises it): DDP's reducer, in C++, would take it for its
@@ -60,20 +80,34 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
             raise self._error
         return head.value()
 
-    def _run(self, run: Callable[[], Any]) -> None:
-        """Run the collective (on the worker thread) and complete this work."""
+    def _run(self, run: Callable[[], Any]) -> Posted | None:
+        """Run the call (on the worker thread) and complete this work, or return
+        the :class:`Posted` call that completes it later."""
         self._worker.what, self._worker.since = self._what, monotonic()
         try:
-            self._outputs = run()
+            outputs = run()
         except BaseException as exc:
-            log.info("pycoll backend: %s (raised by the Work's wait)", exc)
-            self._error = torch_error(exc)
+            self._fail(exc)
+            return None
         finally:
             self._worker.since = None
-            try:
-                self._head.set_result(self._outputs)
-            finally:
-                self._done.set()
+        if isinstance(outputs, Posted):
+            self._posted = monotonic()
+            return outputs
+        self._complete(outputs)
+        return None
+
+    def _complete(self, outputs: Any) -> None:
+        self._outputs = outputs
+        try:
+            self._head.set_result(outputs)
+        finally:
+            self._done.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        log.info("pycoll backend: %s (raised by the Work's wait)", exc)
+        self._error = torch_error(exc)
+        self._complete(None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective is done; raise its error.
@@ -105,7 +139,10 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
     def _wait_bounded(self) -> None:
         # Collectives queued before this one end within the timeout each, or fail
         # fast once one has failed; this bound catches a worker stuck beyond that.
+        # A posted send or receive waits for its peer at most the timeout, as
+        # Gloo's does.
         bound = self._timeout + grace_for(self._timeout) + 30.0
+        start = monotonic()
         while not self._done.wait(1.0):
             since = self._worker.since
             if since is not None and monotonic() - since > bound:
@@ -117,6 +154,31 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
                         rank=self._rank,
                     )
                 )
+            if self._posted is not None and monotonic() - start > self._timeout:
+                raise torch_error(
+                    CollectiveTimeout(
+                        f"pycoll backend, rank {self._rank}: {self._what} still pending after "
+                        f"waiting the group's timeout of {self._timeout:g} s (its peer never "
+                        "posted the matching call); it stays posted",
+                        rank=self._rank,
+                    )
+                )
+
+    def source_rank(self) -> int:
+        """The group rank a receive took its message from (torch's ``sourceRank``).
+
+        Raises:
+            RuntimeError: not a receive, or not complete.
+        """
+        if self._source is None:
+            raise RuntimeError(
+                f"pycoll backend: sourceRank() may only be called on a completed recv or "
+                f"recv-from-any work, not on {self!r}"
+            )
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
