@@ -10,33 +10,34 @@ its collective (:mod:`pycoll.collectives`), picks the algorithm
 from __future__ import annotations
 
 import contextlib
-import os
-import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from pycoll.bootstrap import wire
+from pycoll import family
 from pycoll.collectives import (
     ALLGATHER,
+    ALLGATHERV,
     ALLREDUCE,
+    ALLTOALL,
+    ALLTOALLV,
     BARRIER,
     BROADCAST,
+    GATHER,
     REDUCE,
     REDUCE_SCATTER,
+    REDUCE_SCATTERV,
+    SCATTER,
 )
 from pycoll.config import Config, setup_logging
 from pycoll.dispatch import Dispatch
-from pycoll.engine import Engine, Family
+from pycoll.engine import Engine
 from pycoll.errors import CommunicatorClosedError, InvalidArgumentError
-from pycoll.gpu import setup as gpu_setup
 from pycoll.p2p import PeerCalls
 from pycoll.policy import Policy
 from pycoll.reduce import ReduceOp
 from pycoll.rendezvous import Bootstrap
 from pycoll.requests import DeviceRequest, Request
-from transports.base import Backoff
 
 __all__ = ["Communicator", "DeviceRequest", "Request"]
 
@@ -73,48 +74,8 @@ class Communicator:
         self.size: int = bootstrap.size
         setup_logging(config.debug, self.rank)
         self._bootstrap = bootstrap
-        try:
-            wiring = wire(bootstrap, config)
-        except BaseException:
-            bootstrap.close()
-            raise
-        self._gpu: Any = None
-        try:  # the device side (second connection table, cuda_ipc); None without a GPU
-            self._gpu = gpu_setup(bootstrap, config, self.rank, self.size)
-            # per rank: CPUs, shm peers
-            shm = [p for p, k in wiring.kind.items() if k == "shm"]
-            seen = bootstrap.allgather((sorted(_cpus()), shm), config.timeout, "pycoll.init: CPUs")
-        except BaseException:
-            if self._gpu is not None:
-                self._gpu.close()
-            wiring.close()
-            bootstrap.close()
-            raise
-
-        # More ranks on a host than cores they may run on?  The waiting policy
-        # follows this rank's host; the algorithms follow every rank's verdict
-        # (any), so that all ranks pick the same algorithm and the same steps.
-        def crowded(r: int) -> bool:
-            cpus, peers = seen[r]
-            return 1 + len(peers) > len(set(cpus).union(*(seen[p][0] for p in peers)))
-
-        fam = Family(self.rank, config, wiring, self._gpu, bootstrap)
-        eng = Engine(
-            self.rank,
-            self.size,
-            config,
-            fam,
-            wiring.conns,
-            wiring.kind,
-            wiring.group,
-            tuple(range(self.size)),
-            0,
-            bootstrap,
-            any(crowded(r) for r in range(self.size)),
-            _waiting_policy(crowded(self.rank)),
-        )
-        fam.status = eng.status
-        self._start(eng, wiring.group_why, root=True)
+        eng, self._gpu, group_why = family.open_root(bootstrap, config)
+        self._start(eng, group_why, root=True)
 
     def _start(self, eng: Engine, group_why: str, *, root: bool) -> None:
         """Wire the parts of a communicator around its engine (``root``: made by
@@ -127,7 +88,8 @@ class Communicator:
         )
         # A sub-communicator's ranks are not the device connections': its device
         # buffers go through pinned host memory.
-        self._call = Dispatch(eng, self._policy, self._gpu, device=root).call
+        dispatch = Dispatch(eng, self._policy, self._gpu, device=root)
+        self._call, self._call_v = dispatch.call, dispatch.call_v
         self._peers = PeerCalls(eng)
 
     # ------------------------------------------------------------------ public
@@ -275,6 +237,135 @@ class Communicator:
         """
         return self._call(BARRIER, None, None, None, 0, "auto", async_op, None)
 
+    def alltoall(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send block j of ``sendbuf`` (``size * k`` elements) to rank j; block j of
+        the output comes from rank j.
+
+        Args:
+            sendbuf: contiguous array of ``size * k`` elements.
+            recvbuf: output of the same size and dtype (not overlapping
+                ``sendbuf``), or None for a new array of ``sendbuf``'s shape.
+            algorithm: "auto", "pairwise" or "direct" (every rank on one host).
+            async_op, stream: as for :meth:`allreduce`.
+
+        Returns:
+            The output (or a Request).
+        """
+        return self._call(ALLTOALL, sendbuf, recvbuf, None, 0, algorithm, async_op, stream)
+
+    def alltoallv(
+        self,
+        sendbuf: Any,
+        sendcounts: Any,
+        recvbuf: Any,
+        recvcounts: Any,
+        *,
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send ``sendcounts[j]`` elements to rank j and receive ``recvcounts[j]``
+        from it; the blocks lie at the prefix sums of the counts (zeros allowed).
+
+        Rank i's ``sendcounts[j]`` must equal rank j's ``recvcounts[i]``.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        counts = (sendcounts, recvcounts)
+        return self._call_v(ALLTOALLV, sendbuf, recvbuf, counts, None, async_op, stream)
+
+    def gather(
+        self,
+        sendbuf: Any,
+        recvbuf: Any = None,
+        *,
+        root: int = 0,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Gather every rank's ``sendbuf`` (k elements) into ``recvbuf`` on ``root``,
+        rank-major.
+
+        On the root ``recvbuf`` holds ``size * k`` elements (None: a new array of
+        shape ``(size, *sendbuf.shape)``; in place, ``sendbuf`` is block ``root``
+        of it); other ranks ignore it.  ``algorithm``: "auto", "linear" or "tree".
+
+        Returns:
+            The output on the root, None elsewhere (or a Request).
+        """
+        return self._call(GATHER, sendbuf, recvbuf, None, root, algorithm, async_op, stream)
+
+    def scatter(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        *,
+        root: int = 0,
+        algorithm: str = "auto",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Send block j of the root's ``sendbuf`` (``size * k`` elements) into rank
+        j's ``recvbuf`` (k elements).
+
+        Other ranks than the root ignore ``sendbuf`` (pass None).  In place on the
+        root, ``recvbuf`` is block ``root`` of ``sendbuf``.  ``algorithm``:
+        "auto", "linear" or "tree".
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call(SCATTER, sendbuf, recvbuf, None, root, algorithm, async_op, stream)
+
+    def allgatherv(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        counts: Any,
+        *,
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Gather rank j's ``sendbuf`` (``counts[j]`` elements) into every rank's
+        ``recvbuf`` at the prefix sum of the counts before j (zeros allowed).
+
+        Every rank passes the same ``counts``; in place, ``sendbuf`` is this
+        rank's block of ``recvbuf``.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call_v(ALLGATHERV, sendbuf, recvbuf, counts, None, async_op, stream)
+
+    def reduce_scatterv(
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        counts: Any,
+        *,
+        op: str | ReduceOp = "sum",
+        async_op: bool = False,
+        stream: Any = None,
+    ) -> Any:
+        """Reduce ``sendbuf`` (``sum(counts)`` elements); rank r gets the reduced
+        block r (``counts[r]`` elements, zeros allowed) in ``recvbuf``.
+
+        Every rank passes the same ``counts``; ``op`` as for :meth:`allreduce`.
+
+        Returns:
+            ``recvbuf`` (or a Request).
+        """
+        return self._call_v(REDUCE_SCATTERV, sendbuf, recvbuf, counts, op, async_op, stream)
+
     # ------------------------------------------------------------------ point-to-point
     def send(self, buf: Any, peer: int, *, tag: int = 0, async_op: bool = False) -> Any:
         """Send ``buf`` to rank ``peer``; it matches that rank's receive with the same tag.
@@ -333,29 +424,15 @@ class Communicator:
             req = self.recv(recvbuf, source, tag=tag)
         return req.wait()
 
-    @contextlib.contextmanager
-    def group(self) -> Iterator[None]:
+    def group(self) -> contextlib.AbstractContextManager[None]:
         """Post the point-to-point calls made inside together, and complete them
-        on exit (as NCCL's ``ncclGroupStart``/``ncclGroupEnd``): every rank of a
-        ring may send to its right and receive from its left, at any size.
-
-        The calls inside return requests, done once the block exits.
+        on exit, as NCCL's ``ncclGroupStart``/``End`` (a ring shift never
+        deadlocks, at any size); the calls inside return requests, done on exit.
 
         Raises:
             InvalidArgumentError: a group inside a group.
         """
-        peers = self._peers
-        if peers.grouped is not None:
-            raise InvalidArgumentError(f"rank {self.rank}: group: already inside a group()")
-        ops: list[Any] = []
-        peers.grouped = ops
-        try:
-            yield
-        except BaseException:
-            peers.grouped = None  # nothing was posted
-            raise
-        peers.grouped = None
-        peers.run_group(ops)
+        return self._peers.group()
 
     @property
     def last_source(self) -> int | None:
@@ -380,57 +457,32 @@ class Communicator:
         Raises:
             InvalidArgumentError: a negative or non-integer color, a non-integer key.
         """
-        what = "split"
-        ok = color is None or (_integer(color) and color >= 0)
-        if not ok or not _integer(key):
-            self._engine.reject(what)
+        if not family.split_arguments(color, key):
+            self._engine.reject("split")
             raise InvalidArgumentError(
                 f"rank {self.rank}: split: color={color!r} must be None or an integer >= 0, "
                 f"key={key!r} an integer"
             )
         mine = np.array([-1 if color is None else int(color), int(key)], np.int64)
         every = self.allgather(mine)
-        seed = self._splits
         self._splits += 1
         if color is None:
             return None
-        members = sorted(
-            (r for r in range(self.size) if every[r, 0] == color), key=lambda r: (every[r, 1], r)
-        )
-        return self._child(members, f"split {seed} color {color}")
+        members = family.members_of(every, color)
+        return self._child(members, f"split {self._splits} color {color}")
 
     def dup(self) -> Communicator:
         """A communicator of the same ranks in the same order, whose calls never pair
         with this one's (MPI_Comm_dup); every rank calls it.  It shares this one's
         connections and group segment, and moves no byte to be made."""
         self._engine.check_open("dup")
-        seed = self._splits
         self._splits += 1
-        return self._child(list(range(self.size)), f"dup {seed}")
+        return self._child(list(range(self.size)), f"dup {self._splits}")
 
-    def _child(self, members: list[int], name: str) -> Communicator:
-        pe = self._engine
-        me = members.index(self.rank)
-        ctx = zlib.crc32(f"{pe.ctx}/{name}".encode()) or 1
-        same = members == list(range(self.size))
-        group = pe.group if same else None
-        why = self._policy.group_why if same else "a sub-communicator of other ranks has none"
-        eng = Engine(
-            me,
-            len(members),
-            self.config,
-            pe.fam,
-            {i: pe.conns[m] for i, m in enumerate(members) if i != me},
-            {i: pe.kinds[m] for i, m in enumerate(members)},
-            group,
-            tuple(pe.members[m] for m in members),
-            ctx,
-            None,
-            pe.crowded,
-            pe.backoff,
-        )
+    def _child(self, members: list[int], seed: str) -> Communicator:
+        eng, why = family.child(self._engine, members, seed, self._policy.group_why)
         c = Communicator.__new__(Communicator)
-        c.config, c.rank, c.size = self.config, me, len(members)
+        c.config, c.rank, c.size = self.config, eng.rank, eng.size
         c._bootstrap = None  # type: ignore[assignment]
         c._gpu = self._gpu
         c._start(eng, why, root=False)
@@ -487,29 +539,3 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"<pycoll.Communicator rank {self.rank} of {self.size}>"
-
-
-def _integer(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _cpus() -> set[int]:
-    """The CPUs this process may run on."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
-def _waiting_policy(crowded: bool) -> Backoff:
-    """How a blocking collective waits, given whether this host runs more ranks
-    than it has cores.
-
-    With a core per rank, a short spin answers fastest.  With more ranks than
-    cores, a spinning waiter holds the very core its peer needs: it yields at
-    once, and keeps yielding (never sleeping: a nap lasts 50 us or more) for a
-    few milliseconds before it naps.
-    """
-    if crowded:
-        return Backoff(spins=0, yields=20000)
-    return Backoff()

@@ -79,8 +79,25 @@ class Dispatch:
                 kd = self._known_kind((coll, op, root, algorithm), sendbuf, recvbuf)
                 if kd is not None:
                     return self._replay(kd, sendbuf, recvbuf)
+        return self._checked(coll, k, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+
+    def call_v(
+        self,
+        coll: Collective,
+        sendbuf: Any,
+        recvbuf: Any,
+        counts: Any,
+        op: Any,
+        async_op: bool,
+        stream: Any,
+    ) -> Any:
+        """Run one call of a v-variant (``counts``: its element counts), by the slow path."""
+        return self._checked(coll, None, sendbuf, recvbuf, op, 0, "auto", async_op, stream, counts)
+
+    def _checked(self, coll: Collective, *args: Any) -> Any:
+        """The slow path; a call rejected for its arguments still takes its number."""
         try:
-            return self._slow(coll, k, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+            return self._slow(coll, *args)
         except InvalidArgumentError as exc:
             if not getattr(exc, "_counted", False):  # else the engine counted it
                 self.engine.reject(coll.name)
@@ -97,28 +114,25 @@ class Dispatch:
         algorithm: Any,
         async_op: bool,
         stream: Any,
+        extra: Any = None,
     ) -> Any:
         """The slow path (a method of its own, apart from the fast entry, so that
         the closures made here cost a replayed call nothing)."""
         eng, policy, what = self.engine, self.policy, coll.name
         eng.check_open(what)
-        spec = coll.check(self.size, self.rank, sendbuf, recvbuf, op, root)
+        spec = coll.check(self.size, self.rank, sendbuf, recvbuf, op, root, extra)
         algo = policy.algorithm(what, algorithm, spec.nbytes)
         x = spec.x
-        if (
-            x.is_device
-            and self.gpu is not None
-            and not policy.via_host(what, algorithm, spec.nbytes)
-        ):
-            return self._device(spec, policy.device(what, algorithm, algo), async_op, stream)
+        if x.is_device and self.device and not policy.via_host(what, algorithm, spec.nbytes):
+            return self._device(spec, policy.device(coll, algorithm, algo), async_op, stream)
         tuner = policy.tuner(what, algorithm, spec.nbytes, x.dtype, spec.op, spec.root)
         algo, run_algo = policy.host(what, algo, tuner)
-        call = Call(what, x.count, x.dtype, spec.op, spec.root, algo)
-        if k is not None and self._plannable(async_op, stream, spec):
+        call = self._record(spec, algo)
+        if k is not None and self._plannable(async_op, stream, spec, sendbuf):
             plans = eng.plans
             step = None
             if coll.moves(spec):
-                step = plans.step((what, algo, x.dtype, spec.op, x.count, spec.root, tuner))
+                step = plans.step((what, algo, x.dtype, spec.op, spec.fp_count, spec.root, tuner))
             p = plans.make_plan(k, spec, sendbuf, recvbuf, coll.envelope(spec, step, HOST), call)
             plans.add_kind(
                 (coll, op, root, algorithm),
@@ -138,7 +152,21 @@ class Dispatch:
         prepare = coll.envelope(spec, step, HOST)
         return self.staged(spec, lambda xa, oa: prepare(xa, oa)(), call, async_op, stream)
 
-    def _plannable(self, async_op: bool, stream: Any, spec: Spec) -> bool:
+    def _record(self, spec: Spec, algo: str) -> Call:
+        """What the engine numbers, tags and records for call ``spec`` run by ``algo``."""
+        x = spec.x
+        return Call(
+            spec.coll.name,
+            spec.fp_count,
+            x.dtype,
+            spec.op,
+            spec.root,
+            algo,
+            self.engine.ctx,
+            spec.layout,
+        )
+
+    def _plannable(self, async_op: bool, stream: Any, spec: Spec, sendbuf: Any) -> bool:
         """Whether this call may become a plan: a blocking call on host arrays with
         nothing queued.  NumPy arrays of any size (the large ones make weak
         plans); torch CPU tensors up to :data:`PLAN_MAX_BYTES` into an output the
@@ -148,6 +176,7 @@ class Dispatch:
         x, out = spec.x, spec.out
         if (
             not spec.coll.plannable
+            or x.obj is not sendbuf  # (a scatter's receiving ranks: recvbuf is all)
             or async_op
             or stream is not None
             or self.engine.config.check
@@ -201,5 +230,5 @@ class Dispatch:
         eng, gpu, x = self.engine, self.gpu, spec.x
         dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.fam.polite, async_op)
         run = dc.runner(spec, algo)
-        call = Call(spec.coll.name, x.count, x.dtype, spec.op, spec.root, algo)
+        call = self._record(spec, algo)
         return eng.submit_device(dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import monotonic
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -50,12 +50,14 @@ from pycoll.errors import (
 )
 from pycoll.gpu.jobs import Job
 from pycoll.guard import AGREE_FP, CHECK_FP, FINGERPRINTS_MAX, M32, Call, fingerprint
-from pycoll.p2p import PointToPoint
 from pycoll.plans import RECVBUF, SENDBUF, Kind, Plan, Plans, make_room
 from pycoll.reduce import ReduceOp, ufunc
 from pycoll.requests import DeviceRequest, Request
 from transports.base import Backoff, Deadline, TagMismatchError
 from transports.base import TransportError as WireError
+
+if TYPE_CHECKING:
+    from pycoll.family import Family
 
 log = logging.getLogger(__name__)
 
@@ -91,72 +93,6 @@ class Record:
             f"#{self.seq} {c.collective}(count={c.count}, dtype={c.dtype}, "
             f"op={op}, root={c.root}, algo={c.algorithm}) {self.status}{dur}"
         )
-
-
-class Family:
-    """What a communicator shares with the sub-communicators made from it
-    (:meth:`~pycoll.Communicator.split`, :meth:`~pycoll.Communicator.dup`): the
-    connections, the one order in which the calls of all of them run (a lock
-    taken without waiting, one worker thread), point-to-point state, and the
-    failure that leaves all of them unusable, since they share the connections.
-
-    Args:
-        rank: this process' rank in the root communicator.
-        config: the root communicator's settings.
-        wiring: its connections and group segment (:class:`pycoll.bootstrap.Wiring`).
-        gpu: its device side, or None; bootstrap: what it was wired over.
-    """
-
-    def __init__(self, rank: int, config: Config, wiring: Any, gpu: Any, bootstrap: Any) -> None:
-        self.wiring = wiring
-        self.gpu = gpu  # the device side (pycoll.gpu.context), or None
-        self.bootstrap = bootstrap
-        self.status: StatusChannel | None = None  # the root communicator's
-        self.conns = wiring.conns
-        self.closed = False
-        self.aborted = False
-        self.failed: BaseException | None = None
-        # a device collective failed on the worker and no call has raised it yet
-        self.unseen = False
-        self.executor: ThreadPoolExecutor | None = None
-        self.inflight = 0
-        self.lock = threading.Lock()
-        # Held while a call runs, inline or on the worker: taken without waiting,
-        # so that a second thread's call fails rather than interleave.  On the
-        # 2-core machine it made a replayed 8 B allreduce at n = 1 0.2-0.3 us slower.
-        busy = threading.Lock()
-        self.enter, self.leave = busy.acquire, busy.release
-        self.running: list[Any] | None = None  # the recorder entry of the call that runs
-        self.caller = threading.current_thread()
-        # Asynchronous calls run on a worker thread beside the caller's
-        # computation: there a spinning waiter would take the core (and the GIL)
-        # that the computation needs, so it naps almost at once instead.
-        self.polite = Backoff(spins=4, yields=16, max_sleep=200e-6)
-        self.p2p = PointToPoint(rank, wiring.conns, config.timeout)
-        self.contexts: set[int] = {0}  # of its communicators, each one's own tag space
-
-    def close_wiring(self) -> None:
-        if self.wiring is not None:
-            self.wiring.close()
-            self.wiring = None
-        self.conns = {}
-
-    def teardown(self, wait: bool) -> None:
-        """End the family: no more calls, the worker stopped (``wait``: once its
-        queued calls ran, else dropping them), then the device side, the
-        connections, the status channel and the bootstrap, in that order."""
-        self.closed = True
-        if self.executor is not None:
-            self.executor.shutdown(wait=wait, cancel_futures=not wait)
-            self.executor = None
-        if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
-        self.close_wiring()
-        if self.status is not None:
-            self.status.close()
-        if self.bootstrap is not None:
-            self.bootstrap.close()
 
 
 class Engine:

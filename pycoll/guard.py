@@ -36,7 +36,13 @@ _OP_IDS = {op: i for i, op in enumerate(ReduceOp, 1)}
 
 
 def fingerprint(
-    collective: str, count: int, dtype: Any, op: ReduceOp | None, root: int, ctx: int = 0
+    collective: str,
+    count: int,
+    dtype: Any,
+    op: ReduceOp | None,
+    root: int,
+    ctx: int = 0,
+    layout: int = 0,
 ) -> int:
     """The 32-bit fingerprint of a call: what every rank of a matched call shares
     (its communicator's context, the collective, count, dtype, op and root; not
@@ -46,6 +52,8 @@ def fingerprint(
     key = f"{collective}|{count}|{dt}|{'-' if op is None else op.value}|{root}"
     if ctx:  # a sub-communicator's (the root communicator's context is 0)
         key = f"{ctx}|{key}"
+    if layout:  # a v-variant's counts
+        key = f"{key}|{layout}"
     return zlib.crc32(key.encode())
 
 
@@ -60,11 +68,14 @@ class Call:
     root: int
     algorithm: str
     ctx: int = 0  # its communicator's context
+    layout: int = 0  # a v-variant's counts, digested
 
     @property
     def fp(self) -> int:
         """Its :func:`fingerprint`."""
-        return fingerprint(self.collective, self.count, self.dtype, self.op, self.root, self.ctx)
+        return fingerprint(
+            self.collective, self.count, self.dtype, self.op, self.root, self.ctx, self.layout
+        )
 
 
 def describe(call: Call) -> str:

@@ -31,9 +31,10 @@ or when a later call of the communicator runs.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from time import monotonic
 from typing import Any
 
@@ -463,6 +464,20 @@ class PeerCalls:
         first = ops[0]
         call = Call(what, first.buf.count, first.buf.dtype, None, -1, "p2p", eng.ctx)
         eng.submit(lambda: self.p2p.complete(ops, eng.backoff), False, call, 0, numbered=False)
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """``Communicator.group``: the calls made inside are collected, then
+        posted together and completed on exit (none, on an exception)."""
+        if self.grouped is not None:
+            raise InvalidArgumentError(f"rank {self.engine.rank}: group: already inside a group()")
+        ops: list[Op] = []
+        self.grouped = ops
+        try:
+            yield
+        finally:
+            self.grouped = None
+        self.run_group(ops)
 
     def run_group(self, ops: list[Op]) -> None:
         """Post the calls of a ``group()`` together and complete them."""

@@ -196,9 +196,18 @@ class Policy:
             back = nbytes
         return back >= SLICED_COPY_BYTES
 
-    def device(self, what: str, requested: str, algo: str) -> str:
+    def device(self, coll: Any, requested: str, algo: str) -> str:
         """The algorithm for device buffers: ``direct`` (one-sided windows between
-        every pair) when all pairs have them and no other one was asked for."""
-        if self.gpu.one_sided and (algo == "direct" or self._auto(what, requested)):
+        every pair) when all pairs have them, the collective has them, and no
+        other one was asked for; else the host's choice, but ``direct`` (the
+        group segment is host memory) becomes the first other algorithm."""
+        what = coll.name
+        if (
+            coll.windows
+            and self.gpu.one_sided
+            and (algo == "direct" or self._auto(what, requested))
+        ):
             return "direct"
-        return "ring" if algo == "direct" else algo
+        if algo != "direct":
+            return algo
+        return next(a for a in algorithms.names(what) if a != "direct")

@@ -3,9 +3,8 @@
 The cost model (:mod:`pycoll.algorithms.cost`) picks well where algorithms are
 far apart.  Where they are close, which one wins depends on more than a model
 holds: how the host's scheduler places the ranks' threads, whether the pages
-are huge, what else runs.  On the 2-core machine the same allreduce of 2 MiB at
-n = 2 took 270-300 us with ``direct`` and 350 us one-shot in some runs, and
-775 against 354 us in others, for minutes at a time (``benchmarks/RESULTS.md``).
+are huge, what else runs: on the 2-core machine the same allreduce of 2 MiB at
+n = 2 took 270-300 us with ``direct`` in some runs and 775 in others.
 No fixed choice is within 10% of the best in both.
 
 So a :class:`Tuner` runs the model's choice (the *incumbent*) for
@@ -30,24 +29,9 @@ only is left to the model (the contenders are those it models within 2x of its
 choice, so that share bounds what they can cost).
 
 Why so: a call here takes 50-200 us with two ranks on two cores, give or take
-half, so one or two calls say little (the best of two, interleaved one call
-each, chose the ring for 80-95% of the allgathers of 256 KiB blocks at n = 2
-on the 2-core machine, at 174-183 us against direct's 134-137).  A call's time
-holds the wait for peers that the previous call left behind, which is the
-previous algorithm's, and more than the first call after a switch ran slow at
-times: so the first is not timed, and the incumbent is timed in the round too,
-after a switch like the others (the incumbent's calls between rounds, timed
-instead, chose the ring in all but 7 calls of 220 in one such run, by then at
-72 against direct's 29 us).  Timed from entry to return, calls left out what
-came between them: in a slow spell of the VM the ring's allgathers of 256 KiB
-blocks at n = 2 took 66-86 us each so, and direct's 113-141, but 190-200
-against 150-170 us a call in a loop, and ``auto`` chose the ring.  Three
-calls in a row share a spell of the machine, so a decision pools two rounds
-apart: on a round alone ``auto`` kept the ring for allgathers of 256 KiB
-blocks at n = 2 in two repetitions of three, at 1.3x direct's time.  With the
-first round after 8 calls, a sweep of allreduces of 256 MiB at n = 2 (26 calls
-of 50-60 ms) ran 15 of them as trials of the ring and one-shot, and ``auto``
-took 1.15x the time of direct, the model's choice.
+half, so one or two calls say little, a call's time holds the wait its
+predecessor left behind, and three calls in a row share a spell of the
+machine; each of the rules above answers one of these (benchmarks/RESULTS.md, "The measurements behind the constants").
 
 The schedule counts calls of one collective, size, dtype, op and root, which
 every rank makes in the same order, so all ranks run the same algorithm at
@@ -94,14 +78,9 @@ BUDGET = 0.03
 PERIOD_MIN = 16
 #: ... and at most.
 PERIOD_MAX = 1024
-#: A challenger wins if its summed time is below (1 - MARGIN) of the incumbent's.
-#: The model's choice needs no margin to come back: what made it lose may have
-#: been a spell of the machine that favoured the challenger (on the 2-core
-#: machine, allreduces of 8 MiB at n = 2 ran the ring, chosen in a spell when
-#: direct ran 1.6x slower, in three repetitions of a sweep's seven, and direct
-#: was 1.12x faster over the seven; a round of reduce-scatters of 2 MiB went to
-#: the ring at 1192 against 1501 us and the next round kept it at 1561 against
-#: 1499).  A switch back costs at most the margin where the timings were right.
+#: A challenger wins if its summed time is below (1 - MARGIN) of the incumbent's;
+#: the model's choice needs no margin to come back, since what made it lose may
+#: have been a spell of the machine (benchmarks/RESULTS.md, "The measurements behind the constants").
 MARGIN = 0.05
 #: Rounds whose timings a decision takes (the latest and those before it).
 POOLED = 2

@@ -572,7 +572,7 @@ def test_crowded_is_one_verdict_for_all_ranks(
     ranks' CPU sets against their number."""
     import threading
 
-    import pycoll.communicator as cm
+    import pycoll.family as cm
 
     monkeypatch.setattr(cm, "_cpus", lambda: set(cpus[int(threading.current_thread().name[4:])]))
     with communicators(3) as comms:

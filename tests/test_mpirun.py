@@ -26,14 +26,19 @@ RDMA_SOFT = {
     "PYCOLL_RDMA_PROVIDER": "soft",
     "PYCOLL_TEST_DTYPES": "few",
 }
-CASES = [pytest.param(n, {}, id=f"{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(n, RDMA_SOFT, id=f"{n}-rdma-soft") for n in (2, 3, 4)
-]
+#: tcp alone, for the collectives of tests/mpi/test_exchange.py (the others run
+#: over tcp in tests/test_multihost.py, between simulated hosts).
+TCP = {"PYCOLL_TRANSPORT": "tcp", "PYCOLL_TEST_DTYPES": "few"}
+CASES = (
+    [pytest.param(n, {}, "", id=f"{n}") for n in (1, 2, 3, 4)]
+    + [pytest.param(n, RDMA_SOFT, "", id=f"{n}-rdma-soft") for n in (2, 3, 4)]
+    + [pytest.param(n, TCP, "test_exchange.py", id=f"{n}-tcp") for n in (2, 3, 4)]
+)
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize(("n", "variant"), CASES)
-def test_collectives_under_mpiexec(n: int, variant: dict[str, str]) -> None:
+@pytest.mark.parametrize(("n", "variant", "only"), CASES)
+def test_collectives_under_mpiexec(n: int, variant: dict[str, str], only: str) -> None:
     cmd = mpiexec(n) + [
         sys.executable,
         "-m",
@@ -45,7 +50,7 @@ def test_collectives_under_mpiexec(n: int, variant: dict[str, str]) -> None:
         "-p",
         "no:cacheprovider",
         "--with-mpi",
-        str(ROOT / "tests" / "mpi"),
+        str(ROOT / "tests" / "mpi" / only),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), **variant)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1450)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pycoll.algorithms import (  # noqa: F401 - registers the algorithms
     direct,
     dissemination,
+    exchange,
     oneshot,
     ring,
     tree,

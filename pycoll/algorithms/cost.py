@@ -39,22 +39,8 @@ DIRECT_STEP = 0.25
 DIRECT_SLOT_BYTES = GROUP_SLOT_BYTES
 #: By address, allgather's writers all copy into every peer at once; from blocks
 #: of this size up the ring's pipelined copies may win, below it direct does: its
-#: bytes then count DIRECT_ALLGATHER_BYTES times.  Since direct writes into the
-#: peers' outputs (see ``direct.allgather``), on the 2-core machine
-#: (``versus.py allgather 2M 4M 8M 16M 32M 64M --systems direct,ring,mpi``, two
-#: runs at n = 2, one or two at n = 3 and 4) the ring took 1.05-1.15x direct's
-#: time at n = 2 with 1-4 MiB blocks, 0.97-1.40x with 8 MiB, 0.94-1.31x with 16
-#: MiB and 0.99x with 32 MiB; at n = 3 and 4, 1.10-2.7x with blocks up to 5.6 MB,
-#: 1.01-1.23x with 8-11 MB and 0.99-1.01x with 16-21 MB.  Three more runs on
-#: 2026-12-01 (``versus.py allgather 16M 32M 64M --systems direct,ring`` at
-#: n = 2, ``32M 64M 128M`` at n = 4, and the head-to-head of ``auto``): with
-#: 16 MiB blocks the ring took 1.09x and 1.13x direct's time at n = 2 (where
-#: ``auto``, then picking the ring, took 1.18x direct's) and 0.93x at n = 4;
-#: with 32 MiB blocks 1.05x and 1.03x.  So from 16 MiB blocks the two are close
-#: (the tuner times both, see :mod:`pycoll.tune`) and the model stays with direct
-#: up to 32 MiB.  (When direct read its peers' inputs, the ring won from 2 MiB
-#: blocks at n = 2 in four sweeps of five, and from 8 MiB where ranks outnumber
-#: cores.)
+#: bytes then count DIRECT_ALLGATHER_BYTES times.  With 32 MiB blocks the ring
+#: took 1.03-1.05x direct's time at n = 2 (benchmarks/RESULTS.md, "The measurements behind the constants").
 DIRECT_ALLGATHER_BIG = 32 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
@@ -120,6 +106,13 @@ def estimate(
             return (n - 1 + chunks) * k.alpha + nbytes * k.beta
         if algorithm == "tree":
             return (2 * lg + chunks) * k.alpha + 2 * nbytes * k.beta
+    if collective in ("alltoall", "alltoallv") and algorithm == "pairwise":
+        return (n - 1) * k.alpha + f * nbytes * k.beta
+    if collective in ("gather", "scatter"):  # nbytes: one rank's block
+        if algorithm == "linear":  # one step; the root's posts each cost a little
+            return (1 + 0.25 * (n - 2)) * k.alpha + (n - 1) * nbytes * k.beta
+        if algorithm == "tree":  # forwarded blocks are copied again on the way
+            return lg * k.alpha + 1.5 * (n - 1) * nbytes * k.beta
     if collective == "reduce":
         # ring: reduce-scatter (scratch hand-offs) and then a gather that waits on every
         # block; measured at n = 2..4 it pays about two steps per slice more
@@ -158,6 +151,10 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> fl
         if small:
             return a + nbytes * k.beta + (n - 1) * nbytes * k.gamma
         return 3 * a + 2 * f * nbytes * k.beta + f * nbytes * k.gamma
+    if collective == "alltoall":  # nbytes: one rank's whole input
+        if small:  # copied into the slot, then each block out of the peers'
+            return a + 2 * nbytes * k.beta
+        return 2 * a + f * nbytes * k.beta
     if collective == "allgather":  # nbytes: one rank's block
         if small:
             return a + n * nbytes * k.beta
@@ -187,11 +184,8 @@ def choose(
 
 #: The model's runners-up that ``auto`` times while it runs (:mod:`pycoll.tune`):
 #: those modelled within this factor of its choice.  Where the model erred on
-#: the 2-core machine, the faster algorithm was modelled 1.1-1.9x slower: ring
-#: against direct for allgathers of 8-11 MB blocks at n = 3 and 4; at n = 2, for
-#: 0.5-8 MiB, one-shot against direct for allreduce and tree against direct for
-#: reduce, which took half direct's time in the spells when every algorithm that
-#: reads what the other rank has just written ran 2-3x slower (MPI's too).
+#: the 2-core machine, the faster algorithm was modelled up to 1.9x slower
+#: (benchmarks/RESULTS.md, "The measurements behind the constants").
 TUNE_SPAN = 2.0
 
 

@@ -41,6 +41,9 @@ broadcast: every non-root reads the root's buffer; N read.
 reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
 reduce: a reduce-scatter into segments, then every rank writes its segment
     into the root's output.
+alltoall: slots: every rank's slot holds a piece of each of its blocks, and
+    rank r copies piece r out of every peer's.  By address: rank r writes its
+    block j into rank j's output; (n-1) k.
 barrier: every rank publishes a step and waits for everyone's.
 """
 
@@ -88,17 +91,8 @@ ROUNDS_CROWDED_ALLREDUCE = 2 << 20
 #: ... and a reduce, where the root alone reduces, up to this many.  By address
 #: takes three steps that each wait for every rank, and a wait for a rank that
 #: is off its core costs a time slice; a round is one step, and a rank may run
-#: K of them ahead.  On the 2-core machine (alternating runs of ``sweep.py all
-#: -b 512K -e 2M -f 2 --algorithm direct,ring --baselines mpi -r 3``, by address
-#: against rounds, two each, in a slow spell of the VM), us a call:
-#: allreduce n = 3, 512 KiB 354-419 against 532-650 (and 378-606 against
-#: 567-797 in four more runs), 1 MiB 1018-1093 against 953-1193 (the ring's
-#: time over direct's 1.65-1.75 against 1.42); n = 4, 512 KiB 667-712 against
-#: 786-868, but 1 MiB 1344-1428 against 1136-1303.  Reduce n = 3, 512 KiB
-#: 139-185 against 512-539, 2 MiB 957-1388 against 1651-1908; n = 4, 512 KiB
-#: 172-211 against 756-801, 1 MiB 899-951 against 1100-1162, 2 MiB 1852-1997
-#: against 2025-2087 (the ring's time over direct's 1.37-1.61 against 1.42-1.43:
-#: no clear gain).  (Reduce-scatters lost through the slots from 1 MiB.)
+#: K of them ahead: a crowded reduce of 512 KiB at n = 4 took 172-211 us by
+#: address against 756-801 in rounds (benchmarks/RESULTS.md, "The measurements behind the constants").
 ROUNDS_CROWDED_REDUCE = 4 << 20
 
 
@@ -110,12 +104,8 @@ def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> 
 
 
 #: allgather blocks of up to this many slots go through the slots in rounds, not
-#: by address.  On the 2-core machine (``sweep.py allgather -b 1M -e 8M -f 2
-#: --algorithm direct --baselines mpi -r 2``, two alternating runs each, 256 KiB
-#: slots) the rounds took 71-76 against 86-87 us at n = 2 with 512 KiB blocks,
-#: 210-265 against 283-289 us and 349-361 against 453-462 us at n = 3 with 350
-#: and 700 KB blocks, 344-377 against 486-553 us at n = 4 with 512 KiB blocks; at
-#: 1 MiB blocks they were no faster (n = 4: 1011-1148 against 915-1029 us).
+#: by address: 71-76 against 86-87 us at n = 2 with 512 KiB blocks on the 2-core
+#: machine (benchmarks/RESULTS.md, "The measurements behind the constants").
 ALLGATHER_SLOT_ROUNDS = 3
 
 
@@ -338,23 +328,11 @@ def allgather(L: Links, x: Any, out: Any) -> None:
     """Through the slots in rounds up to ALLGATHER_SLOT_ROUNDS of them, else by
     address: each rank writes its block into every peer's output.
 
-    A cross-memory copy pins the peer's pages, and pins 2 MiB huge pages far
-    faster than 4 KiB ones, so it runs at the speed of the peer's side.  The
-    output, n blocks long, is the likelier of the two to be on huge pages (NumPy
-    asks for them from 4 MiB), so the ranks write into the outputs instead of
-    reading the inputs.  On the 2-core machine (``process_vm_readv`` and
-    ``_writev`` of a 2 MiB block by both ranks at once) the copy ran at 17-19
-    GB/s with the peer's side on huge pages and 7-9 GB/s on 4 KiB pages, whatever
-    our side's pages were.  Reading the peers' just-written outputs instead was
-    as fast in some runs and in others 1.5x slower than reading their inputs (a
-    dirty line in another core's cache costs more to read than a clean one; MPI,
-    which reads the outputs, slowed down with it); a write leaves no such line.
-    In alternating blocks against the reads (``versus.py --algorithms-from``
-    with 2d3aa7c's module; benchmarks/RESULTS.md, "Writes instead of reads"),
-    the reads took 1.08-1.19x the time at n = 2 (2-32 MiB), 1.01-1.50x at
-    n = 3, and on a 16-core host 1.00-1.38x at n = 2 and 4 (one point 0.95x);
-    at n = 4 on two cores the runs disagreed (0.93-0.96x in one, 0.96-1.49x
-    in two others)."""
+    A cross-memory copy pins the other process's pages, 2 MiB pages far faster
+    than 4 KiB ones (17-19 against 7-9 GB/s for 2 MiB on the 2-core machine), and
+    the output, n blocks long, is the likelier to be on huge pages: so the ranks
+    write into the outputs instead of reading the inputs (benchmarks/RESULTS.md, "The measurements behind the constants").
+    """
     G = _group(L)
     if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
         _slot_allgather(L, G, x, out)
@@ -446,6 +424,42 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
         G.wait((root,), t, dl, bo)
         G.write(root, t, b[r] * x.itemsize, mine)
     _finish(L, G, t)
+
+
+@register("alltoall", "direct")
+def alltoall(L: Links, x: Any, out: Any) -> None:
+    """By address (with cross-memory copies, above a slot): each rank writes its
+    block j into rank j's output, at its own place there, as allgather does;
+    else round by round through the slots, each slot holding a piece of every
+    block, from which every peer takes its own."""
+    G = _group(L)
+    n, r = L.size, L.rank
+    dl, bo = L.deadline, L.backoff
+    k = x.size // n
+    if G.cma and x.nbytes > G.slot_bytes:
+        s = _post_buffer(L, G, out)
+        at = r * k * x.itemsize
+        for j in _others(n, r):
+            G.wait((j,), s, dl, bo)
+            G.write(j, s, at, x[j * k : (j + 1) * k])
+        _finish(L, G, s)
+        return
+    others = _others(n, r)
+    per_round = max(1, G.slot_bytes // x.itemsize // n)
+    for lo, hi, s, v in _rounds(L, G, x.dtype, k, per_round, n):
+        c = hi - lo
+        G.claim(s, dl, bo)
+        mine = v[r]
+        if c == k:
+            mine[...] = x
+        else:
+            for b in range(n):
+                mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
+        G.post(s)
+        for j in others:
+            G.wait((j,), s, dl, bo)
+            out[j * k + lo : j * k + hi] = v[j][r * c : (r + 1) * c]
+        G.done(s)
 
 
 @register("barrier", "direct")

@@ -22,14 +22,18 @@ from pycoll.collectives.base import (
     empty_like,
     nothing,
     output,
+    own_then,
 )
 
 
 class Allgather(Collective):
+    windows = True
     name = "allgather"
     ident = 2
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
         given = recvbuf is not None
@@ -58,21 +62,8 @@ class Allgather(Collective):
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r, k = spec.r, spec.x.count
         if spec.in_place:  # the rank's own block is already there
-            if step is None:
-                return nothing
-            return partial(partial, step)
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            mine = oa[r * k : (r + 1) * k]
-
-            def run() -> None:
-                mine[...] = xa
-                if step is not None:
-                    step(xa, oa)
-
-            return run
-
-        return prepare
+            return nothing if step is None else partial(partial, step)
+        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 
 ALLGATHER = Allgather()

@@ -24,12 +24,15 @@ from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
 
 class Allreduce(Collective):
+    windows = True
     name = "allreduce"
     ident = 1
     reduces = True
     always_steps = True
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         rop = parse_op(op, r, what)
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=recvbuf is None)

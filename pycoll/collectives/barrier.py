@@ -21,7 +21,9 @@ class Barrier(Collective):
     signature = ()
     plannable = False  # no user buffer; its one byte moves by the slow path
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         token = np.zeros(1, np.uint8)
         x = Buffer(token, token, -1)
         return Spec(

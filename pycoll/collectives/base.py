@@ -70,6 +70,10 @@ class Spec:
             the envelope copies nothing there.
         x_written: the call writes ``x`` (in place by omission; broadcast off the root).
         result: what the call returns.
+        count: the element count the call's fingerprint names (None: ``x``'s);
+            ranks of a matched call agree on it.
+        layout: for the v-variants, a digest of the counts every rank passes
+            (folded into the fingerprint); ``counts``: the counts themselves.
     """
 
     coll: Collective
@@ -83,11 +87,19 @@ class Spec:
     in_place: bool
     x_written: bool
     result: Any
+    count: int | None = None
+    layout: int = 0
+    counts: Any = None
+
+    @property
+    def fp_count(self) -> int:
+        return self.x.count if self.count is None else self.count
 
     @property
     def nbytes(self) -> int:
-        """The bytes the cost model and the policy judge the call by."""
-        return self.x.nbytes
+        """The bytes the cost model and the policy judge the call by (the same on
+        every rank of a matched call, so all ranks choose alike)."""
+        return self.fp_count * self.x.dtype.itemsize
 
 
 class Collective:
@@ -103,6 +115,7 @@ class Collective:
             peers (so that a rank calling with another count meets a mismatch
             rather than a rank that went on).
         plannable: blocking host calls may be replayed (:mod:`pycoll.plans`).
+        windows: it has a one-sided device algorithm (:mod:`pycoll.gpu.windows`).
     """
 
     name = "?"
@@ -111,9 +124,13 @@ class Collective:
     reduces = False
     always_steps = False
     plannable = True
+    windows = False
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
-        """Validate a call; raise :class:`InvalidArgumentError` before any byte moves."""
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
+        """Validate a call; raise :class:`InvalidArgumentError` before any byte moves.
+        ``extra``: the v-variants' counts."""
         raise NotImplementedError
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
@@ -147,6 +164,23 @@ class Collective:
         return f"<collective {self.name}>"
 
 
+def own_then(step: Step | None, part: Callable[[Any, Any], tuple[Any, Any]]) -> Prepare:
+    """The envelope of a collective whose rank keeps a part of its own: ``part(x,
+    out)`` gives (where in the output, what of the input), copied before ``step``."""
+
+    def prepare(x: Any, out: Any) -> Callable[[], None]:
+        dst, src = part(x, out)
+
+        def run() -> None:
+            dst[...] = src
+            if step is not None:
+                step(x, out)
+
+        return run
+
+    return prepare
+
+
 def nothing(x: Any, out: Any) -> Callable[[], None]:
     """The ``prepare`` of a call with nothing to do (a rank alone, no bytes)."""
     return _noop
@@ -157,6 +191,16 @@ def _noop() -> None:
 
 
 # ---------------------------------------------------------------------- checks
+def blocks(x: Buffer, n: int, r: int, what: str, arg: str = "sendbuf") -> int:
+    """Elements a block of ``x``, which must hold ``n`` of them."""
+    if x.count % n:
+        raise InvalidArgumentError(
+            f"rank {r}: {what}: {arg} has {x.count} elements, "
+            f"not a multiple of the communicator size {n}"
+        )
+    return x.count // n
+
+
 def check_root(root: object, n: int, r: int, what: str) -> int:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < n:
         raise InvalidArgumentError(f"rank {r}: {what}: root={root!r} is not in [0, {n})")

@@ -13,11 +13,14 @@ from pycoll.collectives.base import ArrayOps, Collective, Prepare, Spec, Step, c
 
 
 class Broadcast(Collective):
+    windows = True
     name = "broadcast"
     ident = 3
     signature = ("x", "root")
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         root = check_root(root, n, r, what)
         b = as_buffer(sendbuf, r, what, "buf", writable=r != root)

@@ -25,12 +25,15 @@ from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
 
 class Reduce(Collective):
+    windows = True
     name = "reduce"
     ident = 5
     signature = ("x", "out", "root")
     reduces = True
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         root = check_root(root, n, r, what)
         rop = parse_op(op, r, what)

@@ -17,32 +17,31 @@ from pycoll.collectives.base import (
     Prepare,
     Spec,
     Step,
+    blocks,
     check_alias,
     empty_like,
     output,
 )
-from pycoll.errors import InvalidArgumentError
 from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
 
 class ReduceScatter(Collective):
+    windows = True
     name = "reduce_scatter"
     ident = 4
     reduces = True
 
-    def check(self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any) -> Spec:
+    def check(
+        self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
+    ) -> Spec:
         what = self.name
         rop = parse_op(op, r, what)
         x = as_buffer(sendbuf, r, what, "sendbuf", writable=False)
-        if x.count % n:
-            raise InvalidArgumentError(
-                f"rank {r}: {what}: sendbuf has {x.count} elements, "
-                f"not a multiple of the communicator size {n}"
-            )
+        k = blocks(x, n, r, what)
         given = recvbuf is not None
         if not given:
-            recvbuf = empty_like(x, (x.count // n,))
-        out = output(recvbuf, x, x.count // n, r, what)
+            recvbuf = empty_like(x, (k,))
+        out = output(recvbuf, x, k, r, what)
         check_alias(x, out, None, r, what)
         check_op_dtype(rop, x.dtype, r, what)
         return Spec(

@@ -32,12 +32,12 @@ from pycoll import algorithms
 from pycoll.buffers import Buffer, data_ptr
 from pycoll.collectives.base import Spec
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
-from pycoll.gpu import windows
 from pycoll.gpu import reduce as dreduce
-from pycoll.gpu.windows import Scratch, Windows
+from pycoll.gpu import windows
 from pycoll.gpu.jobs import Gates, Inflight, Job
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
+from pycoll.gpu.windows import Scratch, Windows
 from pycoll.reduce import ReduceOp
 from transports.base import Backoff, Cap, Connection, Deadline
 

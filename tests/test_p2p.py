@@ -1,0 +1,198 @@
+"""Point-to-point and sub-communicators off the happy path (ranks are threads,
+:mod:`tests.inproc`): a dead or silent peer, mismatched sizes and dtypes, a
+collective that meets a point-to-point message, bad arguments; and the ring
+shift of a group over every transport."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import pycoll
+from tests.inproc import communicators, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+TRANSPORTS = [("shm",), ("tcp",), ("rdma",)]
+
+
+def _cfg(transports: tuple[str, ...]) -> dict[str, object]:
+    cfg: dict[str, object] = {"transports": transports, "timeout": 20}
+    if transports == ("rdma",):
+        cfg["rdma_provider"] = "soft"
+    return cfg
+
+
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_ring_shift_in_a_group_never_deadlocks(transports):
+    """Every rank sends right and receives left, from one element to several
+    slots and chunks: all posted together, nothing waits for a receive first."""
+    with communicators(3, **_cfg(transports)) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            for count in (1, 1000, 3 << 20):
+                x = np.full(count, r, np.int32)
+                y = np.full(count, -1, np.int32)
+                with c.group():
+                    c.send(x, (r + 1) % 3, tag=4)
+                    c.recv(y, (r - 1) % 3, tag=4)
+                assert (y == (r - 1) % 3).all(), (transports, count)
+                any_src = np.full(count, -1, np.int32)
+                c.sendrecv(x, (r + 1) % 3, any_src, None)
+                assert (any_src == (r - 1) % 3).all() and c.last_source == (r - 1) % 3
+
+        run_ranks(3, body)
+
+
+def test_size_or_dtype_mismatch_raises_and_writes_nothing():
+    with communicators(2, timeout=20) as comms:
+
+        def body(r: int) -> list[str]:
+            c = comms[r]
+            msgs = []
+            if r == 0:
+                c.send(np.arange(4, dtype=np.int32), 1)
+                c.send(np.arange(4, dtype=np.float32), 1)
+                c.send(np.arange(4, dtype=np.int32), 1)
+            else:
+                for bad in (np.full(5, -1, np.int32), np.full(4, -1, np.int32)):
+                    with pytest.raises(pycoll.CollectiveMismatchError) as ei:
+                        c.recv(bad, 0)
+                    assert (bad == -1).all(), "a refused message wrote into recvbuf"
+                    msgs.append(str(ei.value))
+                ok = c.recv(np.empty(4, np.int32), 0)  # the stream stays in step
+                assert (ok == np.arange(4)).all()
+            assert c.allreduce(np.ones(1))[0] == 2  # and the communicator usable
+            return msgs
+
+        msgs = run_ranks(2, body)[1]
+    assert "rank 0 sent 4 x int32" in msgs[0] and "receives 5 x int32" in msgs[0], msgs
+    assert "4 x float32" in msgs[1] and "4 x int32" in msgs[1], msgs
+
+
+@pytest.mark.parametrize("transports", [("shm",), ("tcp",)], ids=lambda t: t[0])
+def test_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
+    with communicators(2, **_cfg(transports)) as comms:
+        comms[1].abort()
+        start = time.monotonic()
+        with pytest.raises(pycoll.PeerAbortedError):
+            comms[0].recv(np.empty(3), 1)
+        assert time.monotonic() - start < 10
+
+
+def test_silent_peer_times_out_naming_it():
+    with communicators(2, timeout=1) as comms:
+        start = time.monotonic()
+        with pytest.raises(pycoll.CollectiveTimeout) as ei:
+            comms[0].recv(np.empty(3), 1, tag=2)
+        assert time.monotonic() - start < 8
+        assert 1 in ei.value.missing or ei.value.peer == 1, ei.value
+        # a request's wait(timeout) gives up and leaves it pending
+        req = comms[1].recv(np.empty(1), 0, async_op=True)
+        with pytest.raises(pycoll.CollectiveTimeout, match="still pending"):
+            req.wait(0.2)
+
+
+def test_collective_that_meets_a_point_to_point_message_raises():
+    """Rank 0 sends, rank 1 starts a collective instead of receiving: over tcp
+    the collective meets the message and rank 1 raises, never pairing the two;
+    rank 0's allreduce, whose bytes from rank 1 were sent before, is right or
+    raises, and its next call raises.  (On one host the collective goes through
+    the group segment and the message waits on the pair's connection.)"""
+    with communicators(2, transports=("tcp",), timeout=10) as comms:
+
+        def body(r: int) -> str:
+            c = comms[r]
+            try:
+                if r == 0:
+                    c.send(np.arange(3.0), 1, tag=1)
+                got = c.allreduce(np.full(3, r + 1.0))
+            except pycoll.PycollError as exc:
+                return type(exc).__name__
+            assert (got == 3.0).all(), got  # never a wrong result
+            with pytest.raises(pycoll.PycollError):
+                c.allreduce(np.ones(3))
+            return "right"
+
+        got = run_ranks(2, body)
+    assert got[1] == "CollectiveMismatchError", got
+    with communicators(2, timeout=10) as comms:
+
+        def on_shm(r: int) -> None:
+            c = comms[r]
+            if r == 0:
+                c.send(np.arange(3.0), 1, tag=1)
+            assert c.allreduce(np.ones(3))[0] == 2
+            if r == 1:
+                assert (c.recv(np.empty(3), 0, tag=1) == np.arange(3.0)).all()
+
+        run_ranks(2, on_shm)
+
+
+def test_bad_arguments_raise_before_anything_moves():
+    with communicators(2, timeout=10) as comms:
+        c = comms[0]
+        for call, match in (
+            (lambda: c.send(np.ones(2), 2), "peer=2"),
+            (lambda: c.send(np.ones(2), None), "destination"),
+            (lambda: c.recv(np.ones(2), -1), "peer=-1"),
+            (lambda: c.send(np.ones(2), 1, tag=1.5), "tag=1.5"),
+            (lambda: c.send(np.ones(2), 1, tag=1 << 63), "64-bit"),
+            (lambda: c.recv(np.ones(4)[::2], 1), "not C-contiguous"),
+            (lambda: c.recv(_read_only(), 1), "read-only"),
+            (lambda: c.recv(np.ones(2), 1, tag=True), "tag=True"),
+            (lambda: c.split(-1), "color=-1"),
+            (lambda: c.split(1, key="a"), "key='a'"),
+        ):
+            seq = c._engine.seq
+            with pytest.raises(pycoll.InvalidArgumentError, match=match):
+                call()
+            assert c._engine.seq <= seq + 1
+        with c.group():
+            req = c.send(np.ones(1), 0)
+            with pytest.raises(pycoll.InvalidArgumentError, match="inside group"):
+                req.wait()
+        with pytest.raises(pycoll.InvalidArgumentError, match="already inside"):
+            with c.group():
+                with c.group():
+                    pass
+        with pytest.raises(pycoll.InvalidArgumentError, match="recvbuf is required"):
+            c.scatter(np.ones(2), None)
+        with pytest.raises(pycoll.InvalidArgumentError, match=r"counts=\[1\]"):
+            c.allgatherv(np.ones(1), np.ones(2), [1])
+        with pytest.raises(pycoll.InvalidArgumentError, match="counts\\[0\\] is 2"):
+            c.allgatherv(np.ones(1), np.ones(3), [2, 1])
+        with pytest.raises(pycoll.InvalidArgumentError, match="recvcounts"):
+            c.alltoallv(np.ones(2), [1, 1], np.ones(2), [2, 0])
+
+
+def test_sub_communicators_share_connections_and_never_pair_with_the_parent():
+    with communicators(4, timeout=20) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            sub = c.split(r // 2)
+            assert sub._engine.conns[1 - sub.rank] is c._engine.conns[r ^ 1]  # no new connection
+            assert sub.transport_of(1 - sub.rank) == c.transport_of(r ^ 1)
+            dup = c.dup()
+            assert dup._engine.group is c._engine.group  # the same ranks share the segment
+            assert sub._engine.group is None
+            for _ in range(20):  # the same calls on three communicators, interleaved
+                a = c.allreduce(np.ones(4))
+                b = sub.allreduce(np.ones(4))
+                d = dup.allreduce(np.ones(4))
+                assert a[0] == 4 and b[0] == 2 and d[0] == 4
+                x = sub.allgather(np.array([r]))
+                assert sorted(x.ravel()) == [r - r % 2, r - r % 2 + 1]
+            assert sub._engine.ctx != c._engine.ctx != dup._engine.ctx
+
+        run_ranks(4, body)
+
+
+def _read_only() -> np.ndarray:
+    a = np.ones(2)
+    a.flags.writeable = False
+    return a
