@@ -64,7 +64,8 @@ torch is imported only by this module; ``import pycoll`` never imports it.
 
 from __future__ import annotations
 
-from pycoll.torch_backend.group import NAME, ProcessGroupPycoll, monitored_barrier
+from pycoll.torch_backend.base import NAME
+from pycoll.torch_backend.group import ProcessGroupPycoll, monitored_barrier
 from pycoll.torch_backend.registration import MPI_LAUNCHER_VARS, register, under_mpi
 
 __all__ = [

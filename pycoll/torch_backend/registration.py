@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 import pycoll
-from pycoll.torch_backend.group import NAME, ProcessGroupPycoll
+from pycoll.torch_backend.base import NAME
+from pycoll.torch_backend.group import ProcessGroupPycoll
 
 _config: dict[str, Any] = {}
 
