@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pycoll.errors import InvalidArgumentError
 from pycoll.torch_backend.base import GroupBase
@@ -21,13 +22,30 @@ class Collectives(GroupBase):
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = reduce_op(opts, self._rank) if opts is not None else "sum"
-        staged = [Staged(t, self._rank, as_bytes=False) for t in tensors]
+        """All ``tensors`` reduced with one allreduce per dtype: the tensors of one
+        dtype are packed into one flat buffer (in their order), reduced together
+        and unpacked; a dtype with a single tensor is reduced in place."""
+        rank = self._rank
+        op = reduce_op(opts, rank) if opts is not None else "sum"
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        parts: list[tuple[Staged, list[torch.Tensor] | None]] = []
+        for ts in by_dtype.values():
+            if len(ts) == 1:
+                parts.append((Staged(ts[0], rank, as_bytes=False), None))
+            else:
+                flat = _flatten_dense_tensors([t.detach().to("cpu") for t in ts])
+                parts.append((Staged(flat, rank, as_bytes=False), ts))
 
         def run() -> list[torch.Tensor]:
-            for s in staged:
+            for s, packed in parts:
                 self._comm.allreduce(s.array, op=op)
-                s.finish()
+                if packed is None:
+                    s.finish()
+                    continue
+                for t, r in zip(packed, _unflatten_dense_tensors(s.tensor, packed), strict=True):
+                    t.detach().copy_(r)
             return tensors
 
         return self._enqueue("allreduce", run)
