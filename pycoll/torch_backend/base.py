@@ -61,6 +61,8 @@ class GroupBase(dist.ProcessGroup):
         self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
         self._lane = (lane or Lane()).join()
         self._closed = False
+        # the point-to-point calls since _start_coalescing (:mod:`.peer`), else None
+        self._batch: list[Any] | None = None
 
     # --- identity
     def getBackendName(self) -> str:

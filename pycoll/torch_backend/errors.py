@@ -50,7 +50,3 @@ def unsupported(rank: int, what: str, instead: str) -> BaseException:
 
 
 GLOO = "run it on a Gloo group: dist.new_group(backend='gloo')"
-P2P = (
-    "point-to-point (send/recv, isend/irecv, batch_isend_irecv, and gather_object or "
-    "scatter_object_list through them) needs " + GLOO
-)

@@ -16,12 +16,14 @@ from torch.distributed.constants import default_pg_timeout
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
 from pycoll.torch_backend.base import NAME
 from pycoll.torch_backend.collectives import Collectives
-from pycoll.torch_backend.errors import GLOO, P2P, torch_error, unsupported
+from pycoll.torch_backend.errors import GLOO, torch_error, unsupported
+from pycoll.torch_backend.exchange import Exchanges
+from pycoll.torch_backend.peer import PointToPoint
 
 log = logging.getLogger(__name__)
 
 
-class ProcessGroupPycoll(Collectives):
+class ProcessGroupPycoll(PointToPoint, Exchanges, Collectives):
     """A ``torch.distributed`` process group over a pycoll communicator.
 
     Args:
@@ -184,42 +186,28 @@ class ProcessGroupPycoll(Collectives):
 
         self._enqueue("monitored_barrier", run).wait()
 
+    # --- torch's bookkeeping
+    def get_group_store(self) -> Any:
+        return self._store
+
+    def _wait_for_pending_works(self) -> None:
+        """Return once the calls queued so far have run."""
+        self._lane.call(lambda: None)
+
     # --- what pycoll does not offer yet: a clear error, not torch's "No backend type"
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:  # type: ignore[override]
-        raise unsupported(self._rank, "send", P2P)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:  # type: ignore[override]
-        raise unsupported(self._rank, "recv", P2P)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise unsupported(self._rank, "recv from any source", P2P)
-
-    def gather(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
-        raise unsupported(
-            self._rank, "gather", "use all_gather (every rank gets the result), or " + GLOO
-        )
-
-    def scatter(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
+    def _get_backend(self, device: Any) -> Any:
         raise unsupported(
             self._rank,
-            "scatter",
-            "use broadcast of the whole tensor and take this rank's part, or " + GLOO,
+            f"_get_backend({device}) (a per-device backend object)",
+            "a pycoll group is its own backend: call its methods",
         )
 
-    def alltoall(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
-        raise unsupported(self._rank, "all_to_all", GLOO)
-
-    def alltoall_base(self, *args: Any, **kw: Any) -> Any:
-        raise unsupported(self._rank, "all_to_all_single", GLOO)
-
-    def all_to_all_single(self, *args: Any, **kw: Any) -> Any:
-        raise unsupported(self._rank, "all_to_all_single", GLOO)
-
-    def _start_coalescing(self, device: Any) -> None:
-        raise unsupported(self._rank, "coalescing (_coalescing_manager)", GLOO)
-
-    def _end_coalescing(self, device: Any) -> Any:
-        raise unsupported(self._rank, "coalescing (_coalescing_manager)", GLOO)
+    def _register_on_completion_hook(self, hook: Any) -> None:
+        raise unsupported(
+            self._rank,
+            "_register_on_completion_hook",
+            "chain on the Work's future: work.get_future().then(...)",
+        )
 
     def merge_remote_group(self, *args: Any, **kw: Any) -> Any:
         raise unsupported(self._rank, "merge_remote_group", GLOO)

@@ -132,6 +132,7 @@ class Lane:
                     still.append((posted, work))
                     continue
                 posted.request.wait()
+                work._source = getattr(posted.request, "source", None)
                 outputs = posted.finish()
             except BaseException as exc:
                 work._fail(exc)
