@@ -224,23 +224,25 @@ class Collectives(GroupBase):
         opts: Any = None,
     ) -> Any:
         """All inputs gathered in one collective: each rank's inputs travel as one
-        block of bytes, split into ``output_lists[i][r]`` on arrival."""
-        if len(output_lists) != len(inputs):
+        block of bytes, split into ``output_lists[r][i]`` (rank r's input i, as
+        torch's ``all_gather_coalesced`` lays them out) on arrival."""
+        rank, n = self._rank, self._size
+        if len(output_lists) != n:
             raise InvalidArgumentError(
-                f"pycoll backend, rank {self._rank}: allgather_coalesced has {len(inputs)} inputs "
-                f"but {len(output_lists)} output lists"
+                f"pycoll backend, rank {rank}: allgather_coalesced needs {n} output lists "
+                f"(one per rank), got {len(output_lists)}"
             )
-        for outs, i in zip(output_lists, inputs, strict=True):
-            if len(outs) != self._size:
+        for outs in output_lists:
+            if len(outs) != len(inputs):
                 raise InvalidArgumentError(
-                    f"pycoll backend, rank {self._rank}: allgather_coalesced needs {self._size} "
-                    f"output tensors per input, got {len(outs)}"
+                    f"pycoll backend, rank {rank}: allgather_coalesced has {len(inputs)} "
+                    f"inputs but an output list of {len(outs)}"
                 )
-            for o in outs:
-                check_dtypes(o, i, "allgather_coalesced", self._rank)
+            for o, i in zip(outs, inputs, strict=True):
+                check_dtypes(o, i, "allgather_coalesced", rank)
                 if o.numel() != i.numel():
                     raise InvalidArgumentError(
-                        f"pycoll backend, rank {self._rank}: allgather_coalesced output of "
+                        f"pycoll backend, rank {rank}: allgather_coalesced output of "
                         f"{o.numel()} elements for an input of {i.numel()}"
                     )
         sizes = [i.numel() * i.element_size() for i in inputs]
@@ -250,13 +252,13 @@ class Collectives(GroupBase):
 
         def run() -> list[list[torch.Tensor]]:
             gathered = self._comm.allgather(x.array).reshape(self._size, -1)
-            for r in range(self._size):
+            for r, outs in enumerate(output_lists):
                 at = 0
-                for outs, n in zip(output_lists, sizes, strict=True):
-                    s = Staged(outs[r], self._rank, as_bytes=True, copy_in=False)
-                    s.array[...] = gathered[r, at : at + n]
+                for o, k in zip(outs, sizes, strict=True):
+                    s = Staged(o, rank, as_bytes=True, copy_in=False)
+                    s.array[...] = gathered[r, at : at + k]
                     s.finish()
-                    at += n
+                    at += k
             return output_lists
 
         return self._enqueue("allgather_coalesced", run)

@@ -88,10 +88,11 @@ def check_collectives(rank: int, size: int) -> None:
     dist.reduce(t, dst=0)
     if rank == 0:
         assert torch.equal(t, torch.full((2,), size * (size + 1) / 2)), t
-    outs = [[torch.empty(2) for _ in range(size)], [torch.empty(3) for _ in range(size)]]
+    # outs[r][i]: rank r's input i (torch's layout)
+    outs = [[torch.empty(2), torch.empty(3)] for _ in range(size)]
     dist.all_gather_coalesced(outs, [torch.tensor([rank, 5.0]), torch.full((3,), rank + 0.5)])
-    assert [o.tolist() for o in outs[0]] == [[r, 5] for r in range(size)], outs
-    assert [o.tolist() for o in outs[1]] == [[r + 0.5] * 3 for r in range(size)], outs
+    assert [o[0].tolist() for o in outs] == [[r, 5] for r in range(size)], outs
+    assert [o[1].tolist() for o in outs] == [[r + 0.5] * 3 for r in range(size)], outs
     # point-to-point: a ring shift, one receive posted before the send
     right, left = (rank + 1) % size, (rank - 1) % size
     got = torch.empty(2)
