@@ -7,7 +7,8 @@ every test's outcome (pass, fail or skip, with the reason) in a JSON file.
     python -m tests.torchsuite.run --backend gloo --world-size 3 --out gloo-3.json -k all_reduce
 
 The file is rewritten after every test (so a long run can be watched), and
-``--resume`` skips the tests it already holds.  Tests run one at a time, each
+``--resume`` skips the tests it already holds (``--retry-failed`` runs only
+those it holds as failed).  Tests run one at a time, each
 in ``--world-size`` fresh processes, each bounded by ``--timeout`` seconds.
 """
 
@@ -47,7 +48,12 @@ def reason_of(text: str) -> str:
     if not starts:
         return " ".join(lines[-3:])[:400]
     at = starts[-1]
-    return " ".join(s.strip() for s in lines[at : at + 3])[:400]
+    said = [lines[at].strip()]
+    for line in lines[at + 1 : at + 3]:  # a message that goes on over lines
+        if not line.strip() or line.startswith("To execute this test"):
+            break
+        said.append(line.strip())
+    return " ".join(said)[:400]
 
 
 class Recorder(unittest.TestResult):
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tests", help="only these tests (comma-separated names)")
     p.add_argument("--timeout", type=int, default=120, help="seconds per test (default 120)")
     p.add_argument("--resume", action="store_true", help="skip the tests --out already holds")
+    p.add_argument(
+        "--retry-failed", action="store_true", help="run again only the tests --out holds as failed"
+    )
     p.add_argument("--list", action="store_true", help="print the selected tests and exit")
     args = p.parse_args(argv)
 
@@ -140,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, "-m", "tests.torchsuite.run", *sys.argv[1:]]),
         "tests": {},
     }
-    if args.resume and out.exists():
+    if (args.resume or args.retry_failed) and out.exists():
         record["tests"] = json.loads(out.read_text())["tests"]
-        names = [n for n in names if n not in record["tests"]]
+        if args.retry_failed:
+            names = [n for n in names if record["tests"].get(n, {}).get("status") == "fail"]
+        else:
+            names = [n for n in names if n not in record["tests"]]
 
     def save(name: str, outcome: dict[str, Any]) -> None:
         record["tests"][name] = outcome
