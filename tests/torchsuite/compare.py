@@ -35,16 +35,21 @@ def regressions(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def label(run: dict[str, Any]) -> str:
+    gate = run.get("gate_as", run["backend"])
+    return run["backend"] if gate == run["backend"] else f"{run['backend']} (gated as {gate})"
+
+
 def table(runs: list[dict[str, Any]], reference: str) -> str:
     lines = [
         "| backend | world size | pass | fail | skip | total |",
         "|---|---|---|---|---|---|",
     ]
-    for r in sorted(runs, key=lambda r: (r["world_size"], r["backend"] != reference)):
+    for r in sorted(runs, key=lambda r: (r["world_size"], r["backend"] != reference, label(r))):
         c = counts(r)
         total = sum(c.values())
         lines.append(
-            f"| {r['backend']} | {r['world_size']} | {c['pass']} | {c['fail']} | "
+            f"| {label(r)} | {r['world_size']} | {c['pass']} | {c['fail']} | "
             f"{c['skip']} | {total} |"
         )
     for r in runs:

@@ -119,12 +119,19 @@ def main(argv: list[str] | None = None) -> int:
         "--retry-failed", action="store_true", help="run again only the tests --out holds as failed"
     )
     p.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    p.add_argument(
+        "--gate-as",
+        metavar="BACKEND",
+        help="select (run or skip) the tests as for this backend, e.g. gloo (see suite.py)",
+    )
     args = p.parse_args(argv)
 
     # What the suite reads when it is imported, here and in every spawned process.
     os.environ["BACKEND"] = args.backend
     os.environ["WORLD_SIZE"] = str(args.world_size)
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(args.timeout)
+    if args.gate_as:
+        os.environ["TORCHSUITE_GATE"] = args.gate_as
     os.environ.setdefault("TEMP_DIR", "/tmp")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "backend": args.backend,
         "world_size": args.world_size,
+        "gate_as": args.gate_as or args.backend,
         "torch": torch.__version__,
         "date": date.today().isoformat(),
         "command": " ".join([sys.executable, "-m", "tests.torchsuite.run", *sys.argv[1:]]),

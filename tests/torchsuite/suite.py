@@ -14,7 +14,12 @@ A backend other than torch's own declares what it offers in
 machine without GPUs the tests that need one skip themselves).  These must be
 declared before the suite is imported, since its decorators read them then.
 Tests gated on a backend by name (``BACKEND != "gloo"``, ``{"gloo"}``) skip
-with that reason.
+with that reason, unless ``TORCHSUITE_GATE=gloo``: then the suite is imported
+as for Gloo (its decorators see ``BACKEND=gloo``, so the same tests run or
+skip as for Gloo) and the tests run on ``BACKEND`` (the suite's module
+global, which ``init_process_group`` takes, and ``os.environ``), so that a
+test Gloo runs can be compared on pycoll.  A test that asks ``BACKEND ==
+"gloo"`` while it runs sees the backend's own name.
 """
 
 from __future__ import annotations
@@ -37,10 +42,19 @@ if BACKEND == pycoll.torch_backend.NAME:
 
 torch.backends.cuda.matmul.allow_tf32 = False
 
+GATE = os.environ.get("TORCHSUITE_GATE")  # the backend whose gates apply, if another
+if GATE:
+    os.environ["BACKEND"] = GATE
+
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
+
+if GATE:
+    os.environ["BACKEND"] = BACKEND
+    distributed_test.BACKEND = BACKEND
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
