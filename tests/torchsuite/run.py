@@ -94,6 +94,14 @@ class Recorder(unittest.TestResult):
         self._keep(test, "fail", "unexpected success")
 
 
+#: The reasons the suite's own checks give where CUDA devices are missing.
+_NO_CUDA = re.compile(r"^(CUDA is not available\.|Need at least \d+ CUDA devices)$")
+
+
+def _cuda_skip(outcome: dict[str, Any] | None) -> bool:
+    return bool(outcome) and outcome["status"] == "skip" and bool(_NO_CUDA.match(outcome["reason"]))
+
+
 def test_names(cls: type, pattern: str | None, only: list[str] | None) -> list[str]:
     names = unittest.TestLoader().getTestCaseNames(cls)
     if only:
@@ -119,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         "--retry-failed", action="store_true", help="run again only the tests --out holds as failed"
     )
     p.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    p.add_argument(
+        "--cuda-skips-from",
+        metavar="FILE",
+        help="take the skips for missing CUDA devices of a run on this machine as this "
+        "run's, without spawning them",
+    )
     p.add_argument(
         "--gate-as",
         metavar="BACKEND",
@@ -171,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(out)
         print(f"[torchsuite] {name}: {outcome['status']} {outcome['reason']}"[:300], flush=True)
 
+    if args.cuda_skips_from:  # no CUDA device here: they skip whatever the backend or size
+        seen = json.loads(Path(args.cuda_skips_from).read_text())["tests"]
+        for name in [n for n in names if _cuda_skip(seen.get(n))]:
+            why = f"{seen[name]['reason']} (not run: as in {Path(args.cuda_skips_from).name})"
+            save(name, {"status": "skip", "reason": why, "seconds": 0.0})
+            names.remove(name)
     result = Recorder(save)
     unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names).run(result)
     counts = {s: 0 for s in ("pass", "fail", "skip")}
