@@ -266,13 +266,20 @@ def raised(name, fn):
         out[name] = None
     except Exception as e:
         out[name] = [type(e).__name__, isinstance(e, pycoll.UnsupportedError), isinstance(e, RuntimeError), str(e)]
-t = torch.ones(4)
-raised("gather", lambda: dist.gather(t, [torch.empty(4)], dst=0))
-raised("scatter", lambda: dist.scatter(t, [torch.ones(4)], src=0))
-raised("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(4), t))
-raised("all_to_all", lambda: dist.all_to_all([torch.empty(4)], [t]))
+t = torch.arange(4.0)
+g = [torch.empty(4)]
+dist.gather(t, g, dst=0)
+s = torch.empty(4)
+dist.scatter(s, [t + 1], src=0)
+a = torch.empty(4)
+dist.all_to_all_single(a, t + 2)
+b = [torch.empty(4)]
+dist.all_to_all([b[0]], [t + 3])
+out["ops"] = [g[0].tolist(), s.tolist(), a.tolist(), b[0].tolist()]
 raised("premul", lambda: dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0)))
 pg = dist.distributed_c10d._get_default_group()
+raised("merge_remote_group", lambda: pg.merge_remote_group(dist.HashStore(), 1, __import__("datetime").timedelta(1)))
+raised("_get_backend", lambda: pg._get_backend(torch.device("cpu")))
 out["name"], out["desc"] = pg.group_name, pg.group_desc
 sub = dist.new_group([0], backend="pycoll")
 out["sub_name"] = sub.group_name
@@ -294,20 +301,22 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(120)
 def test_one_rank_group_names_errors_and_storage() -> None:
-    """At n = 1 (no launcher): unsupported operations raise UnsupportedError naming the
-    operation (a RuntimeError for torch); the group has its name; storage stays resizable."""
+    """At n = 1 (no launcher): gather, scatter and the all_to_alls give their input;
+    unsupported operations raise UnsupportedError naming the operation and what to
+    use instead (a RuntimeError for torch); the group has its name; storage stays
+    resizable."""
     proc = _python(SINGLE, 100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for op, said in [
-        ("gather", "gather"),
-        ("scatter", "scatter"),
-        ("all_to_all_single", "all_to_all_single"),
-        ("all_to_all", "all_to_all"),
+    assert out["ops"] == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6]], out["ops"]
+    for op, said, instead in [
+        ("merge_remote_group", "merge_remote_group", "gloo"),
+        ("_get_backend", "_get_backend(cpu)", "its own backend"),
     ]:
         name, unsupported, runtime, msg = out[op]
         assert (name, unsupported, runtime) == ("UnsupportedError", True, True), out[op]
-        assert f"rank 0: {said} is not supported" in msg and "gloo" in msg.lower(), msg
+        assert f"rank 0: {said}" in msg and "is not supported" in msg, msg
+        assert instead in msg.lower(), msg
     name, unsupported, _, msg = out["premul"]
     assert unsupported and "reduce op PREMUL_SUM is not supported" in msg and "0x" not in msg, msg
     assert "BAND" in msg, msg  # the ops pycoll offers, by name
@@ -338,16 +347,13 @@ def _sharded(backend: str, tmp_path: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_fsdp2_fsdp1_device_mesh_match_gloo(tmp_path: Path) -> None:
-    """DeviceMesh/DTensor, FSDP2 (fully_shard) and FSDP1 on CPU at n = 2: the same
-    losses as over Gloo.  DCP save needs gather, which pycoll lacks yet: it must say so."""
+    """DeviceMesh/DTensor (distribute_tensor scatters), FSDP2 (fully_shard), FSDP1 and
+    a DCP save and load (which gathers) on CPU at n = 2: the same losses as over Gloo."""
     gloo = _sharded("gloo", tmp_path)
     mine = _sharded("pycoll", tmp_path)
-    for part in ("mesh", "fsdp2", "fsdp1"):
+    for part in ("mesh", "fsdp2", "fsdp1", "dcp"):
         assert "losses" in mine[part], (part, mine[part])
         assert mine[part]["losses"] == gloo[part]["losses"], (part, mine[part], gloo[part])
-    assert "losses" in gloo["dcp"], gloo["dcp"]
-    assert mine["dcp"]["error"] == "UnsupportedError", mine["dcp"]
-    assert "gather is not supported" in mine["dcp"]["message"], mine["dcp"]
 
 
 LAUNCH = str(ROOT / "tests" / "torchdist" / "launch_allreduce.py")

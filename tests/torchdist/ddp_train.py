@@ -88,17 +88,18 @@ def check_collectives(rank: int, size: int) -> None:
     dist.reduce(t, dst=0)
     if rank == 0:
         assert torch.equal(t, torch.full((2,), size * (size + 1) / 2)), t
-    outs = [[torch.empty(2) for _ in range(size)], [torch.empty(3) for _ in range(size)]]
+    # outs[r][i]: rank r's input i (torch's layout)
+    outs = [[torch.empty(2), torch.empty(3)] for _ in range(size)]
     dist.all_gather_coalesced(outs, [torch.tensor([rank, 5.0]), torch.full((3,), rank + 0.5)])
-    assert [o.tolist() for o in outs[0]] == [[r, 5] for r in range(size)], outs
-    assert [o.tolist() for o in outs[1]] == [[r + 0.5] * 3 for r in range(size)], outs
-    for fn in (dist.send, dist.recv, dist.isend, dist.irecv):
-        try:
-            fn(torch.ones(2), (rank + 1) % size)
-        except pycoll.UnsupportedError as exc:
-            assert isinstance(exc, RuntimeError) and "is not supported" in str(exc), exc
-        else:
-            raise AssertionError(f"{fn.__name__} did not raise")
+    assert [o[0].tolist() for o in outs] == [[r, 5] for r in range(size)], outs
+    assert [o[1].tolist() for o in outs] == [[r + 0.5] * 3 for r in range(size)], outs
+    # point-to-point: a ring shift, one receive posted before the send
+    right, left = (rank + 1) % size, (rank - 1) % size
+    got = torch.empty(2)
+    recv = dist.irecv(got, left)
+    dist.send(torch.tensor([rank, 7.0]), right)
+    recv.wait()
+    assert got.tolist() == [left, 7.0], got
     work = dist.all_reduce(torch.ones(3), async_op=True)
     work.wait()
     assert work.is_completed() and work.is_success() and work.exception() is None

@@ -74,12 +74,10 @@ def fsdp1(rank: int, size: int, steps: int) -> list[float]:
 
 
 def mesh(rank: int, size: int, steps: int) -> list[float]:
-    """A DeviceMesh, a DTensor sharded over it, redistributed and summed.
-
-    (``distribute_tensor`` of a whole tensor needs scatter; each rank makes its shard.)
-    """
+    """A DeviceMesh, a DTensor sharded over it (from each rank's shard, and from
+    rank 0's whole tensor, scattered), redistributed and summed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     dm = init_device_mesh("cpu", (size,), mesh_dim_names=("dp",))
     torch.manual_seed(1)
@@ -87,7 +85,15 @@ def mesh(rank: int, size: int, steps: int) -> list[float]:
     d = DTensor.from_local(full[4 * rank : 4 * rank + 4], dm, [Shard(0)])
     r = d.redistribute(dm, [Replicate()])
     assert torch.equal(r.to_local(), full)
-    return [float(full.sum()), float(d.full_tensor().sum()), float((d * 2).sum().full_tensor())]
+    mine = full if rank == 0 else torch.zeros_like(full)  # only the source's counts
+    whole = distribute_tensor(mine, dm, [Shard(0)])
+    assert torch.equal(whole.to_local(), full[4 * rank : 4 * rank + 4])
+    return [
+        float(full.sum()),
+        float(d.full_tensor().sum()),
+        float((d * 2).sum().full_tensor()),
+        float(whole.full_tensor().sum()),
+    ]
 
 
 def dcp(rank: int, size: int, steps: int) -> list[float]:

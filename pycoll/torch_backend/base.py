@@ -1,0 +1,141 @@
+"""What every pycoll process group has: identity, its worker, its lifecycle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+import pycoll
+from pycoll.torch_backend.work import Work
+from pycoll.torch_backend.worker import Lane
+
+log = logging.getLogger(__name__)
+
+NAME = "pycoll"
+
+
+class GroupBase(dist.ProcessGroup):
+    """A ``torch.distributed`` process group over a pycoll communicator: the part
+    its operations (:mod:`.collectives`, :mod:`.peer`, :mod:`.exchange`) share.
+
+    Args:
+        comm: the communicator (this group closes it on ``shutdown``).
+        rank: this process' rank in the group (must equal ``comm.rank``).
+        size: the group size (must equal ``comm.size``).
+        bootstrap: the bootstrap ``comm`` was built over; ``shutdown`` passes a
+            barrier on it (bounded by the timeout) before closing ``comm``.
+        store: the group's ``torch.distributed`` store (``monitored_barrier`` meets
+            there); None: ``monitored_barrier`` is unsupported.
+        lane: the worker thread of ``comm``'s family (:mod:`.worker`), shared with
+            the groups over communicators split from the same root; None: a new one.
+
+    Every collective is bounded by ``comm.config.timeout``.
+    """
+
+    def __init__(
+        self,
+        comm: pycoll.Communicator,
+        rank: int,
+        size: int,
+        bootstrap: Any = None,
+        store: Any = None,
+        lane: Lane | None = None,
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        if (comm.rank, comm.size) != (rank, size):
+            raise RuntimeError(
+                f"pycoll backend: torch rank {rank} of {size} but the pycoll communicator "
+                f"is rank {comm.rank} of {comm.size}"
+            )
+        self._comm = comm
+        self._bootstrap = bootstrap
+        self._rank = rank
+        self._size = size
+        self._store = store
+        self._timeout = float(comm.config.timeout)
+        self._group_name = ""
+        self._group_desc = ""
+        self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
+        self._lane = (lane or Lane()).join()
+        self._closed = False
+        # the point-to-point calls since _start_coalescing (:mod:`.peer`), else None
+        self._batch: list[Any] | None = None
+
+    # --- identity
+    def getBackendName(self) -> str:
+        return NAME
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    # c10d names every group (``_set_group_name``/``_set_group_desc``) and looks
+    # groups up by name: DeviceMesh, DTensor, FSDP2, functional collectives and
+    # destroy_process_group.  A C++ group keeps the name in its backend; a Python
+    # group has none, so it keeps the name itself.
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupPycoll rank {self._rank} of {self._size}>"
+
+    @property
+    def communicator(self) -> pycoll.Communicator:
+        return self._comm
+
+    # --- the worker
+    def _enqueue(self, what: str, run: Callable[[], Any]) -> Work:
+        if self._closed:
+            raise RuntimeError(f"pycoll backend: {self!r} is shut down")
+        lane = self._lane
+        work = Work(what, self._rank, self._timeout, lane.busy)
+        lane.put(run, work)
+        return work
+
+    def shutdown(self) -> None:
+        """Finish queued calls, close the communicator, stop the worker (once no
+        group of the family uses it)."""
+        if self._closed:
+            return
+        self._closed = True
+        lane = self._lane
+
+        def close() -> None:
+            if lane.broken:  # a failed call: the peers may be gone, wait for none
+                self._comm.abort()
+                return
+            if self._bootstrap is not None:
+                # Every rank must have drained its last collective before any closes:
+                # a shm peer that sees the other end closed fails a receive whose
+                # data was already delivered.
+                try:
+                    self._bootstrap.barrier(self._comm.config.timeout, "pycoll backend: shutdown")
+                except pycoll.PycollError as exc:
+                    log.warning("pycoll backend: %s", exc)
+            self._comm.close()
+
+        try:
+            lane.call(close)
+        finally:
+            lane.leave()
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._comm.abort()
+        self._lane.leave(wait=False)

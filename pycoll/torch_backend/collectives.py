@@ -1,0 +1,264 @@
+"""The reductions and data movement DDP, FSDP and DTensor use: allreduce (and its
+coalesced form), broadcast, reduce, allgather (and its single-tensor and
+coalesced forms), reduce_scatter (likewise) and barrier."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pycoll.errors import InvalidArgumentError
+from pycoll.torch_backend.base import GroupBase
+from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
+
+
+class Collectives(GroupBase):
+    """The collectives of :class:`~pycoll.torch_backend.ProcessGroupPycoll`."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        check_one(tensors, "allreduce", self._rank)
+        return self.allreduce_coalesced(tensors, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """All ``tensors`` reduced with one allreduce per dtype: the tensors of one
+        dtype are packed into one flat buffer (in their order), reduced together
+        and unpacked; a dtype with a single tensor is reduced in place."""
+        rank = self._rank
+        op = reduce_op(opts, rank) if opts is not None else "sum"
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        parts: list[tuple[Staged, list[torch.Tensor] | None]] = []
+        for ts in by_dtype.values():
+            if len(ts) == 1:
+                parts.append((Staged(ts[0], rank, as_bytes=False), None))
+            else:
+                flat = _flatten_dense_tensors([t.detach().to("cpu") for t in ts])
+                parts.append((Staged(flat, rank, as_bytes=False), ts))
+
+        def run() -> list[torch.Tensor]:
+            for s, packed in parts:
+                self._comm.allreduce(s.array, op=op)
+                if packed is None:
+                    s.finish()
+                    continue
+                for t, r in zip(packed, _unflatten_dense_tensors(s.tensor, packed), strict=True):
+                    t.detach().copy_(r)
+            return tensors
+
+        return self._enqueue("allreduce", run)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        check_one(tensors, "broadcast", self._rank)
+        root = int(opts.rootRank) if opts is not None else 0
+        s = Staged(tensors[0], self._rank, as_bytes=True, copy_in=self._rank == root)
+
+        def run() -> list[torch.Tensor]:
+            self._comm.broadcast(s.array, root=root)
+            if self._rank != root:
+                s.finish()
+            return tensors
+
+        return self._enqueue("broadcast", run)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        check_one(tensors, "reduce", self._rank)
+        op = reduce_op(opts, self._rank) if opts is not None else "sum"
+        root = int(opts.rootRank) if opts is not None else 0
+        s = Staged(tensors[0], self._rank, as_bytes=False)
+
+        def run() -> list[torch.Tensor]:
+            self._comm.reduce(s.array, root=root, op=op)
+            if self._rank == root:
+                s.finish()
+            return tensors
+
+        return self._enqueue("reduce", run)
+
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        check_one(input_tensors, "allgather", self._rank)
+        outs = output_tensors[0]
+        if len(outs) != self._size:
+            raise InvalidArgumentError(
+                f"pycoll backend, rank {self._rank}: allgather needs {self._size} output tensors, got {len(outs)}"
+            )
+        x = Staged(input_tensors[0], self._rank, as_bytes=True)
+        k = x.array.size
+        for o in outs:
+            check_dtypes(o, input_tensors[0], "allgather", self._rank)
+            if o.numel() * o.element_size() != k:
+                raise InvalidArgumentError(
+                    f"pycoll backend, rank {self._rank}: allgather output tensor of {o.numel()} x {o.dtype} "
+                    f"does not match the input's {input_tensors[0].numel()} x {input_tensors[0].dtype}"
+                )
+        staged = [Staged(o, self._rank, as_bytes=True, copy_in=False) for o in outs]
+
+        def run() -> list[list[torch.Tensor]]:
+            gathered = self._comm.allgather(x.array).reshape(self._size, k)
+            for r, s in enumerate(staged):
+                s.array[...] = gathered[r]
+                s.finish()
+            return output_tensors
+
+        return self._enqueue("allgather", run)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        pairs = []
+        for o, i in zip(outputs, inputs, strict=True):
+            check_dtypes(o, i, "allgather_into_tensor", self._rank)
+            if o.numel() * o.element_size() != self._size * i.numel() * i.element_size():
+                raise InvalidArgumentError(
+                    f"pycoll backend, rank {self._rank}: allgather output has {o.numel()} elements, expected "
+                    f"{self._size} x {i.numel()}"
+                )
+            pairs.append(
+                (
+                    Staged(i, self._rank, as_bytes=True),
+                    Staged(o, self._rank, as_bytes=True, copy_in=False),
+                )
+            )
+
+        def run() -> list[torch.Tensor]:
+            for x, out in pairs:
+                self._comm.allgather(x.array, out.array)
+                out.finish()
+            return outputs
+
+        return self._enqueue("allgather_into_tensor", run)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Any:
+        check_one(output_tensors, "reduce_scatter", self._rank)
+        ins = input_tensors[0]
+        for t in ins:
+            check_dtypes(output_tensors[0], t, "reduce_scatter", self._rank)
+        if len(ins) != self._size:
+            raise InvalidArgumentError(
+                f"pycoll backend, rank {self._rank}: reduce_scatter needs {self._size} input tensors, got {len(ins)}"
+            )
+        flat_in = torch.cat([t.detach().reshape(-1).to("cpu") for t in ins])
+        return self._reduce_scatter([output_tensors[0]], [flat_in], opts)
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        return self._reduce_scatter([output], [input], opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        return self._reduce_scatter([output], [input], opts)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self._reduce_scatter(outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self._reduce_scatter(outputs, inputs, opts)
+
+    def _reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        op = reduce_op(opts, self._rank) if opts is not None else "sum"
+        pairs = []
+        for o, i in zip(outputs, inputs, strict=True):
+            check_dtypes(o, i, "reduce_scatter", self._rank)
+            if i.numel() != self._size * o.numel():
+                raise InvalidArgumentError(
+                    f"pycoll backend, rank {self._rank}: reduce_scatter input has {i.numel()} elements, expected "
+                    f"{self._size} x {o.numel()}"
+                )
+            pairs.append(
+                (
+                    Staged(i, self._rank, as_bytes=False),
+                    Staged(o, self._rank, as_bytes=False, copy_in=False),
+                )
+            )
+
+        def run() -> list[torch.Tensor]:
+            for x, out in pairs:
+                self._comm.reduce_scatter(x.array, out.array, op=op)
+                out.finish()
+            return outputs
+
+        return self._enqueue("reduce_scatter", run)
+
+    def barrier(self, opts: Any = None) -> Any:
+        def run() -> list[torch.Tensor]:
+            self._comm.barrier()
+            return []
+
+        return self._enqueue("barrier", run)
+
+    def allgather_coalesced(  # type: ignore[override]
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        """All inputs gathered in one collective: each rank's inputs travel as one
+        block of bytes, split into ``output_lists[r][i]`` (rank r's input i, as
+        torch's ``all_gather_coalesced`` lays them out) on arrival."""
+        rank, n = self._rank, self._size
+        if len(output_lists) != n:
+            raise InvalidArgumentError(
+                f"pycoll backend, rank {rank}: allgather_coalesced needs {n} output lists "
+                f"(one per rank), got {len(output_lists)}"
+            )
+        for outs in output_lists:
+            if len(outs) != len(inputs):
+                raise InvalidArgumentError(
+                    f"pycoll backend, rank {rank}: allgather_coalesced has {len(inputs)} "
+                    f"inputs but an output list of {len(outs)}"
+                )
+            for o, i in zip(outs, inputs, strict=True):
+                check_dtypes(o, i, "allgather_coalesced", rank)
+                if o.numel() != i.numel():
+                    raise InvalidArgumentError(
+                        f"pycoll backend, rank {rank}: allgather_coalesced output of "
+                        f"{o.numel()} elements for an input of {i.numel()}"
+                    )
+        sizes = [i.numel() * i.element_size() for i in inputs]
+        parts = [i.detach().reshape(-1).view(torch.uint8).to("cpu") for i in inputs]
+        block = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        x = Staged(block, self._rank, as_bytes=True)
+
+        def run() -> list[list[torch.Tensor]]:
+            gathered = self._comm.allgather(x.array).reshape(self._size, -1)
+            for r, outs in enumerate(output_lists):
+                at = 0
+                for o, k in zip(outs, sizes, strict=True):
+                    s = Staged(o, rank, as_bytes=True, copy_in=False)
+                    s.array[...] = gathered[r, at : at + k]
+                    s.finish()
+                    at += k
+            return output_lists
+
+        return self._enqueue("allgather_coalesced", run)

@@ -1,0 +1,130 @@
+"""Tensors as pycoll sees them: flat host NumPy views, dtypes, reduce ops, checks.
+
+CPU contiguous tensors are viewed zero-copy through DLPack (which leaves their
+storage resizable); non-contiguous and CUDA tensors go through a contiguous
+host copy that :meth:`Staged.finish` writes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pycoll.errors import InvalidArgumentError, UnsupportedError
+from pycoll.torch_backend.errors import torch_error
+
+OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+}
+
+NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.uint16: np.uint16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint32: np.uint32,
+    torch.uint64: np.uint64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+
+class Staged:
+    """A tensor seen as a flat host NumPy array; ``finish()`` writes results back.
+
+    CPU contiguous tensors share memory with the array (nothing to write back);
+    non-contiguous and CUDA tensors go through a contiguous host copy.
+    """
+
+    def __init__(self, t: torch.Tensor, rank: int, *, as_bytes: bool, copy_in: bool = True) -> None:
+        self.tensor = t
+        src = t.detach()
+        self.copied = src.device.type != "cpu" or not src.is_contiguous()
+        if self.copied:
+            host = (
+                src.to("cpu", copy=True).contiguous()
+                if copy_in
+                else torch.empty(src.shape, dtype=src.dtype)
+            )
+        else:
+            host = src
+        self.host = host
+        self.array = numpy_view(host.reshape(-1), as_bytes, rank)
+
+    def finish(self) -> None:
+        if self.copied:
+            self.tensor.detach().copy_(self.host)
+
+
+def numpy_view(flat: torch.Tensor, as_bytes: bool, rank: int) -> np.ndarray:
+    # DLPack, not Tensor.numpy(): numpy() marks the storage non-resizable for good,
+    # and FSDP frees and regrows its parameters' storage (resize_) between steps.
+    # The capsule keeps the tensor alive as long as the array.
+    if as_bytes:
+        return np.from_dlpack(flat.view(torch.uint8))
+    if flat.dtype is torch.bfloat16:  # not a DLPack dtype NumPy knows
+        return np.from_dlpack(flat.view(torch.int16)).view(ml_dtypes.bfloat16)
+    if flat.dtype not in NUMPY_DTYPES:
+        raise InvalidArgumentError(
+            f"pycoll backend, rank {rank}: reductions on {flat.dtype} tensors are not supported; "
+            f"use one of bfloat16, {', '.join(str(d) for d in NUMPY_DTYPES)}"
+        )
+    return np.from_dlpack(flat)
+
+
+def op_name(op: Any) -> str:
+    """``SUM``, ``BAND``...: a ``ReduceOp``'s name (its repr is an address)."""
+    kind = getattr(op, "op", op)
+    return str(getattr(kind, "name", kind))
+
+
+def reduce_op(opts: Any, rank: int) -> str:
+    op = opts.reduceOp
+    for key, name in OPS.items():
+        if op == key:
+            return name
+    known = ", ".join(op_name(k) for k in OPS)
+    raise torch_error(
+        UnsupportedError(
+            f"pycoll backend, rank {rank}: reduce op {op_name(op)} is not supported; use one of {known}",
+            rank=rank,
+        )
+    )
+
+
+def check_one(tensors: Sequence[torch.Tensor], what: str, rank: int) -> None:
+    if len(tensors) != 1:
+        # c10d's multi-device-per-process form (one tensor per local GPU) is gone
+        # from DDP; every current caller passes a list of one.
+        raise torch_error(
+            UnsupportedError(
+                f"pycoll backend, rank {rank}: {what} takes a list of exactly one tensor, got {len(tensors)}",
+                rank=rank,
+            )
+        )
+
+
+def check_dtypes(out: torch.Tensor, x: torch.Tensor, what: str, rank: int) -> None:
+    if out.dtype != x.dtype:
+        raise InvalidArgumentError(
+            f"pycoll backend, rank {rank}: {what}: the output is {out.dtype} but the input is "
+            f"{x.dtype}; they must match"
+        )

@@ -1,0 +1,201 @@
+"""torch's ``Work`` for pycoll's calls: one per call, completed by the group's
+worker thread (:mod:`pycoll.torch_backend.worker`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from time import monotonic
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pycoll.diagnose import grace_for
+from pycoll.errors import CollectiveTimeout
+from pycoll.torch_backend.errors import torch_error
+
+log = logging.getLogger(__name__)
+
+
+class Busy:
+    """What the group's worker thread is running: the collective's name and since when."""
+
+    def __init__(self) -> None:
+        self.what = ""
+        self.since: float | None = None
+
+
+class Posted:
+    """A point-to-point call posted on the communicator, completed later.
+
+    Args:
+        request: pycoll's request (``test()``, ``wait()``).
+        finish: run once the request completed; returns the Work's outputs.
+    """
+
+    __slots__ = ("finish", "request")
+
+    def __init__(self, request: Any, finish: Callable[[], Any]) -> None:
+        self.request = request
+        self.finish = finish
+
+
+class Work(dist._Work):  # type: ignore[misc,name-defined]
+    """One call (a collective, a send or a receive), queued to its group's worker
+    thread: torch's ``Work``.
+
+    ``wait()`` (what the synchronous ``dist.*`` calls run) and ``result()`` raise
+    the call's error; ``get_future()``'s future completes with the outputs or
+    fails with that error; ``is_completed()``, ``is_success()`` and
+    ``exception()`` say how it ended; a receive's ``source_rank()`` names its
+    sender.  No wait is unbounded: each collective is bounded by the
+    communicator's timeout, and one that has run longer than that plus a grace
+    period (a stuck worker) makes every waiter raise; a posted send or receive
+    waits for its peer at most the timeout.
+    """
+
+    def __init__(self, what: str, rank: int, timeout: float, worker: Busy) -> None:
+        super().__init__()
+        self._what = what
+        self._rank = rank
+        self._timeout = timeout
+        self._worker = worker
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._outputs: Any = None
+        self._posted: float | None = None  # when its send or receive was posted
+        self._source: int | None = None  # a receive's sender, once complete
+        self._head: torch.futures.Future[Any] = torch.futures.Future()
+        # Future.set_exception stores the exception as the future's *value* (only
+        # Python's wait() raises it): DDP's reducer, in C++, would take it for its
+        # tensors and crash.  An exception raised in a then() callback fails the
+        # chained future in C++, where every consumer sees the error.
+        self._future = self._head.then(self._outcome)
+
+    def _outcome(self, head: torch.futures.Future[Any]) -> Any:
+        if self._error is not None:
+            raise self._error
+        return head.value()
+
+    def _run(self, run: Callable[[], Any]) -> Posted | None:
+        """Run the call (on the worker thread) and complete this work, or return
+        the :class:`Posted` call that completes it later."""
+        self._worker.what, self._worker.since = self._what, monotonic()
+        try:
+            outputs = run()
+        except BaseException as exc:
+            self._fail(exc)
+            return None
+        finally:
+            self._worker.since = None
+        if isinstance(outputs, Posted):
+            self._posted = monotonic()
+            return outputs
+        self._complete(outputs)
+        return None
+
+    def _complete(self, outputs: Any) -> None:
+        self._outputs = outputs
+        try:
+            self._head.set_result(outputs)
+        finally:
+            self._done.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        log.info("pycoll backend: %s (raised by the Work's wait)", exc)
+        self._error = torch_error(exc)
+        self._complete(None)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective is done; raise its error.
+
+        Args:
+            timeout: wait at most this long (torch's ``timedelta(0)``, or None:
+                until the collective ends, which the group's timeout bounds).
+
+        Raises:
+            PycollError: the collective failed (also a ``DistBackendError``).
+            CollectiveTimeout: not done within ``timeout``; the collective goes on.
+        """
+        limit = timeout.total_seconds() if timeout is not None else 0.0
+        if limit > 0:
+            if not self._done.wait(limit):
+                raise torch_error(
+                    CollectiveTimeout(
+                        f"pycoll backend, rank {self._rank}: {self._what} still running after "
+                        f"wait(timeout={limit:g} s); it goes on (the group's timeout bounds it)",
+                        rank=self._rank,
+                    )
+                )
+        else:
+            self._wait_bounded()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _wait_bounded(self) -> None:
+        # Collectives queued before this one end within the timeout each, or fail
+        # fast once one has failed; this bound catches a worker stuck beyond that.
+        # A posted send or receive waits for its peer at most the timeout, as
+        # Gloo's does.
+        bound = self._timeout + grace_for(self._timeout) + 30.0
+        start = monotonic()
+        while not self._done.wait(1.0):
+            since = self._worker.since
+            if since is not None and monotonic() - since > bound:
+                raise torch_error(
+                    CollectiveTimeout(
+                        f"pycoll backend, rank {self._rank}: {self._what} cannot finish: "
+                        f"{self._worker.what} has run for {monotonic() - since:.0f} s on the "
+                        f"group's worker, beyond its timeout of {self._timeout:g} s",
+                        rank=self._rank,
+                    )
+                )
+            if self._posted is not None and monotonic() - start > self._timeout:
+                raise torch_error(
+                    CollectiveTimeout(
+                        f"pycoll backend, rank {self._rank}: {self._what} still pending after "
+                        f"waiting the group's timeout of {self._timeout:g} s (its peer never "
+                        "posted the matching call); it stays posted",
+                        rank=self._rank,
+                    )
+                )
+
+    def source_rank(self) -> int:
+        """The group rank a receive took its message from (torch's ``sourceRank``).
+
+        Raises:
+            RuntimeError: not a receive, or not complete.
+        """
+        if self._source is None:
+            raise RuntimeError(
+                f"pycoll backend: sourceRank() may only be called on a completed recv or "
+                f"recv-from-any work, not on {self!r}"
+            )
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done.is_set() else "failed" if self._error else "done"
+        return f"<pycoll Work {self._what} {state}>"

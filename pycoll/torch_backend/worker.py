@@ -1,0 +1,155 @@
+"""The worker thread of a family of process groups.
+
+A pycoll communicator and the sub-communicators split from it share one set of
+connections and take one call at a time (:mod:`pycoll.engine`'s family): two
+threads inside calls of one family raise ``ConcurrentCallError``.  So the world
+group and the subgroups split from it (:meth:`ProcessGroupPycoll.new_group`)
+share one :class:`Lane`: one thread that runs their calls in the order the
+program issued them.  A group bootstrapped on its own has a lane of its own.
+
+Point-to-point calls do not hold the thread until they complete: a job posts
+the send or receive (``async_op=True``) and returns a :class:`Posted`; between
+jobs the thread progresses what is posted and completes each ``Work`` as its
+request completes, so that an ``irecv`` posted before an ``isend`` on both
+ranks never deadlocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pycoll.errors import CommunicatorClosedError, InvalidArgumentError, PycollError
+from pycoll.torch_backend.work import Busy, Posted, Work
+
+log = logging.getLogger(__name__)
+
+#: Idle naps between rounds of progress while point-to-point calls are posted:
+#: from 20 us, doubling, to at most 2 ms (a new job ends a nap at once).
+NAP_MIN = 20e-6
+NAP_MAX = 2e-3
+
+
+class Lane:
+    """One worker thread and its queue, shared by a family of process groups.
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str = "pycoll-torch") -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.busy = Busy()
+        self.broken = False  # a call failed: the family is unusable, peers may be gone
+        self.users = 0  # open process groups on this lane
+        self.posted: list[tuple[Posted, Work]] = []
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ groups
+    def join(self) -> Lane:
+        """A process group starts using the lane."""
+        self.users += 1
+        return self
+
+    def leave(self, wait: bool = True) -> None:
+        """A process group is done with the lane; the last one stops the thread
+        (``wait``: once it has run what is queued)."""
+        self.users -= 1
+        if self.users == 0:
+            self.jobs.put(None)
+            if wait:
+                self.thread.join()
+
+    # ------------------------------------------------------------------ jobs
+    def put(self, run: Callable[[], Any], work: Work) -> None:
+        """Queue ``run``, which completes ``work``."""
+        self.jobs.put((run, work))
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the thread after what is queued; its result (or error)."""
+        box: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:
+                box.append((False, exc))
+            finally:
+                done.set()
+
+        self.jobs.put(run)
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    # ------------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        nap = 0.0
+        while True:
+            try:
+                job = self.jobs.get(timeout=nap) if self.posted else self.jobs.get()
+            except queue.Empty:
+                job = False
+            if job is None:
+                self._abandon()
+                return
+            if job is not False:
+                self._run(job)
+            moved = self._progress() if self.posted else False
+            if moved or job is not False:
+                nap = 0.0
+            else:
+                nap = min(max(2 * nap, NAP_MIN), NAP_MAX)
+
+    def _run(self, job: Any) -> None:
+        if not isinstance(job, tuple):
+            job()  # a call(): it keeps its own outcome
+            return
+        run, work = job
+        posted = work._run(run)
+        if posted is not None:
+            self.posted.append((posted, work))
+        self._note(work._error)
+
+    def _note(self, error: BaseException | None) -> None:
+        if isinstance(error, PycollError) and not isinstance(error, InvalidArgumentError):
+            self.broken = True
+
+    def _progress(self) -> bool:
+        """One round of progress on the posted calls; whether any completed."""
+        moved = False
+        still = []
+        for posted, work in self.posted:
+            try:
+                if not posted.request.test():
+                    still.append((posted, work))
+                    continue
+                posted.request.wait()
+                work._source = getattr(posted.request, "source", None)
+                outputs = posted.finish()
+            except BaseException as exc:
+                work._fail(exc)
+                self._note(exc)
+            else:
+                work._complete(outputs)
+            moved = True
+        self.posted = still
+        return moved
+
+    def _abandon(self) -> None:
+        """The last group shut down with calls still posted: they fail."""
+        for _, work in self.posted:
+            work._fail(
+                CommunicatorClosedError(
+                    f"pycoll backend: {work._what} was still pending when its process "
+                    "group shut down"
+                )
+            )
+        self.posted = []
