@@ -55,6 +55,14 @@ class Staged:
     """
 
     def __init__(self, t: torch.Tensor, rank: int, *, as_bytes: bool, copy_in: bool = True) -> None:
+        if t.layout != torch.strided:  # sparse (COO, CSR...) and other layouts
+            raise torch_error(
+                UnsupportedError(
+                    f"pycoll backend, rank {rank}: {t.layout} tensors are not supported; "
+                    "pass dense tensors (tensor.to_dense()), or run it on a Gloo group",
+                    rank=rank,
+                )
+            )
         self.tensor = t
         src = t.detach()
         self.copied = src.device.type != "cpu" or not src.is_contiguous()

@@ -61,7 +61,7 @@ def table(runs: list[dict[str, Any]], reference: str) -> str:
         lost = regressions(refs[0], r)
         lines += [
             "",
-            f"Pass on {reference}, fail on {r['backend']} at {r['world_size']}: {len(lost)}",
+            f"Pass on {reference}, fail on {label(r)} at {r['world_size']}: {len(lost)}",
         ]
         lines += [f"- `{name}`: {why}" for name, why in lost.items()]
     return "\n".join(lines)
