@@ -424,7 +424,6 @@ class Engine:
                 seq = self.seq
             rec: list[Any] = [seq, call, monotonic(), None, "running"]
             self.recent.append(rec)
-            fam.running = rec
             trace = log.isEnabledFor(TRACE)
             if trace:
                 log.log(TRACE, "start %s", Record(*rec))
@@ -456,7 +455,6 @@ class Engine:
             self.seq = seq = self.seq + 1
             rec: list[Any] = [seq, p.call, monotonic(), None, "running"]
             self.recent.append(rec)
-            self.fam.running = rec
             trace = log.isEnabledFor(TRACE)
             if trace:
                 log.log(TRACE, "start %s", Record(*rec))
@@ -488,11 +486,12 @@ class Engine:
         """A call found another thread's call running: fail it, and leave the
         communicator unusable so that the running one fails too."""
         fam = self.fam
-        cur = fam.running
-        running = f" (#{cur[_SEQ]} {cur[_CALL].collective})" if cur is not None else ""
+        cur = self.recent[-1] if self.recent else None
+        running = f" (its last: #{cur[_SEQ]} {cur[_CALL].collective})" if cur is not None else ""
         err = ConcurrentCallError(
-            f"rank {self.rank}: {what}: called while another thread's collective{running} "
-            "runs on this communicator; collectives pair up across ranks by their order, and "
+            f"rank {self.rank}: {what}: called while another thread's call runs on this "
+            f"communicator{running} or one that shares its connections; collectives pair up "
+            "across ranks by their order, and "
             "calls that overlap have none that every rank shares, so both fail and the "
             "communicator is unusable.  Call collectives from one thread at a time (the "
             "next after the last returned), or queue them with async_op=True",

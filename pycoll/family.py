@@ -73,7 +73,6 @@ class Family:
         # 2-core machine it made a replayed 8 B allreduce at n = 1 0.2-0.3 us slower.
         busy = threading.Lock()
         self.enter, self.leave = busy.acquire, busy.release
-        self.running: list[Any] | None = None  # the recorder entry of the call that runs
         self.caller = threading.current_thread()
         # Asynchronous calls run on a worker thread beside the caller's
         # computation: there a spinning waiter would take the core (and the GIL)
