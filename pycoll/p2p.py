@@ -51,12 +51,16 @@ _HDR = struct.Struct("<IIqQI12x")  # magic, context, tag, count, dtype id (32 by
 _MAGIC = 0x50325031  # "P2P1"
 HDR_FP = zlib.crc32(b"pycoll point-to-point header")
 DATA_FP = zlib.crc32(b"pycoll point-to-point payload")
-EAGER_FP = zlib.crc32(b"pycoll point-to-point eager message")
-#: A payload up to this many bytes travels inside its header's message, padded to
-#: EAGER_BYTES: one transport message instead of two, which halves a small
-#: message's cost.
-EAGER_BYTES = 256
-EAGER_MAX = EAGER_BYTES - _HDR.size
+#: A payload that fits travels inside its header's message, padded to the least
+#: of these sizes that holds both: one transport message instead of two, which
+#: halves a small message's cost.  Each size has its own fingerprint, so the
+#: receiver knows the message's size from its tag (``probe``).
+EAGER_SIZES = (256, 4096, 32768)
+EAGER_FPS = {
+    zlib.crc32(f"pycoll point-to-point eager message {b}".encode()): b for b in EAGER_SIZES
+}
+_EAGER_FP_OF = {b: fp for fp, b in EAGER_FPS.items()}
+EAGER_MAX = EAGER_SIZES[-1] - _HDR.size
 _M32 = 0xFFFFFFFF
 _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _DTYPES = {i: dt for dt, i in _DTYPE_IDS.items()}
@@ -165,7 +169,7 @@ class PointToPoint:
 
         #: anything posted and not yet over (a collective completes it first)
         self.live = False
-        self._eager = np.empty(EAGER_BYTES, np.uint8)  # recv_now's message
+        self._eager = {b: np.empty(b, np.uint8) for b in EAGER_SIZES}  # recv_now's messages
 
     @property
     def pending(self) -> bool:
@@ -194,11 +198,12 @@ class PointToPoint:
         fields = (_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
         nbytes = b.nbytes
         if nbytes <= EAGER_MAX:  # one message: header, payload, padding
-            op.hdr = msg = np.empty(EAGER_BYTES, np.uint8)
+            size = next(b for b in EAGER_SIZES if _HDR.size + nbytes <= b)
+            op.hdr = msg = np.empty(size, np.uint8)
             view = _bytes(msg)
             _HDR.pack_into(view, 0, *fields)
             msg[_HDR.size : _HDR.size + nbytes] = b.flat.view(np.uint8)
-            op.reqs = [conn.isend(view, (EAGER_FP << 32) | (n & _M32))]
+            op.reqs = [conn.isend(view, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
         else:
             op.hdr = np.frombuffer(_HDR.pack(*fields), np.uint8).copy()
             op.reqs = [
@@ -302,11 +307,11 @@ class PointToPoint:
                     continue
                 n = self.taken.get(p, 0)
                 kind = tag >> 32
-                if kind not in (HDR_FP, EAGER_FP) or tag & _M32 != n & _M32:
+                if (kind != HDR_FP and kind not in EAGER_FPS) or tag & _M32 != n & _M32:
                     if op.peer is None:
                         continue  # another source may send it
                     raise self._not_p2p(p, op)
-                hdr = np.empty(EAGER_BYTES if kind == EAGER_FP else _HDR.size, np.uint8)
+                hdr = np.empty(EAGER_FPS.get(kind, _HDR.size), np.uint8)
                 self.heads[p] = (conn.irecv_into(_bytes(hdr), tag), hdr)
                 busy = busy | {p}
 
@@ -335,7 +340,7 @@ class PointToPoint:
         m = Message(peer, ctx, tag, count, dtype)
         dt = _DTYPES.get(dtype)
         nbytes = count * (dt.itemsize if dt is not None else 1)
-        if hdr.size == EAGER_BYTES:  # the payload came with it
+        if hdr.size > _HDR.size:  # an eager message: the payload came with it
             m.data = hdr[_HDR.size : _HDR.size + nbytes]
             for op in self.recvs:
                 if op.msg is None and op.source is None and op.accepts(m):
@@ -385,16 +390,20 @@ class PointToPoint:
                 idle_round(backoff, [idle], deadline)
                 tag = conn.probe()
             n = self.taken.get(peer, 0)
-            if tag >> 32 == EAGER_FP and tag & _M32 == n & _M32:
-                req = conn.irecv_into(_bytes(self._eager), tag)
+            size = EAGER_FPS.get(tag >> 32, _HDR.size if tag >> 32 == HDR_FP else 0)
+            if size and tag & _M32 == n & _M32:
+                buf = self._eager[size] if size > _HDR.size else np.empty(size, np.uint8)
+                req = conn.irecv_into(_bytes(buf), tag)
                 if not req.test():
                     wait_all([req], deadline, backoff)
                 self.recvs.append(op)
-                self._header(peer, self._eager)
+                self._header(peer, buf)  # takes the message, or posts its payload
                 if op.done:
                     self.recvs.remove(op)
+                    self.live = self.pending
                     return
-                self.recvs.remove(op)
+                self.complete([op], backoff)
+                return
         self.post_recv(op)
         self.complete([op], backoff)
 
