@@ -13,7 +13,6 @@ from typing import Any
 from pycoll.buffers import as_buffer
 from pycoll.collectives.base import (
     ArrayOps,
-    Collective,
     Prepare,
     Spec,
     Step,
@@ -22,14 +21,13 @@ from pycoll.collectives.base import (
     output,
     own_then,
 )
-from pycoll.collectives.vcounts import counts, digest
+from pycoll.collectives.vcounts import Counted, counts, digest
 from pycoll.errors import InvalidArgumentError
 
 
-class Allgatherv(Collective):
+class Allgatherv(Counted):
     name = "allgatherv"
     ident = 10
-    plannable = False
 
     def check(
         self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
@@ -65,12 +63,6 @@ class Allgatherv(Collective):
             layout=digest(cs),
             counts=cs,
         )
-
-    def moves(self, spec: Spec) -> bool:
-        return spec.n > 1 and spec.fp_count > 0
-
-    def args(self, spec: Spec, x: Any, out: Any) -> tuple[Any, ...]:
-        return (x, out, spec.counts)
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r = spec.r

@@ -7,7 +7,6 @@ with its peers (:attr:`Collective.always_steps`).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from pycoll.buffers import as_buffer
@@ -19,6 +18,7 @@ from pycoll.collectives.base import (
     Step,
     check_alias,
     output,
+    reducing,
 )
 from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
@@ -54,26 +54,9 @@ class Allreduce(Collective):
         )
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        n, dtype = spec.n, spec.x.dtype
+        copy = step is None and not spec.in_place  # alone
         avg = spec.op is ReduceOp.AVG
-        if step is None:  # alone
-            copy = not spec.in_place
-
-            def alone(xa: Any, oa: Any) -> None:
-                if copy:
-                    oa[...] = xa
-                if avg:
-                    ops.finish_avg(oa, n, dtype)
-
-            return partial(partial, alone)
-        if not avg:
-            return partial(partial, step)
-
-        def averaged(xa: Any, oa: Any) -> None:
-            step(xa, oa)
-            ops.finish_avg(oa, n, dtype)
-
-        return partial(partial, averaged)
+        return reducing(step, ops, spec.n, spec.x.dtype, copy=copy, avg=avg)
 
 
 ALLREDUCE = Allreduce()

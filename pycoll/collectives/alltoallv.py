@@ -14,7 +14,6 @@ from typing import Any
 from pycoll.buffers import as_buffer
 from pycoll.collectives.base import (
     ArrayOps,
-    Collective,
     Prepare,
     Spec,
     Step,
@@ -22,14 +21,13 @@ from pycoll.collectives.base import (
     output,
     own_then,
 )
-from pycoll.collectives.vcounts import counts
+from pycoll.collectives.vcounts import Counted, counts
 from pycoll.errors import InvalidArgumentError
 
 
-class Alltoallv(Collective):
+class Alltoallv(Counted):
     name = "alltoallv"
     ident = 12
-    plannable = False
 
     def check(
         self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
@@ -68,9 +66,6 @@ class Alltoallv(Collective):
 
     def moves(self, spec: Spec) -> bool:
         return spec.n > 1
-
-    def args(self, spec: Spec, x: Any, out: Any) -> tuple[Any, ...]:
-        return (x, out, spec.counts)
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r = spec.r

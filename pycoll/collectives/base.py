@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -179,6 +180,35 @@ def own_then(step: Step | None, part: Callable[[Any, Any], tuple[Any, Any]]) -> 
         return run
 
     return prepare
+
+
+def reducing(
+    step: Step | None,
+    ops: ArrayOps,
+    n: int,
+    dtype: np.dtype[Any],
+    *,
+    copy: bool,
+    avg: bool,
+    scratch: bool = False,
+) -> Prepare:
+    """The envelope of a reduction: ``copy`` the input (a rank alone) or run
+    ``step``, then divide by ``n`` for ``avg``; ``scratch``: an output of None
+    is scratch made for the call (a reduce off its root)."""
+    if step is not None and not (copy or avg or scratch):
+        return partial(partial, step)
+
+    def run(x: Any, out: Any) -> None:
+        if scratch and out is None:
+            out = ops.empty_like(x)
+        if copy:
+            out[...] = x
+        elif step is not None:
+            step(x, out)
+        if avg:
+            ops.finish_avg(out, n, dtype)
+
+    return partial(partial, run)
 
 
 def nothing(x: Any, out: Any) -> Callable[[], None]:

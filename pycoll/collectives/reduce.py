@@ -7,7 +7,6 @@ The call returns the output on the root and None elsewhere.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from pycoll.buffers import Buffer, as_buffer
@@ -20,6 +19,7 @@ from pycoll.collectives.base import (
     check_alias,
     check_root,
     output,
+    reducing,
 )
 from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
@@ -60,21 +60,9 @@ class Reduce(Collective):
         )
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        n, dtype = spec.n, spec.x.dtype
+        copy = spec.n == 1 and not spec.in_place
         avg = spec.op is ReduceOp.AVG and spec.r == spec.root
-        copy = n == 1 and not spec.in_place
-
-        def run(xa: Any, oa: Any) -> None:
-            if oa is None:  # off the root: scratch
-                oa = ops.empty_like(xa)
-            if copy:
-                oa[...] = xa
-            elif step is not None:
-                step(xa, oa)
-            if avg:
-                ops.finish_avg(oa, n, dtype)
-
-        return partial(partial, run)
+        return reducing(step, ops, spec.n, spec.x.dtype, copy=copy, avg=avg, scratch=True)
 
 
 REDUCE = Reduce()

@@ -7,7 +7,6 @@ form (the output may not overlap the input).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from pycoll.buffers import as_buffer
@@ -21,6 +20,7 @@ from pycoll.collectives.base import (
     check_alias,
     empty_like,
     output,
+    reducing,
 )
 from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
@@ -62,21 +62,8 @@ class ReduceScatter(Collective):
         return None if spec.given else (spec.x.count // spec.n,)
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        n, dtype = spec.n, spec.x.dtype
         avg = spec.op is ReduceOp.AVG
-        if step is not None and not avg:
-            return partial(partial, step)
-        alone = n == 1
-
-        def run(xa: Any, oa: Any) -> None:
-            if alone:
-                oa[...] = xa
-            elif step is not None:
-                step(xa, oa)
-            if avg:
-                ops.finish_avg(oa, n, dtype)
-
-        return partial(partial, run)
+        return reducing(step, ops, spec.n, spec.x.dtype, copy=spec.n == 1, avg=avg)
 
 
 REDUCE_SCATTER = ReduceScatter()

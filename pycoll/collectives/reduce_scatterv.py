@@ -13,23 +13,22 @@ from typing import Any
 from pycoll.buffers import as_buffer
 from pycoll.collectives.base import (
     ArrayOps,
-    Collective,
     Prepare,
     Spec,
     Step,
     check_alias,
     output,
+    reducing,
 )
-from pycoll.collectives.vcounts import counts, digest
+from pycoll.collectives.vcounts import Counted, counts, digest
 from pycoll.errors import InvalidArgumentError
 from pycoll.reduce import ReduceOp, check_op_dtype, parse_op
 
 
-class ReduceScatterv(Collective):
+class ReduceScatterv(Counted):
     name = "reduce_scatterv"
     ident = 11
     reduces = True
-    plannable = False
 
     def check(
         self, n: int, r: int, sendbuf: Any, recvbuf: Any, op: Any, root: Any, extra: Any = None
@@ -64,28 +63,9 @@ class ReduceScatterv(Collective):
             counts=cs,
         )
 
-    def moves(self, spec: Spec) -> bool:
-        return spec.n > 1 and spec.fp_count > 0
-
-    def args(self, spec: Spec, x: Any, out: Any) -> tuple[Any, ...]:
-        return (x, out, spec.counts)
-
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        n, dtype = spec.n, spec.x.dtype
         avg = spec.op is ReduceOp.AVG
-
-        def prepare(xa: Any, oa: Any) -> Any:
-            def run() -> None:
-                if step is not None:
-                    step(xa, oa)
-                elif n == 1:
-                    oa[...] = xa
-                if avg:
-                    ops.finish_avg(oa, n, dtype)
-
-            return run
-
-        return prepare
+        return reducing(step, ops, spec.n, spec.x.dtype, copy=spec.n == 1, avg=avg)
 
 
 REDUCE_SCATTERV = ReduceScatterv()

@@ -1,5 +1,5 @@
 """What the v-variants share: per-rank element counts, checked into a tuple of
-ints and digested for the call's fingerprint."""
+ints and digested for the call's fingerprint, and handed to their algorithms."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from pycoll.collectives.base import Collective, Spec
 from pycoll.errors import InvalidArgumentError
 
 
@@ -35,3 +36,16 @@ def counts(v: Any, n: int, r: int, what: str, arg: str) -> tuple[int, ...]:
 def digest(cs: tuple[int, ...]) -> int:
     """A digest of counts every rank passes alike (0 never: 0 means none)."""
     return zlib.crc32(np.asarray(cs, np.int64).tobytes()) or 1
+
+
+class Counted(Collective):
+    """A v-variant: its algorithms take the counts after the arrays, and calls of
+    it are not replayed (the counts may change while the arrays stay)."""
+
+    plannable = False
+
+    def moves(self, spec: Spec) -> bool:
+        return spec.n > 1 and spec.fp_count > 0
+
+    def args(self, spec: Spec, x: Any, out: Any) -> tuple[Any, ...]:
+        return (x, out, spec.counts)
