@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 
@@ -31,3 +32,35 @@ def reports(text: str) -> dict[int, dict]:
         out[d["rank"]] = d
         at = text.find('{"rank"', end)
     return out
+
+
+SHM = Path("/dev/shm")
+
+
+def mpich_segments() -> set[str]:
+    """MPICH's shared-memory segments in /dev/shm now."""
+    return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
+
+
+def remove_orphans(names: set[str], wait: float = 15.0) -> set[str]:
+    """Remove the segments of ``names`` that no process maps, once the processes
+    still mapping them have exited (up to ``wait`` seconds: a killed job's
+    survivors take a moment to go).  MPICH's own segments outlive a job one of
+    whose ranks was killed; another job's stay mapped and stay.  Returns the
+    names left (still mapped)."""
+    end = time.monotonic() + wait
+    while names:
+        mapped = set()
+        for maps in Path("/proc").glob("[0-9]*/maps"):
+            try:
+                text = maps.read_text()
+            except OSError:
+                continue
+            mapped.update(n for n in names if n in text)
+        for n in names - mapped:
+            (SHM / n).unlink(missing_ok=True)
+        names = mapped
+        if not names or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    return names

@@ -29,40 +29,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-SHM = Path("/dev/shm")
-
-
-def _mpich_segments() -> set[str]:
-    return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
-
-
-def _remove_orphans(names: set[str]) -> None:
-    """MPICH's own segments outlive a job one of whose ranks was killed: remove
-    the job's new ones that no process still maps (another job's stay)."""
-    if not names:
-        return
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        mapped.update(n for n in names if n in text)
-    for n in names - mapped:
-        (SHM / n).unlink(missing_ok=True)
-
-
 def run(name: str, n: int, tmp_path: Path, **env: str) -> dict[int, dict]:
     cmd = mpiexec(n)
     cmd[1:1] = ["-disable-auto-cleanup"]
     cmd += [sys.executable, str(SCRIPT), name, str(tmp_path)]
     e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
     e.pop("PYCOLL_TRANSPORT", None)
-    before = _mpich_segments()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
-    finally:
-        _remove_orphans(_mpich_segments() - before)
+    # (MPICH's segments that a killed rank leaves: tests/conftest.py removes them)
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
     out = {}
     for r in range(n):
         p = tmp_path / f"rank{r}.json"

@@ -136,8 +136,6 @@ SLACK = 10
 
 def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
     """Run one scenario of tests/torchdist/failures.py at n = 2; each rank's outcome."""
-    from tests.test_faults import _mpich_segments, _remove_orphans
-
     out: dict[int, dict] = {}
     for attempt in range(3):  # hydra now and then kills the survivors of a dead rank
         d = tmp_path / str(attempt)
@@ -153,11 +151,7 @@ def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
             FAILURES_TIMEOUT=str(TIMEOUT),
             **env,
         )
-        before = _mpich_segments()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
-        finally:
-            _remove_orphans(_mpich_segments() - before)
+        proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
         out = {
             r: json.loads((d / f"rank{r}.json").read_text())
             for r in range(2)
