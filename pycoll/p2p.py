@@ -66,6 +66,12 @@ _DTYPE_IDS = {dt: i for i, dt in enumerate(DTYPES.values(), 1)}
 _DTYPES = {i: dt for dt, i in _DTYPE_IDS.items()}
 
 
+def _eager_size(nbytes: int) -> int:
+    """The eager message that holds a header and ``nbytes`` of payload."""
+    need = _HDR.size + nbytes
+    return next(b for b in EAGER_SIZES if need <= b)
+
+
 def _bytes(a: Any) -> memoryview:
     return memoryview(a.view(np.uint8))
 
@@ -169,7 +175,10 @@ class PointToPoint:
 
         #: anything posted and not yet over (a collective completes it first)
         self.live = False
-        self._eager = {b: np.empty(b, np.uint8) for b in EAGER_SIZES}  # recv_now's messages
+        # the messages of a call alone (send_now, recv_now), reused: it waits for them
+        self._eager = {b: np.empty(b, np.uint8) for b in EAGER_SIZES}
+        self._eager_in = {b: memoryview(a) for b, a in self._eager.items()}
+        self._eager_out = {b: memoryview(np.empty(b, np.uint8)) for b in EAGER_SIZES}
 
     @property
     def pending(self) -> bool:
@@ -198,7 +207,7 @@ class PointToPoint:
         fields = (_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
         nbytes = b.nbytes
         if nbytes <= EAGER_MAX:  # one message: header, payload, padding
-            size = next(b for b in EAGER_SIZES if _HDR.size + nbytes <= b)
+            size = _eager_size(nbytes)
             op.hdr = msg = np.empty(size, np.uint8)
             view = _bytes(msg)
             _HDR.pack_into(view, 0, *fields)
@@ -373,6 +382,33 @@ class PointToPoint:
             m.req = None
 
     # ------------------------------------------------------------------ one call alone
+    def send_now(self, op: Op, backoff: Backoff) -> None:
+        """A blocking send while nothing else is pending: its requests waited for
+        alone, without the general bookkeeping (nothing else can need progress);
+        an eager message is packed into a buffer kept for it."""
+        assert not self.pending
+        peer = op.peer
+        b = op.buf
+        nbytes = b.nbytes
+        if peer == self.rank or nbytes > EAGER_MAX:
+            self.post_send(op)
+            self.sends.clear()  # only ``op``
+            reqs = op.reqs
+        else:
+            size = _eager_size(nbytes)
+            msg = self._eager_out[size]
+            _HDR.pack_into(msg, 0, _MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+            if nbytes:
+                msg[_HDR.size : _HDR.size + nbytes] = _bytes(b.flat)
+            n = self.sent.get(peer, 0)  # type: ignore[arg-type]
+            self.sent[peer] = n + 1  # type: ignore[index]
+            conn = self.conns[peer]  # type: ignore[index]
+            reqs = op.reqs = [conn.isend(msg, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
+        if not op.done and not all(r._done or r.test() for r in reqs):
+            wait_all(reqs, Deadline(None, self.timeout), backoff)
+        op.done = True
+        self.live = False
+
     def recv_now(self, op: Op, backoff: Backoff) -> None:
         """A blocking receive from one peer while nothing else is pending: the
         common case, done without the general bookkeeping when the peer's next
@@ -392,10 +428,13 @@ class PointToPoint:
             n = self.taken.get(peer, 0)
             size = EAGER_FPS.get(tag >> 32, _HDR.size if tag >> 32 == HDR_FP else 0)
             if size and tag & _M32 == n & _M32:
-                buf = self._eager[size] if size > _HDR.size else np.empty(size, np.uint8)
-                req = conn.irecv_into(_bytes(buf), tag)
+                eager = size > _HDR.size
+                buf = self._eager[size] if eager else np.empty(size, np.uint8)
+                req = conn.irecv_into(self._eager_in[size] if eager else _bytes(buf), tag)
                 if not req.test():
                     wait_all([req], deadline, backoff)
+                if eager and self._take_eager(op, buf, n):
+                    return
                 self.recvs.append(op)
                 self._header(peer, buf)  # takes the message, or posts its payload
                 if op.done:
@@ -406,6 +445,30 @@ class PointToPoint:
                 return
         self.post_recv(op)
         self.complete([op], backoff)
+
+    def _take_eager(self, op: Op, msg: np.ndarray, n: int) -> bool:
+        """:meth:`recv_now`'s eager message ``msg`` (the ``n``-th from op's peer)
+        when it is the one ``op`` receives, of its count and dtype: copied into
+        op's buffer and done.  Otherwise nothing changes and it returns False."""
+        magic, ctx, tag, count, dtype = _HDR.unpack_from(msg)
+        b = op.buf
+        if not (
+            magic == _MAGIC
+            and ctx == op.ctx
+            and tag == op.tag
+            and count == b.count
+            and dtype == _DTYPE_IDS.get(b.dtype, 0)
+        ):
+            return False  # (:meth:`_header` routes or refuses it)
+        peer = op.peer
+        assert peer is not None
+        self.taken[peer] = n + 1
+        if b.nbytes:
+            _bytes(b.flat)[:] = self._eager_in[msg.size][_HDR.size : _HDR.size + b.nbytes]
+        op.source = peer
+        op.done = True
+        self.live = False
+        return True
 
     # ------------------------------------------------------------------ waiting
     def complete(
@@ -522,13 +585,12 @@ class PeerCalls:
         eng = self.engine
         eng.check_open(what)
         op = self._op(send, buf, peer, tag, what)
-        req = P2PRequest(op, self)
         if self.grouped is not None:
             self.grouped.append(op)
-            return req
+            return P2PRequest(op, self)
         if async_op:
             self._post([op], what)
-            return req
+            return P2PRequest(op, self)
         self._post([op], what, complete=True)  # one call of the engine, posted and done
         return self.finish(op)
 
@@ -539,7 +601,10 @@ class PeerCalls:
         def run() -> None:
             if complete and len(ops) == 1 and not p2p.pending:
                 op = ops[0]
-                if not op.send and op.peer is not None and op.peer != p2p.rank:
+                if op.send:
+                    p2p.send_now(op, eng.backoff)
+                    return
+                if op.peer is not None and op.peer != p2p.rank:
                     p2p.recv_now(op, eng.backoff)
                     return
             for op in ops:
