@@ -177,8 +177,8 @@ class PointToPoint:
         self.live = False
         # the messages of a call alone (send_now, recv_now), reused: it waits for them
         self._eager = {b: np.empty(b, np.uint8) for b in EAGER_SIZES}
-        self._eager_in = {b: memoryview(a) for b, a in self._eager.items()}
-        self._eager_out = {b: memoryview(np.empty(b, np.uint8)) for b in EAGER_SIZES}
+        self._eager_in = {b: _bytes(a) for b, a in self._eager.items()}
+        self._eager_out = {b: _bytes(np.empty(b, np.uint8)) for b in EAGER_SIZES}
 
     @property
     def pending(self) -> bool:
@@ -433,7 +433,7 @@ class PointToPoint:
                 req = conn.irecv_into(self._eager_in[size] if eager else _bytes(buf), tag)
                 if not req.test():
                     wait_all([req], deadline, backoff)
-                if eager and self._take_eager(op, buf, n):
+                if eager and self._take_eager(op, size, n):
                     return
                 self.recvs.append(op)
                 self._header(peer, buf)  # takes the message, or posts its payload
@@ -446,10 +446,11 @@ class PointToPoint:
         self.post_recv(op)
         self.complete([op], backoff)
 
-    def _take_eager(self, op: Op, msg: np.ndarray, n: int) -> bool:
-        """:meth:`recv_now`'s eager message ``msg`` (the ``n``-th from op's peer)
+    def _take_eager(self, op: Op, size: int, n: int) -> bool:
+        """:meth:`recv_now`'s eager message of ``size`` (the ``n``-th from op's peer)
         when it is the one ``op`` receives, of its count and dtype: copied into
         op's buffer and done.  Otherwise nothing changes and it returns False."""
+        msg = self._eager_in[size]
         magic, ctx, tag, count, dtype = _HDR.unpack_from(msg)
         b = op.buf
         if not (
@@ -464,7 +465,7 @@ class PointToPoint:
         assert peer is not None
         self.taken[peer] = n + 1
         if b.nbytes:
-            _bytes(b.flat)[:] = self._eager_in[msg.size][_HDR.size : _HDR.size + b.nbytes]
+            _bytes(b.flat)[:] = msg[_HDR.size : _HDR.size + b.nbytes]
         op.source = peer
         op.done = True
         self.live = False
