@@ -71,6 +71,21 @@ def test_many_messages_in_order(name: str) -> None:
             assert np.array_equal(m, o)
 
 
+def test_a_zero_byte_message_behind_which_another_waits(name: str) -> None:
+    """A zero-byte message (a call with a zero count) is received as nothing,
+    also when the next call's message has arrived behind it: that one stays for
+    its own receive."""
+    with _pair(name) as (a, b):
+        x = np.arange(5, dtype=np.uint8)
+        sends = [a.isend(memoryview(x[:0]), tag=5), a.isend(memoryview(x), tag=7)]
+        wait_all(sends, Deadline.after(30))
+        time.sleep(0.05)  # both have arrived
+        wait_all([b.irecv_into(memoryview(np.empty(0, np.uint8)), tag=5)], Deadline.after(30))
+        got = np.zeros_like(x)
+        wait_all([b.irecv_into(memoryview(got), tag=7)], Deadline.after(30))
+        assert np.array_equal(got, x)
+
+
 def test_sink_pieces_are_aligned_and_ordered(name: str) -> None:
     n = (1 << 18) + 12
     x = np.arange(n // 4, dtype=np.float32)

@@ -437,7 +437,7 @@ class ShmConnection(Connection):
 
     def irecv_into(self, out: memoryview, tag: int = 0) -> Request:
         self._check_open()
-        if not self._recvs and out.nbytes <= _SMALL and self._take_small(out, tag):
+        if not self._recvs and 0 < out.nbytes <= _SMALL and self._take_small(out, tag):
             return DoneRequest(self.peer)
 
         def copy(off: int, piece: memoryview) -> None:
