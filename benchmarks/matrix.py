@@ -31,7 +31,10 @@ How it times (``versus.py``'s machinery), for each collective and size:
    is the mean per call, the maximum over ranks.
 3. A system's time is the median over rounds of its block times; the cell is
    MPI's over pycoll's.  The JSON also has each round's pair and the ratio's
-   10th and 90th percentile over rounds.
+   10th and 90th percentile over rounds, and each rank's fraction of the
+   buffers on huge pages (``hugepage_frac``; column ``huge``): a cross-memory
+   copy, which both systems use from about 256 KiB, runs at 2-3x the rate
+   when the other side's pages are huge (benchmarks/RESULTS.md).
 
 Each system's output is checked against NumPy before the rounds and after
 them (poisoned first; reductions to a relative 1e-5, since the order of the
@@ -52,6 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt_size, geometry, host_meta, parse_size, run_or_abort
+from hostmem import hugepage_fraction
 from sweep import Buffers, Case, Prepared, Runner, System, input_bytes, tuned_calls
 from versus import alternate, block_calls, pilot
 
@@ -177,11 +181,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     say(
         "# time: median over rounds of the block's per-call mean on the slowest rank; "
-        "xmpi = MPI time / pycoll time (above 1: pycoll faster), p10 p90 of it per round"
+        "xmpi = MPI time / pycoll time (above 1: pycoll faster), p10 p90 of it per round; "
+        "huge: the fraction of each rank's buffers on huge pages"
     )
     say(
         f"#{'collective':>15} {'size':>10} {'pycoll(us)':>11} {'mpi(us)':>10} {'xmpi':>7} "
-        f"{'p10':>6} {'p90':>6} {'#wrong':>6}  auto ran"
+        f"{'p10':>6} {'p90':>6} {'#wrong':>6}  {'huge':>14}  auto ran"
     )
     records: list[dict[str, Any]] = []
     cells: list[dict[str, Any]] = []
@@ -210,6 +215,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ran = {comm._policy.algorithm(coll, "auto", nb): 0}
             for lab, p in prep.items():
                 wrong[lab] += _wrong(w, p, ref)
+            # what the kernel put under the buffers (both systems use these):
+            # a cross-memory copy's rate depends on the other side's kind of page
+            frac = hugepage_fraction(bufs.send, bufs.recv)
+            fracs = w.allgather(frac)
             ours, theirs = secs["pycoll:auto"], secs["mpi"]
             per_round = [m / o for m, o in zip(theirs, ours, strict=True)]
             t_ours, t_mpi = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
@@ -218,9 +227,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             total_wrong += bad
             p10, p90 = np.percentile(per_round, [10, 90])
             what = ", ".join(f"{a} {c}" if c else a for a, c in ran.items())
+            huge = "/".join("-" if f is None else f"{f:.2f}" for f in fracs)
             say(
                 f" {coll:>15} {nbytes:>10} {t_ours:>11.2f} {t_mpi:>10.2f} {ratio:>7.3f} "
-                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {what}"
+                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {huge:>14}  {what}"
             )
             cells.append(
                 {
@@ -235,6 +245,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "wrong": bad,
                     "calls": {lab: k for lab, (_, k) in calls.items()},
                     "auto_ran": ran,
+                    "hugepage_frac": fracs,
                 }
             )
             for lab, ts in secs.items():
