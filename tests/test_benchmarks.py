@@ -534,3 +534,6 @@ def test_matrix_at_tiny_sizes(tmp_path: Path) -> None:
         assert c["ratio"] == pytest.approx(c["mpi_us"] / c["pycoll_us"])
         shown = cells[c["collective"]][[8, 1024].index(c["size_asked"])]
         assert float(shown) == pytest.approx(c["ratio"], abs=0.006)
+        # each rank's share of huge pages (None where smaps cannot tell)
+        fr = c["hugepage_frac"]
+        assert len(fr) == 2 and all(f is None or 0 <= f <= 1 for f in fr), fr
