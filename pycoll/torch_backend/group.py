@@ -24,18 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class ProcessGroupPycoll(PointToPoint, Exchanges, Collectives):
-    """A ``torch.distributed`` process group over a pycoll communicator.
-
-    Args:
-        comm: the communicator (this group closes it on ``shutdown``).
-        rank: this process' rank in the group (must equal ``comm.rank``).
-        size: the group size (must equal ``comm.size``).
-        bootstrap: the bootstrap ``comm`` was built over; ``shutdown`` passes a
-            barrier on it (bounded by the timeout) before closing ``comm``.
-        store: the group's ``torch.distributed`` store (``monitored_barrier`` meets
-            there); None: ``monitored_barrier`` is unsupported.
-        lane: the worker thread of ``comm``'s family (:mod:`.worker`), shared with
-            the groups over communicators split from the same root; None: a new one.
+    """A ``torch.distributed`` process group over a pycoll communicator; its
+    arguments are :class:`~pycoll.torch_backend.base.GroupBase`'s.
 
     Every call is bounded by ``comm.config.timeout``.
     """
