@@ -395,15 +395,15 @@ class PointToPoint:
             self.sends.clear()  # only ``op``
             reqs = op.reqs
         else:
+            assert peer is not None  # (a send names its peer)
             size = _eager_size(nbytes)
             msg = self._eager_out[size]
             _HDR.pack_into(msg, 0, _MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
             if nbytes:
                 msg[_HDR.size : _HDR.size + nbytes] = _bytes(b.flat)
-            n = self.sent.get(peer, 0)  # type: ignore[arg-type]
-            self.sent[peer] = n + 1  # type: ignore[index]
-            conn = self.conns[peer]  # type: ignore[index]
-            reqs = op.reqs = [conn.isend(msg, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
+            n = self.sent.get(peer, 0)
+            self.sent[peer] = n + 1
+            reqs = op.reqs = [self.conns[peer].isend(msg, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
         if not op.done and not all(r._done or r.test() for r in reqs):
             wait_all(reqs, Deadline(None, self.timeout), backoff)
         op.done = True
