@@ -185,7 +185,9 @@ class PointToPoint:
         return bool(self.recvs or self.sends or self.heads or self.arriving)
 
     # ------------------------------------------------------------------ posting
-    def post_send(self, op: Op) -> None:
+    def post_send(self, op: Op, kept: bool = False) -> None:
+        """Post send ``op``; ``kept``: an eager message goes out of the buffer kept
+        for it (only for a send waited for before the next is posted)."""
         peer = op.peer
         assert peer is not None
         self.live = True
@@ -208,10 +210,14 @@ class PointToPoint:
         nbytes = b.nbytes
         if nbytes <= EAGER_MAX:  # one message: header, payload, padding
             size = _eager_size(nbytes)
-            op.hdr = msg = np.empty(size, np.uint8)
-            view = _bytes(msg)
+            if kept:
+                view = self._eager_out[size]
+            else:  # the op holds it while the send is in flight
+                op.hdr = msg = np.empty(size, np.uint8)
+                view = _bytes(msg)
             _HDR.pack_into(view, 0, *fields)
-            msg[_HDR.size : _HDR.size + nbytes] = b.flat.view(np.uint8)
+            if nbytes:
+                view[_HDR.size : _HDR.size + nbytes] = _bytes(b.flat)
             op.reqs = [conn.isend(view, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
         else:
             op.hdr = np.frombuffer(_HDR.pack(*fields), np.uint8).copy()
@@ -385,28 +391,15 @@ class PointToPoint:
     def send_now(self, op: Op, backoff: Backoff) -> None:
         """A blocking send while nothing else is pending: its requests waited for
         alone, without the general bookkeeping (nothing else can need progress);
-        an eager message is packed into a buffer kept for it."""
+        an eager message goes out of the buffer kept for it."""
         assert not self.pending
-        peer = op.peer
-        b = op.buf
-        nbytes = b.nbytes
-        if peer == self.rank or nbytes > EAGER_MAX:
-            self.post_send(op)
+        self.post_send(op, kept=True)
+        if not op.done:  # (a send to itself is)
             self.sends.clear()  # only ``op``
             reqs = op.reqs
-        else:
-            assert peer is not None  # (a send names its peer)
-            size = _eager_size(nbytes)
-            msg = self._eager_out[size]
-            _HDR.pack_into(msg, 0, _MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
-            if nbytes:
-                msg[_HDR.size : _HDR.size + nbytes] = _bytes(b.flat)
-            n = self.sent.get(peer, 0)
-            self.sent[peer] = n + 1
-            reqs = op.reqs = [self.conns[peer].isend(msg, (_EAGER_FP_OF[size] << 32) | (n & _M32))]
-        if not op.done and not all(r._done or r.test() for r in reqs):
-            wait_all(reqs, Deadline(None, self.timeout), backoff)
-        op.done = True
+            if not all(r._done or r.test() for r in reqs):
+                wait_all(reqs, Deadline(None, self.timeout), backoff)
+            op.done = True
         self.live = False
 
     def recv_now(self, op: Op, backoff: Backoff) -> None:
