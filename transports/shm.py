@@ -424,13 +424,19 @@ class ShmConnection(Connection):
         head = self._sent
         if n > out.slot_bytes or head - out.tail.load() >= out.nslots:
             return False
-        slot = head % out.nslots
-        start = out.base + slot * out.stride
-        self._mm[start : start + n] = data
-        _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, 0, 0, tag)
+        self._write_slot(head, data, n, 0, tag)
         self._sent = head + 1
-        out.head.store(head + 1)  # release: the slot and its metadata are written
         return True
+
+    def _write_slot(self, head: int, piece: Any, n: int, o: int, tag: int) -> None:
+        """Write the ``n`` bytes of ``piece`` at page offset ``o`` of the outbound
+        slot for message piece ``head``, with its metadata, and publish it."""
+        out = self._out
+        slot = head % out.nslots
+        start = out.base + slot * out.stride + o
+        self._mm[start : start + n] = piece
+        _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0, tag)
+        out.head.store(head + 1)  # release: the slot and its metadata are written
 
     def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         return self._irecv(nbytes, sink, None, tag)
@@ -572,15 +578,10 @@ class ShmConnection(Connection):
                 continue
             while req.off < total and head - tail < out.nslots:
                 n = min(out.slot_bytes, total - req.off)
-                piece = src[req.off : req.off + n]
                 # same page offset as the source: see the module docstring
                 o = (req.addr + req.off) % _PAGE
-                slot = head % out.nslots
-                start = out.base + slot * out.stride
-                out.data[start + o : start + o + n] = piece
-                _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0, req.tag)
+                self._write_slot(head, src[req.off : req.off + n], n, o, req.tag)
                 head += 1
-                out.head.store(head)
                 req.off += n
             self._sent = head
             if req.off < total:
