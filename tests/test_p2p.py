@@ -83,6 +83,27 @@ def test_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
         assert time.monotonic() - start < 10
 
 
+@pytest.mark.parametrize("transports", [("shm",), ("tcp",)], ids=lambda t: t[0])
+def test_blocking_send_to_a_rank_that_is_gone_raises_peer_aborted(transports):
+    """A blocking send (the short way of a call alone) of a message the peer must
+    take, to a rank that has gone: it raises, and fast."""
+    with communicators(2, **_cfg(transports)) as comms:
+        comms[1].abort()
+        start = time.monotonic()
+        with pytest.raises(pycoll.PeerAbortedError):
+            comms[0].send(np.ones(4 << 20), 1)  # 32 MiB
+        assert time.monotonic() - start < 10
+
+
+def test_blocking_send_to_a_silent_peer_times_out_naming_it():
+    with communicators(2, timeout=1) as comms:
+        start = time.monotonic()
+        with pytest.raises(pycoll.CollectiveTimeout) as ei:
+            comms[0].send(np.ones(4 << 20), 1)
+        assert time.monotonic() - start < 8
+        assert 1 in ei.value.missing or ei.value.peer == 1, ei.value
+
+
 def test_silent_peer_times_out_naming_it():
     with communicators(2, timeout=1) as comms:
         start = time.monotonic()

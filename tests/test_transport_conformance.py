@@ -226,6 +226,19 @@ def test_another_tag_is_refused_before_the_sink(name: str) -> None:
         assert (ei.value.got, ei.value.expected, ei.value.peer) == (1, 2, 0)
 
 
+def test_another_tag_is_refused_before_a_buffer_is_written(name: str) -> None:
+    """A small message already arrived (shm takes it when the receive is posted):
+    a receive with another tag raises and leaves its buffer as it was."""
+    with _pair(name) as (a, b):
+        wait_all([a.isend(memoryview(np.ones(8, np.uint8)), 1)], Deadline.after(30))
+        time.sleep(0.05)  # it has arrived
+        out = np.zeros(8, np.uint8)
+        with pytest.raises(TagMismatchError) as ei:  # at post or while waiting
+            wait_all([b.irecv_into(memoryview(out), 2)], Deadline.after(30))
+        assert (ei.value.got, ei.value.expected, ei.value.peer) == (1, 2, 0)
+        assert not out.any(), "a refused message wrote into the buffer"
+
+
 # --------------------------------------------------------------------------- probe
 T1, T2 = 0x0123_4567_89AB_CDEF, (1 << 64) - 2
 
