@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -583,6 +584,49 @@ def test_crowded_is_one_verdict_for_all_ranks(
             assert c._engine.links_cache and all(
                 L.crowded is crowded for L in c._engine.links_cache.values()
             )
+
+
+@pytest.mark.parametrize("then", ["reduce to rank 1", "barrier"])
+def test_a_rank_steps_ahead_never_rewrites_a_posted_word_its_peer_has_not_seen(then: str) -> None:
+    """The leaves of a reduce wait on no peer, so rank 1 runs K steps ahead of a
+    root that is off its core.  Its next step, one that fills no slot (a root
+    of rank 0 or 1 reduces its own input in place; a barrier), must still wait
+    until the root saw the word it posted K steps before, which that step's
+    word replaces: else the root meets a later step and raises a mismatch
+    between calls that matched."""
+    with communicators(2) as comms:
+        G0 = comms[0]._engine.group
+        assert G0 is not None
+        K = G0.slots
+        for name in ("wait", "wait_word"):  # rank 0's first wait starts late
+            real = getattr(G0, name)
+
+            def late(*args: Any, _real: Any = real) -> None:
+                if not slept:
+                    slept.append(1)
+                    time.sleep(0.3)
+                _real(*args)
+
+            setattr(G0, name, late)
+        slept: list[int] = []
+
+        def body(c: pycoll.Communicator) -> None:
+            x = np.full(3, c.rank + 1, np.float32)
+            for _ in range(K):
+                got = c.reduce(x, root=0)
+                if c.rank == 0:
+                    np.testing.assert_array_equal(got, 3.0)  # in place: x holds the sum
+                    x[...] = 1
+            if then == "barrier":
+                c.barrier()
+            else:
+                y = np.full(3, c.rank + 1, np.float32)
+                got = c.reduce(y, root=1)
+                if c.rank == 1:
+                    np.testing.assert_array_equal(got, 3.0)
+
+        _on_all(comms, body)
+        assert slept
 
 
 def _count_calls(c: pycoll.Communicator, name: str, tally: list[int]) -> None:

@@ -698,7 +698,8 @@ class Group(Protocol):
         ...
 
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Wait until this rank may rewrite its slot for step ``seq``."""
+        """Wait until this rank may rewrite its slot and posted word for step ``seq``
+        (every step that posts claims first, even one that fills no slot)."""
         ...
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:

@@ -39,8 +39,10 @@ never posted is a mismatch too (it runs another collective).  A reader that has 
 yet.  A rank may post up to ``ahead`` (``min(AHEAD, K)``) steps it has not
 consumed (several rounds of slots written before any is read), never more: so
 a peer seen at step ``s`` has consumed step ``s - ahead``, and :meth:`claim`
-need not load its ``done`` for that.  A slot or range is rewritten (step
-``s + K``) only after every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`):
+need not load its ``done`` for that.  A slot, range or posted word is rewritten
+(step ``s + K``) only after every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`;
+so a step claims even where it fills no slot, or a peer that has not yet seen
+the word of step ``s`` would meet step ``s + K`` there and raise a mismatch):
 a rank runs up to K steps ahead of the slowest peer, so back-to-back small
 collectives rarely wait on a descheduled one.  A posted user buffer is returned
 to its owner only after every reader said ``done`` (:meth:`ShmGroup.wait_done`).
@@ -341,9 +343,10 @@ class ShmGroup:
         return v
 
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
-        """Wait until this rank may overwrite its slot for step ``seq``.
+        """Wait until this rank may overwrite its slot and posted word for step ``seq``.
 
-        That is, until every peer is done with step ``seq - slots`` (the same slot).
+        That is, until every peer is done with step ``seq - slots`` (the same slot),
+        so has seen this rank's word of that step.
         """
         need = seq - self.slots
         if need <= self._done_floor:  # most calls: 0.1 us, against 0.3 for the loop

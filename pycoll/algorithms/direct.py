@@ -466,6 +466,7 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
 def barrier(L: Links) -> None:
     G = _group(L)
     s = _step(L, G)
+    G.claim(s, L.deadline, L.backoff)  # no slot, but the posted word of step s - K
     G.post(s)
     G.wait(_others(L.size, L.rank), s, L.deadline, L.backoff)
 
@@ -546,7 +547,9 @@ def prepare(
         # Nobody reads the root's slot, so a root that is rank 0 or 1 reduces its
         # own input where it lies: as rows[r] it is an operand of the first
         # f(rows[0], rows[1], out), read before ``out`` (which may be the
-        # input itself) is written.  It neither claims nor fills its slot.
+        # input itself) is written.  It fills no slot, yet claims the step: its
+        # posted word replaces that of step s - K, which a leaf (waiting on no
+        # peer, so up to K steps ahead) may have posted and the root not yet seen.
         rows = tuple(list(v) for v in views)
 
         def run_reduce_root(x: Any, out: Any) -> None:
@@ -554,6 +557,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
+            claim(s, dl, bo)
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
             rw = rows[i]
