@@ -45,7 +45,13 @@ from typing import Any
 
 from pycoll.gpu import reduce as dreduce
 from pycoll.reduce import ReduceOp, reduce_rows
-from transports.base import Connection, Deadline, DeviceSpan, UnshareableMemoryError
+from transports.base import (
+    Connection,
+    Deadline,
+    DeviceSpan,
+    TagMismatchError,
+    UnshareableMemoryError,
+)
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
@@ -119,9 +125,27 @@ class Windows:
         mem = cp.cuda.UnownedMemory(ptr, nbytes, self, device)
         return cp.ndarray((nbytes // dtype.itemsize,), dtype, cp.cuda.MemoryPointer(mem, 0))
 
-    def open(self, peer: int, dtype: Any) -> list[Any]:
-        """The peer's exposed arrays (flat, ``dtype``), readable on our stream."""
+    def open(self, peer: int, dtype: Any, first: int, last: int | None = None) -> list[Any]:
+        """The peer's exposed arrays (flat, ``dtype``), readable on our stream.
+
+        ``first`` (and ``last``): the bytes this rank's part of the call makes the
+        first (and last) array the peer exposes.
+
+        Raises:
+            TagMismatchError: the peer exposed other sizes: it runs another call
+                (or the same one with other counts), and no byte moves.
+        """
         spans = self.conns[peer].open_window(self._sptr, self.deadline)
+        got = [sp.nbytes for sp in spans]
+        if not got or got[0] != first or (last is not None and got[-1] != last):
+            want = [first] if last is None else [first, last]
+            raise TagMismatchError(
+                f"windows: rank {peer} exposed buffers of {got} bytes where this rank's "
+                f"call needs {want}: the ranks' calls differ (counts, dtypes or collectives)",
+                got=got[0] if got else -1,
+                expected=first,
+                peer=peer,
+            )
         return [self._as_array(sp.ptr, sp.nbytes, dtype, sp.device) for sp in spans]
 
     def release(self, peers: list[int]) -> None:
@@ -229,7 +253,7 @@ def allreduce(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> None:
         out = x
     else:
         x, out = W.expose(peers, [x, out], written=(False, True))
-    views = {p: W.open(p, x.dtype) for p in peers}
+    views = {p: W.open(p, x.dtype, x.nbytes, x.nbytes) for p in peers}
     inputs = [x[lo:hi] if p == r else views[p][0][lo:hi] for p in range(n)]
     _reduce_into(W, op, dtype, inputs, out[lo:hi], r if in_place else -1)
     for p in peers:
@@ -253,7 +277,7 @@ def _lead(W: Windows, x: Any, out: Any, in_place: bool = False) -> tuple[list, l
         else:
             _follow(W, 0, [x, out], (False, True))
         return None
-    views = {p: W.open(p, x.dtype) for p in W.peers}
+    views = {p: W.open(p, x.dtype, x.nbytes, out.nbytes) for p in W.peers}
     return [x] + [views[p][0] for p in W.peers], [out] + [views[p][-1] for p in W.peers]
 
 
@@ -295,7 +319,7 @@ def allgather(W: Windows, x: Any, out: Any) -> None:
         W.copy(out[r * k : (r + 1) * k], x)
     (x,) = W.expose(peers, [x])
     for p in peers:
-        (xp,) = W.open(p, x.dtype)
+        (xp,) = W.open(p, x.dtype, x.nbytes)
         W.copy(out[p * k : (p + 1) * k], xp)
     W.release(peers)
     W.wait_released(peers)
@@ -318,7 +342,7 @@ def reduce_scatter(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -> No
         W.release(peers)
         return
     (x,) = W.expose(peers, [x])
-    views = {p: W.open(p, x.dtype)[0] for p in peers}
+    views = {p: W.open(p, x.dtype, x.nbytes)[0] for p in peers}
     inputs = [(x if p == r else views[p])[r * k : (r + 1) * k] for p in range(n)]
     _reduce_into(W, op, dtype, inputs, out, -1)
     W.release(peers)
@@ -330,7 +354,7 @@ def broadcast(W: Windows, buf: Any, root: int) -> None:
         if W.rank != root:
             _follow(W, root, [buf], (True,))
             return
-        dsts = [W.open(p, buf.dtype)[0] for p in W.peers]
+        dsts = [W.open(p, buf.dtype, buf.nbytes)[0] for p in W.peers]
         if len(dsts) == 1:
             W.copy(dsts[0], buf)  # one copy: cudaMemcpy's own is faster than a kernel's
         else:
@@ -341,7 +365,7 @@ def broadcast(W: Windows, buf: Any, root: int) -> None:
         W.expose(W.peers, [buf])  # a scratch copy, if any, is not copied back: unchanged
         W.wait_released(W.peers)
         return
-    (src,) = W.open(root, buf.dtype)
+    (src,) = W.open(root, buf.dtype, buf.nbytes)
     W.copy(buf, src)
     W.release([root])
 
@@ -352,7 +376,7 @@ def reduce(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any, root: int) ->
         W.wait_released([root])
         return
     n, peers = W.size, W.peers
-    views = {p: W.open(p, x.dtype)[0] for p in peers}
+    views = {p: W.open(p, x.dtype, x.nbytes)[0] for p in peers}
     in_place = int(x.data.ptr) == int(out.data.ptr)
     inputs = [x if p == root else views[p] for p in range(n)]
     _reduce_into(W, op, dtype, inputs, out, root if in_place else -1)
