@@ -80,6 +80,12 @@ class Communicator:
         self._peers = PeerCalls(eng)
 
     # ------------------------------------------------------------------ public
+    @property
+    def device(self) -> int | None:
+        """The CUDA device of this communicator's device buffers (the current device
+        at :func:`pycoll.init`), or None where it has no device side."""
+        return None if self._gpu is None else int(self._gpu.device)
+
     def transport_of(self, peer: int, *, device: bool = False) -> str:
         """The transport used to reach ``peer``: "self", "shm", "tcp", "rdma:host"...
 

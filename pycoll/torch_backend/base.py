@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import pycoll
+from pycoll.errors import InvalidArgumentError
+from pycoll.torch_backend.streams import OnStream
 from pycoll.torch_backend.work import Work
 from pycoll.torch_backend.worker import Lane
 
@@ -60,6 +63,8 @@ class GroupBase(dist.ProcessGroup):
         self._group_desc = ""
         self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
         self._lane = (lane or Lane()).join()
+        self._streams: dict[int, torch.cuda.Stream] = {}  # per device (see .streams)
+        self._staged_why = ""  # why CUDA tensors go through the host, once logged
         self._closed = False
         # the point-to-point calls since _start_coalescing (:mod:`.peer`), else None
         self._batch: list[Any] | None = None
@@ -97,12 +102,69 @@ class GroupBase(dist.ProcessGroup):
     def communicator(self) -> pycoll.Communicator:
         return self._comm
 
+    # --- the device
+    def _stream(self, tensors: Sequence[torch.Tensor], what: str) -> torch.cuda.Stream | None:
+        """The group's stream where the call runs on the device (its tensors are CUDA
+        tensors of the communicator's device), else None: it goes through the host.
+
+        Raises:
+            InvalidArgumentError: CPU and CUDA tensors, or tensors of two devices.
+        """
+        devices = {t.device for t in tensors}
+        if not devices or all(d.type == "cpu" for d in devices):
+            return None
+        if len(devices) > 1:
+            names = ", ".join(sorted(str(d) for d in devices))
+            raise InvalidArgumentError(
+                f"pycoll backend, rank {self._rank}: {what}: tensors on {names}; "
+                "one call takes tensors of one device"
+            )
+        (dev,) = devices
+        mine = self._comm.device
+        why = ""
+        if dev.type != "cuda":
+            why = f"pycoll moves {dev.type} tensors through host memory"
+        elif mine is None:
+            why = "the communicator has no device side (is CuPy installed?)"
+        elif dev.index != mine:
+            why = (
+                f"they are on {dev} but the communicator's device is cuda:{mine} (the current "
+                "device at init_process_group: call torch.cuda.set_device first)"
+            )
+        if why:
+            if why != self._staged_why:
+                self._staged_why = why
+                log.warning(
+                    "pycoll backend, rank %d: %s tensors go through the host: %s",
+                    self._rank,
+                    dev,
+                    why,
+                )
+            return None
+        assert mine is not None
+        stream = self._streams.get(mine)
+        if stream is None:
+            stream = self._streams[mine] = torch.cuda.Stream(dev)
+            log.info(
+                "pycoll backend, rank %d: collectives on %s run on stream %s",
+                self._rank,
+                dev,
+                stream,
+            )
+        return stream
+
     # --- the worker
-    def _enqueue(self, what: str, run: Callable[[], Any]) -> Work:
+    def _enqueue(
+        self, what: str, run: Callable[[], Any], stream: torch.cuda.Stream | None = None
+    ) -> Work:
+        """Queue ``run`` to the worker; with ``stream``, ordered on the device after
+        the caller's current stream and before what ``Work.wait()`` orders after it."""
         if self._closed:
             raise RuntimeError(f"pycoll backend: {self!r} is shut down")
         lane = self._lane
-        work = Work(what, self._rank, self._timeout, lane.busy)
+        work = Work(
+            what, self._rank, self._timeout, lane.busy, OnStream(stream) if stream else None
+        )
         lane.put(run, work)
         return work
 

@@ -14,6 +14,15 @@ from pycoll.torch_backend.base import GroupBase
 from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _there(t: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """``t`` detached, on the host unless the call runs on the device (``stream``)."""
+    return t.detach() if stream is not None else t.detach().to("cpu")
+
+
 class Collectives(GroupBase):
     """The collectives of :class:`~pycoll.torch_backend.ProcessGroupPycoll`."""
 
@@ -27,16 +36,17 @@ class Collectives(GroupBase):
         and unpacked; a dtype with a single tensor is reduced in place."""
         rank = self._rank
         op = reduce_op(opts, rank) if opts is not None else "sum"
+        stream = self._stream(tensors, "allreduce")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         parts: list[tuple[Staged, list[torch.Tensor] | None]] = []
         for ts in by_dtype.values():
             if len(ts) == 1:
-                parts.append((Staged(ts[0], rank, as_bytes=False), None))
+                parts.append((Staged(ts[0], rank, as_bytes=False, stream=stream), None))
             else:
-                flat = _flatten_dense_tensors([t.detach().to("cpu") for t in ts])
-                parts.append((Staged(flat, rank, as_bytes=False), ts))
+                flat = _flatten_dense_tensors([_there(t, stream) for t in ts])
+                parts.append((Staged(flat, rank, as_bytes=False, stream=stream), ts))
 
         def run() -> list[torch.Tensor]:
             for s, packed in parts:
@@ -48,12 +58,13 @@ class Collectives(GroupBase):
                     t.detach().copy_(r)
             return tensors
 
-        return self._enqueue("allreduce", run)
+        return self._enqueue("allreduce", run, stream)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         check_one(tensors, "broadcast", self._rank)
         root = int(opts.rootRank) if opts is not None else 0
-        s = Staged(tensors[0], self._rank, as_bytes=True, copy_in=self._rank == root)
+        stream = self._stream(tensors, "broadcast")
+        s = Staged(tensors[0], self._rank, as_bytes=True, copy_in=self._rank == root, stream=stream)
 
         def run() -> list[torch.Tensor]:
             self._comm.broadcast(s.array, root=root)
@@ -61,13 +72,14 @@ class Collectives(GroupBase):
                 s.finish()
             return tensors
 
-        return self._enqueue("broadcast", run)
+        return self._enqueue("broadcast", run, stream)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         check_one(tensors, "reduce", self._rank)
         op = reduce_op(opts, self._rank) if opts is not None else "sum"
         root = int(opts.rootRank) if opts is not None else 0
-        s = Staged(tensors[0], self._rank, as_bytes=False)
+        stream = self._stream(tensors, "reduce")
+        s = Staged(tensors[0], self._rank, as_bytes=False, stream=stream)
 
         def run() -> list[torch.Tensor]:
             self._comm.reduce(s.array, root=root, op=op)
@@ -75,7 +87,7 @@ class Collectives(GroupBase):
                 s.finish()
             return tensors
 
-        return self._enqueue("reduce", run)
+        return self._enqueue("reduce", run, stream)
 
     def allgather(  # type: ignore[override]
         self,
@@ -89,8 +101,9 @@ class Collectives(GroupBase):
             raise InvalidArgumentError(
                 f"pycoll backend, rank {self._rank}: allgather needs {self._size} output tensors, got {len(outs)}"
             )
-        x = Staged(input_tensors[0], self._rank, as_bytes=True)
-        k = x.array.size
+        stream = self._stream([*input_tensors, *outs], "allgather")
+        x = Staged(input_tensors[0], self._rank, as_bytes=True, stream=stream)
+        k = _nbytes(input_tensors[0])
         for o in outs:
             check_dtypes(o, input_tensors[0], "allgather", self._rank)
             if o.numel() * o.element_size() != k:
@@ -98,16 +111,16 @@ class Collectives(GroupBase):
                     f"pycoll backend, rank {self._rank}: allgather output tensor of {o.numel()} x {o.dtype} "
                     f"does not match the input's {input_tensors[0].numel()} x {input_tensors[0].dtype}"
                 )
-        staged = [Staged(o, self._rank, as_bytes=True, copy_in=False) for o in outs]
+        staged = [Staged(o, self._rank, as_bytes=True, copy_in=False, stream=stream) for o in outs]
 
         def run() -> list[list[torch.Tensor]]:
-            gathered = self._comm.allgather(x.array).reshape(self._size, k)
+            gathered = self._comm.allgather(x.array, x.empty(self._size * k))
             for r, s in enumerate(staged):
-                s.array[...] = gathered[r]
+                s.array[...] = gathered[r * k : (r + 1) * k]
                 s.finish()
             return output_tensors
 
-        return self._enqueue("allgather", run)
+        return self._enqueue("allgather", run, stream)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -118,6 +131,7 @@ class Collectives(GroupBase):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
+        stream = self._stream([*outputs, *inputs], "allgather_into_tensor")
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             check_dtypes(o, i, "allgather_into_tensor", self._rank)
@@ -128,8 +142,8 @@ class Collectives(GroupBase):
                 )
             pairs.append(
                 (
-                    Staged(i, self._rank, as_bytes=True),
-                    Staged(o, self._rank, as_bytes=True, copy_in=False),
+                    Staged(i, self._rank, as_bytes=True, stream=stream),
+                    Staged(o, self._rank, as_bytes=True, copy_in=False, stream=stream),
                 )
             )
 
@@ -139,7 +153,7 @@ class Collectives(GroupBase):
                 out.finish()
             return outputs
 
-        return self._enqueue("allgather_into_tensor", run)
+        return self._enqueue("allgather_into_tensor", run, stream)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -160,7 +174,8 @@ class Collectives(GroupBase):
             raise InvalidArgumentError(
                 f"pycoll backend, rank {self._rank}: reduce_scatter needs {self._size} input tensors, got {len(ins)}"
             )
-        flat_in = torch.cat([t.detach().reshape(-1).to("cpu") for t in ins])
+        stream = self._stream([*ins, *output_tensors], "reduce_scatter")
+        flat_in = torch.cat([_there(t, stream).reshape(-1) for t in ins])
         return self._reduce_scatter([output_tensors[0]], [flat_in], opts)
 
     def _reduce_scatter_base(
@@ -187,6 +202,7 @@ class Collectives(GroupBase):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
         op = reduce_op(opts, self._rank) if opts is not None else "sum"
+        stream = self._stream([*outputs, *inputs], "reduce_scatter")
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             check_dtypes(o, i, "reduce_scatter", self._rank)
@@ -197,8 +213,8 @@ class Collectives(GroupBase):
                 )
             pairs.append(
                 (
-                    Staged(i, self._rank, as_bytes=False),
-                    Staged(o, self._rank, as_bytes=False, copy_in=False),
+                    Staged(i, self._rank, as_bytes=False, stream=stream),
+                    Staged(o, self._rank, as_bytes=False, copy_in=False, stream=stream),
                 )
             )
 
@@ -208,7 +224,7 @@ class Collectives(GroupBase):
                 out.finish()
             return outputs
 
-        return self._enqueue("reduce_scatter", run)
+        return self._enqueue("reduce_scatter", run, stream)
 
     def barrier(self, opts: Any = None) -> Any:
         def run() -> list[torch.Tensor]:
@@ -245,20 +261,30 @@ class Collectives(GroupBase):
                         f"pycoll backend, rank {rank}: allgather_coalesced output of "
                         f"{o.numel()} elements for an input of {i.numel()}"
                     )
-        sizes = [i.numel() * i.element_size() for i in inputs]
-        parts = [i.detach().reshape(-1).view(torch.uint8).to("cpu") for i in inputs]
-        block = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        x = Staged(block, self._rank, as_bytes=True)
+        stream = self._stream(
+            [*inputs, *(o for outs in output_lists for o in outs)], "allgather_coalesced"
+        )
+        sizes = [_nbytes(i) for i in inputs]
+        parts = [_there(i, stream).reshape(-1).view(torch.uint8) for i in inputs]
+        if parts:
+            block = torch.cat(parts)
+        else:
+            block = torch.empty(0, dtype=torch.uint8, device=inputs[0].device if inputs else "cpu")
+        x = Staged(block, self._rank, as_bytes=True, stream=stream)
+        outputs = [
+            [Staged(o, rank, as_bytes=True, copy_in=False, stream=stream) for o in outs]
+            for outs in output_lists
+        ]
+        total = sum(sizes)
 
         def run() -> list[list[torch.Tensor]]:
-            gathered = self._comm.allgather(x.array).reshape(self._size, -1)
-            for r, outs in enumerate(output_lists):
-                at = 0
-                for o, k in zip(outs, sizes, strict=True):
-                    s = Staged(o, rank, as_bytes=True, copy_in=False)
-                    s.array[...] = gathered[r, at : at + k]
+            gathered = self._comm.allgather(x.array, x.empty(self._size * total))
+            for r, outs in enumerate(outputs):
+                at = r * total
+                for s, k in zip(outs, sizes, strict=True):
+                    s.array[...] = gathered[at : at + k]
                     s.finish()
                     at += k
             return output_lists
 
-        return self._enqueue("allgather_coalesced", run)
+        return self._enqueue("allgather_coalesced", run, stream)

@@ -1,8 +1,10 @@
-"""Tensors as pycoll sees them: flat host NumPy views, dtypes, reduce ops, checks.
+"""Tensors as pycoll sees them: flat host NumPy views or CUDA tensors, dtypes,
+reduce ops, checks.
 
 CPU contiguous tensors are viewed zero-copy through DLPack (which leaves their
-storage resizable); non-contiguous and CUDA tensors go through a contiguous
-host copy that :meth:`Staged.finish` writes back.
+storage resizable).  CUDA tensors of the communicator's device stay there
+(:mod:`.streams`); on another device, they and non-contiguous tensors go through
+a contiguous copy that :meth:`Staged.finish` writes back.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from pycoll.errors import InvalidArgumentError, UnsupportedError
 from pycoll.torch_backend.errors import torch_error
+from pycoll.torch_backend.streams import keep
 
 OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -48,13 +51,27 @@ NUMPY_DTYPES: dict[torch.dtype, Any] = {
 
 
 class Staged:
-    """A tensor seen as a flat host NumPy array; ``finish()`` writes results back.
+    """A tensor seen as a flat array pycoll takes; ``finish()`` writes results back.
 
-    CPU contiguous tensors share memory with the array (nothing to write back);
-    non-contiguous and CUDA tensors go through a contiguous host copy.
+    On the host (``stream`` None): a flat NumPy view.  CPU contiguous tensors
+    share memory with it (nothing to write back); non-contiguous and CUDA
+    tensors go through a contiguous host copy.
+
+    On the device (``stream``: the group's stream on the tensor's device, see
+    :mod:`.streams`): a flat CUDA tensor, the tensor itself when it is
+    contiguous, else a contiguous device copy (made on the caller's stream)
+    that ``finish()`` writes back on the current one.
     """
 
-    def __init__(self, t: torch.Tensor, rank: int, *, as_bytes: bool, copy_in: bool = True) -> None:
+    def __init__(
+        self,
+        t: torch.Tensor,
+        rank: int,
+        *,
+        as_bytes: bool,
+        copy_in: bool = True,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         if t.layout != torch.strided:  # sparse (COO, CSR...) and other layouts
             raise torch_error(
                 UnsupportedError(
@@ -65,6 +82,22 @@ class Staged:
             )
         self.tensor = t
         src = t.detach()
+        self.array: Any
+        if stream is not None:
+            self.copied = not src.is_contiguous()
+            if not self.copied:
+                dev = src
+            elif copy_in:
+                dev = src.contiguous()
+            else:
+                dev = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            self.host = dev
+            flat = dev.reshape(-1)
+            if not as_bytes:
+                check_dtype(flat.dtype, rank)
+            self.array = flat.view(torch.uint8) if as_bytes else flat
+            keep(stream, src, dev)
+            return
         self.copied = src.device.type != "cpu" or not src.is_contiguous()
         if self.copied:
             host = (
@@ -77,9 +110,24 @@ class Staged:
         self.host = host
         self.array = numpy_view(host.reshape(-1), as_bytes, rank)
 
+    def empty(self, count: int) -> Any:
+        """A new flat byte array of ``count`` bytes, where this one lies."""
+        if isinstance(self.array, np.ndarray):
+            return np.empty(count, np.uint8)
+        return torch.empty(count, dtype=torch.uint8, device=self.array.device)
+
     def finish(self) -> None:
         if self.copied:
             self.tensor.detach().copy_(self.host)
+
+
+def check_dtype(dtype: torch.dtype, rank: int) -> None:
+    """Raise unless pycoll reduces ``dtype`` (bfloat16 and :data:`NUMPY_DTYPES`)."""
+    if dtype is not torch.bfloat16 and dtype not in NUMPY_DTYPES:
+        raise InvalidArgumentError(
+            f"pycoll backend, rank {rank}: reductions on {dtype} tensors are not supported; "
+            f"use one of bfloat16, {', '.join(str(d) for d in NUMPY_DTYPES)}"
+        )
 
 
 def numpy_view(flat: torch.Tensor, as_bytes: bool, rank: int) -> np.ndarray:
@@ -90,11 +138,7 @@ def numpy_view(flat: torch.Tensor, as_bytes: bool, rank: int) -> np.ndarray:
         return np.from_dlpack(flat.view(torch.uint8))
     if flat.dtype is torch.bfloat16:  # not a DLPack dtype NumPy knows
         return np.from_dlpack(flat.view(torch.int16)).view(ml_dtypes.bfloat16)
-    if flat.dtype not in NUMPY_DTYPES:
-        raise InvalidArgumentError(
-            f"pycoll backend, rank {rank}: reductions on {flat.dtype} tensors are not supported; "
-            f"use one of bfloat16, {', '.join(str(d) for d in NUMPY_DTYPES)}"
-        )
+    check_dtype(flat.dtype, rank)
     return np.from_dlpack(flat)
 
 

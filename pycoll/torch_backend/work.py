@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from time import monotonic
 from typing import Any
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from pycoll.diagnose import grace_for
 from pycoll.errors import CollectiveTimeout
 from pycoll.torch_backend.errors import torch_error
+from pycoll.torch_backend.streams import OnStream
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,9 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
     waits for its peer at most the timeout.
     """
 
-    def __init__(self, what: str, rank: int, timeout: float, worker: Busy) -> None:
+    def __init__(
+        self, what: str, rank: int, timeout: float, worker: Busy, cuda: OnStream | None = None
+    ) -> None:
         super().__init__()
         self._what = what
         self._rank = rank
@@ -68,7 +72,12 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         self._outputs: Any = None
         self._posted: float | None = None  # when its send or receive was posted
         self._source: int | None = None  # a receive's sender, once complete
-        self._head: torch.futures.Future[Any] = torch.futures.Future()
+        # on CUDA tensors: the call's place on its group's stream (see .streams);
+        # the future then records and waits for events on the device
+        self._cuda = cuda
+        self._head: torch.futures.Future[Any] = (
+            torch.futures.Future() if cuda is None else torch.futures.Future(devices=[cuda.device])
+        )
         # Future.set_exception stores the exception as the future's *value* (only
         # Python's wait() raises it): DDP's reducer, in C++, would take it for its
         # tensors and crash.  An exception raised in a then() callback fails the
@@ -85,7 +94,8 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         the :class:`Posted` call that completes it later."""
         self._worker.what, self._worker.since = self._what, monotonic()
         try:
-            outputs = run()
+            with nullcontext() if self._cuda is None else self._cuda.running():
+                outputs = run()
         except BaseException as exc:
             self._fail(exc)
             return None
@@ -99,8 +109,14 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
 
     def _complete(self, outputs: Any) -> None:
         self._outputs = outputs
+        cuda = self._cuda
         try:
-            self._head.set_result(outputs)
+            if cuda is None:
+                self._head.set_result(outputs)
+            else:
+                cuda.ended()
+                with torch.cuda.device(cuda.device), torch.cuda.stream(cuda.stream):
+                    self._head.set_result(outputs)  # records its events on the group's stream
         finally:
             self._done.set()
 
@@ -110,7 +126,9 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         self._complete(None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective is done; raise its error.
+        """Block until the collective's host part is done; raise its error.  On
+        CUDA tensors, also make the current stream wait for its device work
+        (the host does not wait for the GPU, as with ProcessGroupNCCL).
 
         Args:
             timeout: wait at most this long (torch's ``timedelta(0)``, or None:
@@ -134,6 +152,8 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
             self._wait_bounded()
         if self._error is not None:
             raise self._error
+        if self._cuda is not None:
+            self._cuda.join()
         return True
 
     def _wait_bounded(self) -> None:
@@ -181,7 +201,8 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         return self.source_rank()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        """Done, its device work too (on CUDA tensors)."""
+        return self._done.is_set() and (self._cuda is None or self._cuda.over())
 
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None

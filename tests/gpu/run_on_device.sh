@@ -2,13 +2,15 @@
 # GPU tests and the GPU sweep, in one call on a GPU machine (one GPU is enough:
 # ranks share it through CUDA IPC).  Results go to $OUT (default benchmarks/out/gpu).
 #
-#   tests/gpu/run_on_device.sh [all|smoke|test|sweep|copies]
+#   tests/gpu/run_on_device.sh [all|smoke|test|train|sweep|copies]
 #
 # smoke: environment report and a 2-rank allreduce; test: every test in tests/gpu at
-# n = 1 (no launcher) and at n = 2, 3, 4 (the tests marked mpi, under mpiexec);
+# n = 1 (no launcher) and at n = 2, 3, 4 (the tests marked mpi, under mpiexec), then
+# train: examples/train_dp.py --device cuda at n = 1, 2, 4 against one process;
 # sweep: benchmarks/gpu_sweep.py at n = 2 and 4 plus a markdown table, then copies:
 # benchmarks/gpu_copies.py (pinned copy latency with 1, 2, 4 processes on the GPU).
-# Knobs: PYTHON, MPIEXEC, SWEEP_ARGS, SWEEP_NS, TEST_NS, COPY_NS.
+# Knobs: PYTHON, MPIEXEC, TESTS (a path under tests/gpu), TEST_NS, TRAIN_NS, SWEEP_ARGS,
+# SWEEP_NS, COPY_NS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -39,7 +41,7 @@ env_report() {
         "$MPIEXEC" --version 2>&1 | head -2
         "$PY" - <<'PY'
 import importlib
-for m in ("numpy", "ml_dtypes", "mpi4py", "cupy", "torch", "cuda.bindings", "pytest", "pytest_timeout", "pytest_mpi"):
+for m in ("numpy", "ml_dtypes", "mpi4py", "cupy", "torch", "cuda.bindings", "pytest", "pytest_timeout", "pytest_mpi", "tqdm"):
     try:
         mod = importlib.import_module(m)
         print(f"{m:15} {getattr(mod, '__version__', 'ok')}")
@@ -72,10 +74,19 @@ PY
 
 tests() {
     echo "== pytest tests/gpu (n=1)" | tee -a "$OUT/tests.log"
-    timeout "${STEP_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu -rfs 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
+    timeout "${STEP_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS:-tests/gpu} -rfs 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
     for n in ${TEST_NS:-2 3 4}; do
         echo "== pytest -m mpi tests/gpu under mpiexec -n $n" | tee -a "$OUT/tests.log"
-        run_n "$n" "$PY" -m mpi4py -m pytest -q -x -p no:cacheprovider -o addopts="" -m mpi tests/gpu -rf 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
+        run_n "$n" "$PY" -m mpi4py -m pytest -q -x -p no:cacheprovider -o addopts="" -m mpi ${TESTS:-tests/gpu} -rf 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
+    done
+    train
+}
+
+train() {
+    for n in ${TRAIN_NS:-1 2 4}; do
+        echo "== examples/train_dp.py --device cuda, n=$n" | tee -a "$OUT/tests.log"
+        run_n "$n" "$PY" -m mpi4py examples/train_dp.py --device cuda --steps 30 --check-single \
+            --no-progress --json "$OUT/train_dp_cuda_n$n.json" 2>&1 | tee -a "$OUT/tests.log" | tail -8 || status=1
     done
 }
 
@@ -95,11 +106,12 @@ copies() {
 
 case "$MODE" in
     smoke) env_report; smoke ;;
+    train) env_report; train ;;
     test) env_report; smoke; tests ;;
     sweep) env_report; sweep; copies ;;
     copies) copies ;;
     all) env_report; smoke; tests; sweep; copies ;;
-    *) echo "usage: $0 [all|smoke|test|sweep|copies]"; exit 2 ;;
+    *) echo "usage: $0 [all|smoke|test|train|sweep|copies]"; exit 2 ;;
 esac
 ls /dev/shm | grep '^pycoll-' && { echo "leftover /dev/shm segments"; status=1; }
 exit $status
