@@ -68,7 +68,6 @@ def test_train_dp(n: int, tmp_path: Path) -> None:
     assert res["buckets"] > 1, "the test model should span several buckets"
     assert res["replicas_identical"] and res["hash_checks"] == 3, res
     assert res["single_ok"], res
-    if n == 1:
-        assert res["single_identical"], res
-    else:
-        assert res["single_max_abs_diff"] < 1e-5, res
+    # the reference averages the shards' gradients in rank order, as the host
+    # allreduce does (sum, then divide): the same bits
+    assert res["single_identical"], res
