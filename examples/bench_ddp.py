@@ -4,6 +4,9 @@ Run under MPI::
 
     mpiexec -n 2 python -m mpi4py examples/bench_ddp.py --steps 40 --batch 256 --bucket-mb 1
 
+(``--device cuda``: models, data and gradients on GPU ``rank % GPUs``; Gloo
+copies CUDA tensors to the host, pycoll keeps them on the device.)
+
 All three train the same MLP as ``train_dp.py`` (same seed, same data shards,
 same optimizer) in one job:
 
@@ -56,6 +59,9 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--samples", type=int, default=8192)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU rank %% GPUs"
+    )
     p.add_argument("--json")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -63,6 +69,10 @@ def main() -> None:
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:  # before the groups: a pycoll communicator's device is the current one
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if "MASTER_PORT" not in os.environ:
         port = None
         if rank == 0:
@@ -79,15 +89,21 @@ def main() -> None:
     comm = pycoll.init()
 
     x, y = train_dp.make_data(args.seed, args.samples, args.features, args.classes)
+    x, y = x.to(dev), y.to(dev)
     loss_fn = nn.CrossEntropyLoss()
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     runners: dict[str, Any] = {}
     for mode in modes:
         model = train_dp.build_model(
             args.seed, args.features, args.hidden, args.layers, args.classes
-        )
+        ).to(dev)
         if mode.startswith("ddp"):
-            net: nn.Module = DDP(model, process_group=groups[mode], bucket_cap_mb=args.bucket_mb)
+            net: nn.Module = DDP(
+                model,
+                device_ids=[dev.index] if cuda else None,
+                process_group=groups[mode],
+                bucket_cap_mb=args.bucket_mb,
+            )
             sync = None
         else:
             net = model
@@ -111,6 +127,8 @@ def main() -> None:
         if sync is not None:
             sync.finish()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -132,7 +150,7 @@ def main() -> None:
     nparams = sum(p.numel() for p in runners[modes[0]][0].parameters())
     if rank == 0:
         print(
-            f"n={size} params={nparams} batch={args.batch} bucket={args.bucket_mb} MiB "
+            f"n={size} {args.device} params={nparams} batch={args.batch} bucket={args.bucket_mb} MiB "
             f"steps={args.steps} (median step time, max over ranks)"
         )
         base = med.get("ddp-gloo")

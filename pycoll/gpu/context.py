@@ -212,14 +212,22 @@ class GpuContext:
         self, x: Buffer, out: Buffer | None
     ) -> tuple[int, np.ndarray, int, np.ndarray | None]:
         """Pinned mirrors of ``x`` and ``out`` as typed host arrays, with their
-        addresses: ``(x_ptr, x_view, out_ptr, out_view)``.  When ``out`` starts
-        where ``x`` does (in place, or block 0 of an in-place allgather) both are
-        views of one mirror, large enough for the larger."""
+        addresses: ``(x_ptr, x_view, out_ptr, out_view)``.  Where one lies inside
+        the other (in place: the same memory, or this rank's block of an
+        allgather's output, or of a reduce_scatter's input) both are views of one
+        mirror, at the same distance apart: the host collective sees the same
+        aliasing as the caller's call (its envelope skips the own block, say)."""
         dt = x.dtype  # the logical dtype: bfloat16 on the host too
-        if out is not None and out.same_memory(x):
-            hptr, h = self._mirror(0, max(x.nbytes, out.nbytes))
-            hv = h[: x.nbytes].view(dt)
-            return hptr, hv, hptr, hv if out is x else h[: out.nbytes].view(out.dtype)
+        if out is not None and out.device == x.device:
+            at = data_ptr(x.flat) - data_ptr(out.flat)  # x's offset in out
+            if 0 <= at and at + x.nbytes <= out.nbytes:
+                hptr, h = self._mirror(0, out.nbytes)
+                hv = h[at : at + x.nbytes].view(dt)
+                return hptr + at, hv, hptr, hv if out is x else h[: out.nbytes].view(out.dtype)
+            if 0 <= -at and -at + out.nbytes <= x.nbytes:  # out inside x
+                hptr, h = self._mirror(0, x.nbytes)
+                ov = h[-at : -at + out.nbytes].view(out.dtype)
+                return hptr, h[: x.nbytes].view(dt), hptr - at, ov
         hptr, h = self._mirror(0, x.nbytes)
         hv = h[: x.nbytes].view(dt)
         if out is None:
