@@ -118,7 +118,14 @@ class Staged:
 
     def finish(self) -> None:
         if self.copied:
-            self.tensor.detach().copy_(self.host)
+            t = self.tensor.detach()
+            t.copy_(self.host)
+            if t.is_cuda and self.host.device.type == "cpu":
+                # A CUDA tensor through the host (another device than the
+                # communicator's; the exchanges and point-to-point calls): the copy
+                # back ran on this thread's stream, which the caller's streams do
+                # not wait for, so it is over before the Work completes.
+                torch.cuda.current_stream(t.device).synchronize()
 
 
 def check_dtype(dtype: torch.dtype, rank: int) -> None:
