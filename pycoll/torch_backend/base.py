@@ -163,7 +163,11 @@ class GroupBase(dist.ProcessGroup):
             raise RuntimeError(f"pycoll backend: {self!r} is shut down")
         lane = self._lane
         work = Work(
-            what, self._rank, self._timeout, lane.busy, OnStream(stream) if stream else None
+            what,
+            self._rank,
+            self._timeout,
+            lane.busy,
+            OnStream(stream) if stream is not None else None,
         )
         lane.put(run, work)
         return work
