@@ -14,10 +14,6 @@ from pycoll.torch_backend.base import GroupBase
 from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _there(t: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
     """``t`` detached, on the host unless the call runs on the device (``stream``)."""
     return t.detach() if stream is not None else t.detach().to("cpu")
@@ -103,10 +99,10 @@ class Collectives(GroupBase):
             )
         stream = self._stream([*input_tensors, *outs], "allgather")
         x = Staged(input_tensors[0], self._rank, as_bytes=True, stream=stream)
-        k = _nbytes(input_tensors[0])
+        k = input_tensors[0].nbytes
         for o in outs:
             check_dtypes(o, input_tensors[0], "allgather", self._rank)
-            if o.numel() * o.element_size() != k:
+            if o.nbytes != k:
                 raise InvalidArgumentError(
                     f"pycoll backend, rank {self._rank}: allgather output tensor of {o.numel()} x {o.dtype} "
                     f"does not match the input's {input_tensors[0].numel()} x {input_tensors[0].dtype}"
@@ -135,7 +131,7 @@ class Collectives(GroupBase):
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             check_dtypes(o, i, "allgather_into_tensor", self._rank)
-            if o.numel() * o.element_size() != self._size * i.numel() * i.element_size():
+            if o.nbytes != self._size * i.nbytes:
                 raise InvalidArgumentError(
                     f"pycoll backend, rank {self._rank}: allgather output has {o.numel()} elements, expected "
                     f"{self._size} x {i.numel()}"
@@ -264,12 +260,9 @@ class Collectives(GroupBase):
         stream = self._stream(
             [*inputs, *(o for outs in output_lists for o in outs)], "allgather_coalesced"
         )
-        sizes = [_nbytes(i) for i in inputs]
+        sizes = [i.nbytes for i in inputs]
         parts = [_there(i, stream).reshape(-1).view(torch.uint8) for i in inputs]
-        if parts:
-            block = torch.cat(parts)
-        else:
-            block = torch.empty(0, dtype=torch.uint8, device=inputs[0].device if inputs else "cpu")
+        block = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         x = Staged(block, self._rank, as_bytes=True, stream=stream)
         outputs = [
             [Staged(o, rank, as_bytes=True, copy_in=False, stream=stream) for o in outs]

@@ -18,14 +18,10 @@ from pycoll.torch_backend.base import GroupBase
 from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _row_bytes(t: torch.Tensor) -> int:
     """The bytes of one slice along dimension 0 (a 0-d tensor is one row)."""
     rows = t.shape[0] if t.dim() else 1
-    return _nbytes(t) // rows if rows else 0
+    return t.nbytes // rows if rows else 0
 
 
 def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -39,17 +35,17 @@ def _unpack(block: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy ``block``'s bytes into ``tensors``, one after the other."""
     at = 0
     for t in tensors:
-        n = _nbytes(t)
+        n = t.nbytes
         if n:
             t.detach().copy_(block[at : at + n].view(t.dtype).reshape(t.shape))
         at += n
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or not _nbytes(a) or not _nbytes(b):
+    if a.device != b.device or not a.nbytes or not b.nbytes:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 class Exchanges(GroupBase):
@@ -73,7 +69,7 @@ class Exchanges(GroupBase):
         x = Staged(input, rank, as_bytes=True)
         out = Staged(output, rank, as_bytes=True, copy_in=False)
         if not output_split_sizes and not input_split_sizes:
-            if _nbytes(input) % n or _nbytes(output) != _nbytes(input):
+            if input.nbytes % n or output.nbytes != input.nbytes:
                 raise InvalidArgumentError(
                     f"pycoll backend, rank {rank}: {what}: without split sizes the input "
                     f"({input.numel()} elements) must split evenly into {n} and the output "
@@ -141,10 +137,10 @@ class Exchanges(GroupBase):
         for o, i in zip(output_tensors, input_tensors, strict=True):
             check_dtypes(o, i, what, rank)
         x = Staged(_packed(input_tensors), rank, as_bytes=True)
-        block = torch.empty(sum(_nbytes(o) for o in output_tensors), dtype=torch.uint8)
+        block = torch.empty(sum(o.nbytes for o in output_tensors), dtype=torch.uint8)
         out = Staged(block, rank, as_bytes=True, copy_in=False)
-        send = [_nbytes(t) for t in input_tensors]
-        recv = [_nbytes(t) for t in output_tensors]
+        send = [t.nbytes for t in input_tensors]
+        recv = [t.nbytes for t in output_tensors]
 
         def run() -> list[torch.Tensor]:
             self._comm.alltoallv(x.array, send, out.array, recv)
@@ -184,7 +180,7 @@ class Exchanges(GroupBase):
                 f"pycoll backend, rank {rank}: {what}: only the root ({root}) takes outputs"
             )
         x = Staged(i, rank, as_bytes=True)
-        block = torch.empty(n * _nbytes(i) if rank == root else 0, dtype=torch.uint8)
+        block = torch.empty(n * i.nbytes if rank == root else 0, dtype=torch.uint8)
         out = Staged(block, rank, as_bytes=True, copy_in=False) if rank == root else None
 
         def run() -> list[list[torch.Tensor]]:
