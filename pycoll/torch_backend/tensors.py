@@ -82,33 +82,25 @@ class Staged:
             )
         self.tensor = t
         src = t.detach()
-        self.array: Any
-        if stream is not None:
-            self.copied = not src.is_contiguous()
-            if not self.copied:
-                dev = src
-            elif copy_in:
-                dev = src.contiguous()
-            else:
-                dev = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-            self.host = dev
-            flat = dev.reshape(-1)
-            if not as_bytes:
-                check_dtype(flat.dtype, rank)
-            self.array = flat.view(torch.uint8) if as_bytes else flat
-            keep(stream, src, dev)
-            return
-        self.copied = src.device.type != "cpu" or not src.is_contiguous()
+        # where pycoll reads it: this device (on the group's stream), else the host
+        where = src.device if stream is not None else torch.device("cpu")
+        self.copied = src.device != where or not src.is_contiguous()
         if self.copied:
-            host = (
-                src.to("cpu", copy=True).contiguous()
-                if copy_in
-                else torch.empty(src.shape, dtype=src.dtype)
-            )
+            c = torch.empty(src.shape, dtype=src.dtype, device=where)
+            if copy_in:
+                c.copy_(src)  # to the host: waits for the caller's stream
         else:
-            host = src
-        self.host = host
-        self.array = numpy_view(host.reshape(-1), as_bytes, rank)
+            c = src
+        self.contiguous = c  # the tensor itself where it needs no copy
+        flat = c.reshape(-1)
+        self.array: Any
+        if stream is None:
+            self.array = numpy_view(flat, as_bytes, rank)
+            return
+        if not as_bytes:
+            check_dtype(flat.dtype, rank)
+        self.array = flat.view(torch.uint8) if as_bytes else flat
+        keep(stream, src, c)
 
     def empty(self, count: int) -> Any:
         """A new flat byte array of ``count`` bytes, where this one lies."""
@@ -119,8 +111,8 @@ class Staged:
     def finish(self) -> None:
         if self.copied:
             t = self.tensor.detach()
-            t.copy_(self.host)
-            if t.is_cuda and self.host.device.type == "cpu":
+            t.copy_(self.contiguous)
+            if t.is_cuda and self.contiguous.device.type == "cpu":
                 # A CUDA tensor through the host (another device than the
                 # communicator's; the exchanges and point-to-point calls): the copy
                 # back ran on this thread's stream, which the caller's streams do
