@@ -95,7 +95,8 @@ class GpuContext:
         self._gates, self._gates_mem = Gates.on_device(device)
         #: calls return at once, the caller's stream waiting for a gate (see
         #: pycoll.gpu.jobs); off: a closed gate deadlocks with the loading of a
-        #: CUDA module (CuPy's kernels at their first use), seen on an H200
+        #: CUDA module (CuPy's kernels at their first use) on any thread of any
+        #: rank whose collective the gate waits for, seen on an H200
         self.gated = False
         self._copy: Any = None  # see copy_stream
         #: the jobs whose device work may not be over (they keep their buffers)
@@ -517,9 +518,10 @@ class DeviceCall(Job):
 
     def _step(self, spec: Spec, algo: str) -> Callable[[Any, Any], None] | None:
         """``step(x, out)``: the device algorithm ``algo`` of ``spec``'s collective;
-        None where nothing moves (one rank, no bytes)."""
+        None where nothing moves (one rank, no bytes; a v-variant's rank with no
+        bytes of its own still relays the others')."""
         coll, op = spec.coll, spec.op
-        if spec.n == 1 or spec.x.count == 0 or not coll.moves(spec):
+        if not coll.moves(spec):
             return None
         if algo == "direct":  # one-sided windows (pycoll.gpu.windows)
             fn = getattr(windows, coll.name)
