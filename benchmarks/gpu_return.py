@@ -1,0 +1,178 @@
+"""When does a blocking device collective give the host back, and what does the
+torch backend keep of pycoll's device bandwidth?  Under mpiexec on a GPU machine:
+
+    mpiexec -n 2 python benchmarks/gpu_return.py [--sizes 1M,16M,256M] [--reps 10]
+
+Part 1, per path and size: a float32 allreduce on a fresh CuPy stream, called
+right after a barrier.  ``return`` is the host time of the call; ``gpu`` the
+time between CUDA events recorded on the stream before and after it (the
+collective's device work, waits for the peers included); ``early`` the share of
+calls after which the end event was not yet complete, i.e. the call returned
+before its GPU work was done.  Paths: ``direct`` (auto between CUDA IPC
+peers), ``ring`` (cuda_ipc slots), ``host`` (pinned host memory and the host
+algorithm, sizes up to 4 MiB), ``staged-shm`` (no device connection).
+docs/gpu.md ("Streams and the host") says what each path waits for.
+
+Part 2: a 256 MiB allreduce through ``torch.distributed`` on a ``"pycoll"``
+process group (CUDA tensors, the group's stream) against pycoll's own call on
+CuPy arrays of the same size, interleaved; busbw = 2(n-1)/n * bytes / time,
+time from a host synchronize of the device after each call, slowest rank.
+
+Rank 0 prints a table per part and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import pycoll
+from pycoll.config import parse_bytes
+
+W = MPI.COMM_WORLD
+RANK, N = W.Get_rank(), W.Get_size()
+PATHS = {  # name: (init keywords, algorithm, largest size in bytes)
+    "direct": ({}, "auto", None),
+    "ring": ({}, "ring", None),
+    "host": ({"device_host_bytes": 4 << 20}, "auto", 4 << 20),
+    "staged-shm": ({"device_transports": ()}, "ring", 64 << 20),
+}
+
+
+def returns(comm: Any, nbytes: int, algo: str, reps: int) -> dict[str, float]:
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        x = cp.ones(nbytes // 4, cp.float32)
+    comm.allreduce(x, algorithm=algo, stream=s)  # kernels loaded, windows mapped
+    s.synchronize()
+    back, gpu, early = [], [], 0
+    for _ in range(reps):
+        W.Barrier()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(s)
+        t0 = time.perf_counter()
+        comm.allreduce(x, algorithm=algo, stream=s)
+        dt = time.perf_counter() - t0
+        end.record(s)
+        early += not end.done
+        s.synchronize()
+        back.append(dt * 1e6)
+        gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    r = {"return_us": statistics.median(back), "gpu_us": statistics.median(gpu)}
+    worst = W.allreduce(r["return_us"], op=MPI.MAX)
+    return {"return_us": worst, "gpu_us": r["gpu_us"], "early": early / reps}
+
+
+def part1(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, (kw, algo, most) in PATHS.items():
+        comm = pycoll.init(timeout=120, **kw)
+        try:
+            routes = sorted({comm.transport_of(p, device=True) for p in range(N) if p != RANK})
+            for nb in sizes:
+                if most is None or nb <= most:
+                    r = returns(comm, nb, algo, reps)
+                    rows.append({"path": name, "bytes": nb, "routes": routes, **r})
+        finally:
+            comm.close()
+    return rows
+
+
+def part2(nbytes: int, reps: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    import pycoll.torch_backend
+
+    if "MASTER_PORT" not in os.environ:
+        port = None
+        if RANK == 0:
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+        os.environ["MASTER_PORT"] = str(W.bcast(port))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    pycoll.torch_backend.register()
+    dev = torch.device("cuda", cp.cuda.Device().id)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("pycoll", rank=RANK, world_size=N)
+    comm = pycoll.init(timeout=120)
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    x = cp.ones(nbytes // 4, cp.float32)
+    times: dict[str, list[float]] = {"torch-pycoll": [], "pycoll": []}
+
+    def one(which: str) -> float:
+        W.Barrier()
+        t0 = time.perf_counter()
+        if which == "torch-pycoll":
+            dist.all_reduce(t)
+            torch.cuda.synchronize(dev)
+        else:
+            comm.allreduce(x)
+            cp.cuda.Device().synchronize()
+        return W.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+    for which in times:  # warm-up
+        one(which)
+    for _ in range(reps):
+        for which, ts in times.items():
+            ts.append(one(which))
+    comm.close()
+    dist.destroy_process_group()
+    factor = 2 * (N - 1) / N if N > 1 else 1.0
+    out = {}
+    for which, ts in times.items():
+        med = statistics.median(ts)
+        out[which + "_us"] = med * 1e6
+        out[which + "_busbw"] = factor * nbytes / med / 1e9
+    out["ratio"] = out["torch-pycoll_busbw"] / out["pycoll_busbw"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1M,4M,16M,256M")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--torch-bytes", default="256M")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
+    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    rows = part1(sizes, args.reps)
+    tor = None if args.skip_torch else part2(parse_bytes(args.torch_bytes), args.reps)
+    if RANK:
+        return
+    print(f"# n = {N}: host return time and GPU time of a blocking float32 allreduce")
+    print(f"{'path':>11} {'bytes':>10} {'return us':>10} {'gpu us':>10} {'early':>6}")
+    for r in rows:
+        print(
+            f"{r['path']:>11} {r['bytes']:>10} "
+            f"{r['return_us']:>10.1f} {r['gpu_us']:>10.1f} {r['early']:>6.2f}  {r['routes']}"
+        )
+    if tor is not None:
+        print(f"# n = {N}: {args.torch_bytes} allreduce, busbw GB/s (time us)")
+        print(
+            f"torch-pycoll {tor['torch-pycoll_busbw']:.1f} ({tor['torch-pycoll_us']:.0f})  "
+            f"pycoll {tor['pycoll_busbw']:.1f} ({tor['pycoll_us']:.0f})  "
+            f"ratio {tor['ratio']:.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"n": N, "returns": rows, "torch": tor}, f, indent=1)
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
