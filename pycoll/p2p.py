@@ -114,6 +114,7 @@ class Op:
         "reqs",
         "send",
         "source",
+        "stream",
         "tag",
         "user",
     )
@@ -136,6 +137,7 @@ class Op:
         self.done = False
         self.error: BaseException | None = None
         self.user: Buffer = buf  # what the caller passed (``buf`` is its host copy)
+        self.stream: Any = None  # a device ``user``'s stream: the copies are ordered on it
 
     def accepts(self, m: Message) -> bool:
         return (
@@ -557,9 +559,10 @@ class PeerCalls:
             raise InvalidArgumentError(f"rank {r}: {what}: tag={tag!r} must be a 64-bit integer")
         arg = "sendbuf" if send else "recvbuf"
         b = as_buffer(buf, r, what, arg, writable=not send)
-        staged = b
+        staged, stream = b, None
         if b.is_device:  # through host memory (the device path for these is to come)
-            host = b.flat.get() if send else np.empty(b.count, b.dtype)
+            stream = _current_stream(b, r, what)
+            host = b.flat.get(stream=stream) if send else np.empty(b.count, b.dtype)
             staged = Buffer(host, host, -1, b.logical)
         members = eng.members
         op = Op(
@@ -570,7 +573,7 @@ class PeerCalls:
             staged,
             members,
         )
-        op.user = b
+        op.user, op.stream = b, stream
         return op
 
     def call(self, send: bool, buf: Any, peer: Any, tag: Any, async_op: bool) -> Any:
@@ -669,9 +672,22 @@ class PeerCalls:
             if op.source is not None:
                 self.last_source = self.local.get(op.source)
             if op.user is not op.buf:
-                op.user.flat.set(op.buf.flat)
+                op.user.flat.set(op.buf.flat, stream=op.stream)
             return op.user.obj
         return None
+
+
+def _current_stream(b: Buffer, rank: int, what: str) -> Any:
+    """The stream that orders the caller's work on device buffer ``b``, as the
+    collectives take it with no ``stream=``: torch's current stream for a torch
+    tensor, CuPy's otherwise.  The copy of a send out of ``b`` runs there after
+    that work (CuPy's own current stream would not wait for a torch stream), and
+    a receive's copy into ``b`` comes before the work queued there later."""
+    import cupy
+
+    from pycoll.gpu.context import resolve_stream
+
+    return cupy.cuda.ExternalStream(resolve_stream(None, b.obj, b.device, rank, what), b.device)
 
 
 class P2PRequest:

@@ -337,6 +337,30 @@ def test_sub_communicator(comm):
         sub.close()
 
 
+def test_point_to_point_follows_the_torch_stream(comm):
+    """A torch tensor written on a side stream behind a long kernel is sent as
+    written, and work queued on that stream after the receive sees what came:
+    the copies through host memory are ordered on torch's current stream."""
+    torch = pytest.importorskip("torch")
+    if SIZE < 2:
+        pytest.skip("needs a peer")
+    dev = torch.device("cuda", cp.cuda.Device().id)
+    s = torch.cuda.Stream(dev)
+    n = 1 << 20
+    with torch.cuda.stream(s):
+        x = torch.zeros(n, device=dev)
+        y = torch.full((n,), -1.0, device=dev)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning before the write
+        x.fill_(float(RANK + 1))
+        with comm.group():
+            comm.send(x, RIGHT)
+            comm.recv(y, LEFT)
+        z = y * 2  # queued after the receive
+    s.synchronize()
+    got = z.cpu().numpy()
+    assert np.all(got == 2.0 * (LEFT + 1)), f"rank {RANK}: got {np.unique(got)[:4]}"
+
+
 # ----------------------------------------------------------------------------- cleanup
 def test_nothing_left_in_dev_shm(comm, comm_host, comm_staged):
     """After every communicator of this module is closed (the last test)."""
