@@ -159,6 +159,17 @@ def under_mpi() -> bool:
     )
 
 
+def loopback_port(mpi: Any) -> int:
+    """A free TCP port on 127.0.0.1 that rank 0 of MPI communicator ``mpi`` found,
+    the same on every rank (for torch.distributed's rendezvous on one host)."""
+    port = 0
+    if mpi.Get_rank() == 0:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+    return int(mpi.bcast(port, root=0))
+
+
 def host_meta() -> dict[str, object]:
     """Host name, date and software versions for JSON records."""
     meta: dict[str, object] = {

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,8 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import loopback_port
+
 import pycoll
 from pycoll.config import parse_bytes
 
@@ -95,18 +96,11 @@ def part2(nbytes: int, reps: int) -> dict[str, float]:
 
     import pycoll.torch_backend
 
-    if "MASTER_PORT" not in os.environ:
-        port = None
-        if RANK == 0:
-            with socket.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                port = sk.getsockname()[1]
-        os.environ["MASTER_PORT"] = str(W.bcast(port))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     pycoll.torch_backend.register()
     dev = torch.device("cuda", cp.cuda.Device().id)
     torch.cuda.set_device(dev)
-    dist.init_process_group("pycoll", rank=RANK, world_size=N)
+    url = f"tcp://127.0.0.1:{loopback_port(W)}"
+    dist.init_process_group("pycoll", init_method=url, rank=RANK, world_size=N)
     comm = pycoll.init(timeout=120)
     t = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     x = cp.ones(nbytes // 4, cp.float32)

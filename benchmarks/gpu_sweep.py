@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 
@@ -36,6 +35,8 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import loopback_port
+
 import pycoll
 from pycoll.config import parse_bytes as parse_size
 
@@ -101,12 +102,7 @@ def staging_legs(c, nbytes: int) -> list[dict[str, float]]:
 def gloo_group():
     import torch.distributed as dist
 
-    port = 0
-    if RANK == 0:
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-    port = W.bcast(port, root=0)
+    port = loopback_port(W)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=N)
     return dist

@@ -11,6 +11,8 @@ import importlib.util
 
 import pytest
 
+import pycoll
+
 
 def _gpu() -> tuple[bool, str]:
     if importlib.util.find_spec("cupy") is None:
@@ -32,3 +34,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Communicators per path, one of each per test module (each module's autouse
+# ``_device`` fixture makes the rank's GPU current first).
+
+
+@pytest.fixture(scope="module")
+def comm(_device):
+    c = pycoll.init(timeout=120)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def comm_host(_device):
+    """The host path for every small message: explicit limits are obeyed as they are,
+    also on a GPU the ranks share (where auto's default keeps small copies off it)."""
+    c = pycoll.init(timeout=120, device_host_bytes=128 << 10)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def comm_staged(_device):
+    c = pycoll.init(timeout=120, device_transports=(), device_chunk_bytes=256 << 10)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def comm_tcp(_device):
+    c = pycoll.init(timeout=120, transports=("tcp",), device_transports=())
+    yield c
+    c.close()

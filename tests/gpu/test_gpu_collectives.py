@@ -61,42 +61,12 @@ def _device():
 
 
 @pytest.fixture(scope="module")
-def comm(_device):
-    c = pycoll.init(timeout=120)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def comm_small(_device):
     """Small chunks for ring/tree; for direct, the split of the work between the
     ranks that runs on separate GPUs (on one GPU rank 0 would do it all)."""
     c = pycoll.init(timeout=120, chunk_bytes=4096, device_chunk_bytes=4096)
     if c._gpu is not None:
         c._gpu.shared_device = False
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def comm_host(_device):
-    """The host path for every small message: explicit limits are obeyed as they are,
-    also on a GPU the ranks share (where auto's default keeps small copies off it)."""
-    c = pycoll.init(timeout=120, device_host_bytes=128 << 10)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def comm_staged(_device):
-    c = pycoll.init(timeout=120, device_transports=(), device_chunk_bytes=256 << 10)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def comm_tcp(_device):
-    c = pycoll.init(timeout=120, transports=("tcp",), device_transports=())
     yield c
     c.close()
 

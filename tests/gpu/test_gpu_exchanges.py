@@ -26,7 +26,6 @@ import pytest
 cp = pytest.importorskip("cupy", reason="GPU tests need CuPy")
 from mpi4py import MPI  # noqa: E402
 
-import pycoll  # noqa: E402
 from pycoll.gpu import present  # noqa: E402
 from tests.reference import assert_close, data, reference  # noqa: E402
 
@@ -52,29 +51,6 @@ def _device():
     cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
     SEGMENTS.update(glob.glob("/dev/shm/pycoll-*"))
     WORLD.Barrier()  # every rank looked before any communicator is made
-
-
-@pytest.fixture(scope="module")
-def comm(_device):
-    c = pycoll.init(timeout=120)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def comm_host(_device):
-    """Calls up to 128 KiB a rank with ``auto`` through pinned host memory."""
-    c = pycoll.init(timeout=120, device_host_bytes=128 << 10)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def comm_staged(_device):
-    """Device algorithms over links staged through host memory (no CUDA IPC)."""
-    c = pycoll.init(timeout=120, device_transports=(), device_chunk_bytes=256 << 10)
-    yield c
-    c.close()
 
 
 # ----------------------------------------------------------------------------- helpers
