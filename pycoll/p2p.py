@@ -683,11 +683,10 @@ def _current_stream(b: Buffer, rank: int, what: str) -> Any:
     tensor, CuPy's otherwise.  The copy of a send out of ``b`` runs there after
     that work (CuPy's own current stream would not wait for a torch stream), and
     a receive's copy into ``b`` comes before the work queued there later."""
-    import cupy
-
+    from pycoll.gpu import external_stream
     from pycoll.gpu.context import resolve_stream
 
-    return cupy.cuda.ExternalStream(resolve_stream(None, b.obj, b.device, rank, what), b.device)
+    return external_stream(resolve_stream(None, b.obj, b.device, rank, what), b.device)
 
 
 class P2PRequest:

@@ -9,6 +9,7 @@ same on a device.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 
 import numpy as np
@@ -168,3 +169,43 @@ def test_a_progress_thread_failure_reaches_the_caller(where: str) -> None:
         with pytest.raises(pycoll.CommunicatorClosedError, match="no later call reported"):
             comm.close()
         comm.close()
+
+
+def test_external_stream_through_the_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A foreign stream handle becomes a CuPy stream by the CUDA stream protocol
+    where CuPy has ``Stream.from_external`` (CuPy 14 deprecates ExternalStream,
+    and pycoll's own deprecation warnings fail its tests), on its device."""
+    import types
+
+    from pycoll.gpu import external_stream
+
+    seen: list[tuple[str, object, int]] = []
+    current = [0]
+
+    class Device:
+        def __init__(self, d: int) -> None:
+            self.d = d
+
+        def __enter__(self) -> None:
+            current.append(self.d)
+
+        def __exit__(self, *_: object) -> None:
+            current.pop()
+
+    class Stream:
+        @classmethod
+        def from_external(cls, obj: object) -> str:
+            seen.append(("protocol", obj.__cuda_stream__(), current[-1]))  # type: ignore[attr-defined]
+            return "stream"
+
+    def external(ptr: int, device: int) -> str:
+        seen.append(("ExternalStream", ptr, device))
+        return "old"
+
+    cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=external)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    assert external_stream(0xABC, 3) == "stream"
+    assert seen == [("protocol", (0, 0xABC), 3)]
+    del Stream.from_external
+    assert external_stream(0xABC, 3) == "old"
+    assert seen[-1] == ("ExternalStream", 0xABC, 3)

@@ -39,6 +39,33 @@ def present() -> bool:
         return False
 
 
+class _Foreign:
+    """A CUDA stream handle as the CUDA stream protocol presents one
+    (``__cuda_stream__``: the protocol's version, 0, and the handle)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device: int) -> Any:
+    """A CuPy stream object for the CUDA stream ``ptr`` of ``device``, which
+    someone else (torch, the caller) owns: through the CUDA stream protocol
+    (``Stream.from_external``, CuPy 14) where CuPy has it, else by the
+    ``ExternalStream`` that CuPy 14 deprecates."""
+    import cupy
+
+    make = getattr(cupy.cuda.Stream, "from_external", None)
+    if make is None:
+        return cupy.cuda.ExternalStream(ptr, device)
+    with cupy.cuda.Device(device):
+        return make(_Foreign(ptr))
+
+
 def setup(boot: Any, config: Config, rank: int, size: int) -> Any:
     """Build the device side of a communicator, collectively; None without a GPU here.
 

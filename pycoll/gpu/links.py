@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pycoll.algorithms.links import Links
+from pycoll.gpu import external_stream
 from pycoll.gpu.staging import Pinned, StagedRecv, StagedSend
 from transports.base import (
     Backoff,
@@ -162,7 +163,7 @@ class DeviceLinks(Links):
     def _stream_of(self, ptr: int) -> Any:
         if ptr == self._sptr:
             return self._stream
-        return self._cp.cuda.ExternalStream(ptr, self._device)
+        return external_stream(ptr, self._device)
 
     def _order(self, ptr: int) -> None:
         """Make stream ``ptr`` wait for the work already queued on ours."""
