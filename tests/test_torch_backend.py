@@ -394,3 +394,40 @@ def test_mpiexec_launch_needs_neither_rank_nor_master_addr() -> None:
         assert o["env"] == {"RANK": None, "MASTER_ADDR": None}, o
         assert o["size"] == 3 and o["sum"] == [3.0, 6.0, 9.0, 12.0], o
         assert o["sub"] == ([2.0] * 3 if r < 2 else [1.0] * 3), o
+
+
+def test_work_future_whenever_asked() -> None:
+    """A Work's future completes with the outputs whether it is asked for before
+    or after the call ran, and fails in C++ (torch's RuntimeError) on an error;
+    no future is made for a call nobody asks one of."""
+    import torch
+
+    from pycoll.errors import PeerAbortedError
+    from pycoll.torch_backend.work import Busy, Work
+
+    def work() -> Work:
+        return Work("allreduce", 0, 10.0, Busy())
+
+    after = work()
+    after._run(lambda: [torch.ones(2)])
+    assert after._head is None and after.is_completed()
+    assert after.get_future().wait()[0].tolist() == [1.0, 1.0]
+    assert after.get_future() is after.get_future()
+
+    before = work()
+    fut = before.get_future()
+    assert not fut.done()
+    before._run(lambda: [torch.full((2,), 3.0)])
+    assert fut.wait()[0].tolist() == [3.0, 3.0]
+
+    def fails() -> None:
+        raise PeerAbortedError("rank 1 exited", rank=0)
+
+    for ask_first in (True, False):
+        bad = work()
+        early = bad.get_future() if ask_first else None
+        bad._run(fails)
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            (early or bad.get_future()).wait()
+        with pytest.raises(PeerAbortedError):
+            bad.wait()

@@ -75,14 +75,14 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         # on CUDA tensors: the call's place on its group's stream (see .streams);
         # the future then records and waits for events on the device
         self._cuda = cuda
-        self._head: torch.futures.Future[Any] = (
-            torch.futures.Future() if cuda is None else torch.futures.Future(devices=[cuda.device])
-        )
-        # Future.set_exception stores the exception as the future's *value* (only
-        # Python's wait() raises it): DDP's reducer, in C++, would take it for its
-        # tensors and crash.  An exception raised in a then() callback fails the
-        # chained future in C++, where every consumer sees the error.
-        self._future = self._head.then(self._outcome)
+        # The future is made when someone asks for it (DDP's comm hooks do, a
+        # dist.* call does not): a CUDA-aware future and its chained one cost
+        # about 0.3 ms of host time a call on the H200 machine, more than the
+        # rest of the backend's part of a call (benchmarks/RESULTS.md, "The
+        # torch backend's share of a device allreduce").
+        self._lock = threading.Lock()
+        self._head: torch.futures.Future[Any] | None = None
+        self._future: torch.futures.Future[Any] | None = None
 
     def _outcome(self, head: torch.futures.Future[Any]) -> Any:
         if self._error is not None:
@@ -109,16 +109,26 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
 
     def _complete(self, outputs: Any) -> None:
         self._outputs = outputs
-        cuda = self._cuda
+        if self._cuda is not None:
+            self._cuda.ended()
+        with self._lock:
+            head = self._head
+            if head is None:  # a get_future() from now on completes its own
+                self._done.set()
+                return
         try:
-            if cuda is None:
-                self._head.set_result(outputs)
-            else:
-                cuda.ended()
-                with torch.cuda.device(cuda.device), torch.cuda.stream(cuda.stream):
-                    self._head.set_result(outputs)  # records its events on the group's stream
+            self._resolve(head)
         finally:
             self._done.set()
+
+    def _resolve(self, head: torch.futures.Future[Any]) -> None:
+        """Complete the future (once the call is over)."""
+        cuda = self._cuda
+        if cuda is None:
+            head.set_result(self._outputs)
+            return
+        with torch.cuda.device(cuda.device), torch.cuda.stream(cuda.stream):
+            head.set_result(self._outputs)  # records its events on the group's stream
 
     def _fail(self, exc: BaseException) -> None:
         log.info("pycoll backend: %s (raised by the Work's wait)", exc)
@@ -215,7 +225,27 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         return self._outputs
 
     def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
+        """The call's future, made on the first request: it completes with the
+        outputs, or fails with the call's error.
+
+        Future.set_exception stores the exception as the future's *value* (only
+        Python's wait() raises it): DDP's reducer, in C++, would take it for its
+        tensors and crash.  So the future returned is chained on the one the
+        call completes, and an exception raised in the chained callback fails
+        it in C++, where every consumer sees the error.
+        """
+        with self._lock:
+            if self._future is None:
+                cuda = self._cuda
+                head: torch.futures.Future[Any] = (
+                    torch.futures.Future()
+                    if cuda is None
+                    else torch.futures.Future(devices=[cuda.device])
+                )
+                self._head, self._future = head, head.then(self._outcome)
+                if self._done.is_set():
+                    self._resolve(head)
+            return self._future
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else "failed" if self._error else "done"
