@@ -17,6 +17,9 @@ Part 2: a 256 MiB allreduce through ``torch.distributed`` on a ``"pycoll"``
 process group (CUDA tensors, the group's stream) against pycoll's own call on
 CuPy arrays of the same size, interleaved; busbw = 2(n-1)/n * bytes / time,
 time from a host synchronize of the device after each call, slowest rank.
+Two more rows take the backend's parts one at a time: pycoll's own call on the
+torch tensor (``pycoll-tensor``) and on the CuPy array on a stream other than
+the default (``pycoll-side``).
 
 Rank 0 prints a table per part and writes ``--json``.
 """
@@ -102,17 +105,30 @@ def part2(nbytes: int, reps: int) -> dict[str, float]:
     comm = pycoll.init(timeout=120)
     t = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     x = cp.ones(nbytes // 4, cp.float32)
-    times: dict[str, list[float]] = {"torch-pycoll": [], "pycoll": []}
+    side = cp.cuda.Stream(non_blocking=True)
+    # what the backend adds, piece by piece: its worker and group stream
+    # ("torch-pycoll"), a torch tensor on torch's stream ("pycoll-tensor"), a
+    # stream other than the default ("pycoll-side")
+    times: dict[str, list[float]] = {
+        "torch-pycoll": [],
+        "pycoll": [],
+        "pycoll-tensor": [],
+        "pycoll-side": [],
+    }
 
     def one(which: str) -> float:
         W.Barrier()
         t0 = time.perf_counter()
         if which == "torch-pycoll":
             dist.all_reduce(t)
-            torch.cuda.synchronize(dev)
+        elif which == "pycoll-tensor":
+            comm.allreduce(t)
+        elif which == "pycoll-side":
+            comm.allreduce(x, stream=side)
         else:
             comm.allreduce(x)
-            cp.cuda.Device().synchronize()
+        torch.cuda.synchronize(dev)
+        cp.cuda.Device().synchronize()
         return W.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     for which in times:  # warm-up
@@ -156,9 +172,11 @@ def main() -> None:
     if tor is not None:
         print(f"# n = {N}: {args.torch_bytes} allreduce, busbw GB/s (time us)")
         print(
-            f"torch-pycoll {tor['torch-pycoll_busbw']:.1f} ({tor['torch-pycoll_us']:.0f})  "
-            f"pycoll {tor['pycoll_busbw']:.1f} ({tor['pycoll_us']:.0f})  "
-            f"ratio {tor['ratio']:.3f}"
+            "  ".join(
+                f"{w} {tor[w + '_busbw']:.1f} ({tor[w + '_us']:.0f})"
+                for w in ("torch-pycoll", "pycoll", "pycoll-tensor", "pycoll-side")
+            )
+            + f"  ratio {tor['ratio']:.3f}"
         )
     if args.json:
         with open(args.json, "w") as f:
