@@ -153,6 +153,59 @@ def test_collective_that_meets_a_point_to_point_message_raises():
         run_ranks(2, on_shm)
 
 
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_same_arrays_again_replay_and_still_check(transports):
+    """Blocking calls on the same array, peer and tag run again without their
+    checks (pycoll.p2p._Again): the data is fresh every time, and an array that
+    changed shape or became read-only, or a bad peer or tag, is still refused."""
+    with communicators(2, **_cfg(transports)) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            x = np.empty(7, np.float32)
+            y = np.empty(7, np.float32)
+            for i in range(40):  # a ping-pong, new contents each time, poisoned output
+                x[:] = np.arange(7) + 100 * i + r
+                y[:] = np.nan
+                if r == 0:
+                    c.send(x, 1, tag=3)
+                    c.recv(y, 1, tag=3)
+                else:
+                    c.recv(y, 0, tag=3)
+                    c.send(x, 0, tag=3)
+                assert (y == np.arange(7) + 100 * i + 1 - r).all(), (i, y)
+            assert c.last_source == 1 - r
+            assert {(True, id(x), 1 - r, 3), (False, id(y), 1 - r, 3)} <= c._peers._again.keys()
+            flat = np.zeros(8, np.int64)
+            if r == 0:
+                c.send(flat, 1)
+                c.send(flat, 1)
+                flat.shape = (2, 4)  # the same object, another shape: the checks again
+                c.send(flat, 1)
+                c.send(np.arange(4, dtype=np.int64), 1)
+            else:
+                got = np.full(8, -1, np.int64)
+                c.recv(got, 0)
+                c.recv(got, 0)
+                assert (got == 0).all()
+                with pytest.raises(pycoll.CollectiveMismatchError):
+                    c.recv(got[:5], 0)  # 8 elements sent: refused, nothing written
+                assert (got == 0).all()
+                got.flags.writeable = False
+                with pytest.raises(pycoll.InvalidArgumentError, match="read-only"):
+                    c.recv(got, 0)
+                got = np.empty(4, np.int64)
+                c.recv(got, 0)
+                assert (got == np.arange(4)).all()
+            with pytest.raises(pycoll.InvalidArgumentError, match="peer=2"):
+                c.send(x, 2, tag=3)
+            with pytest.raises(pycoll.InvalidArgumentError, match="tag=True"):
+                c.send(x, 1 - r, tag=True)
+            assert c.allreduce(np.ones(1))[0] == 2  # in step, and usable
+
+        run_ranks(2, body)
+
+
 def test_bad_arguments_raise_before_anything_moves():
     with communicators(2, timeout=10) as comms:
         c = comms[0]
