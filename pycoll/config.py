@@ -140,6 +140,7 @@ _SPELLINGS: dict[str, Callable[[str], object]] = {
     "device_host_bytes": _size,
     "group_slot_bytes": _size,
     "tune": _switch,
+    "compiled": _switch,
 }
 #: The environment variable of each field (all of Config's fields have one).
 ENV = {
@@ -158,6 +159,7 @@ ENV = {
     "device_host_bytes": "PYCOLL_DEVICE_HOST_BYTES",
     "group_slot_bytes": "PYCOLL_GROUP_SLOT_BYTES",
     "tune": "PYCOLL_TUNE",
+    "compiled": "PYCOLL_COMPILED",
 }
 
 
@@ -199,6 +201,9 @@ class Config:
         tune: let ``auto`` time its close contenders while it runs and keep the
             fastest, where they give identical results (``PYCOLL_TUNE``; see
             :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
+        compiled: run small direct steps through the compiled ``pycoll._step``
+            where the install built it (``PYCOLL_COMPILED``); off, or without it,
+            the same steps run in Python (docs/algorithms.md, "The compiled step").
 
     Every field is checked when a Config is made, so an override of
     :func:`pycoll.init` is held to the rules its environment variable is, and a
@@ -221,6 +226,7 @@ class Config:
     device_host_bytes: int | None = None
     group_slot_bytes: int = GROUP_SLOT_BYTES
     tune: bool = True
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> _BadSetting:
@@ -319,6 +325,7 @@ class Config:
             raise bad("timeout", "a positive, finite number of seconds")
         switch("check")
         switch("tune")
+        switch("compiled")
         if self.debug is not None:
             level = self.debug.upper() if isinstance(self.debug, str) else self.debug
             put(self, "debug", "WARN" if level == "WARNING" else level)

@@ -259,7 +259,7 @@ class Engine:
         bo = L.backoff  # the waiting policy of this thread
         fp = fingerprint(what, count, dtype, op, root, self.ctx)  # made once: a call adds a store
         if algo == "direct":
-            fast = direct.prepare(what, L, bo, count, root, fp)
+            fast = direct.prepare(what, L, bo, count, root, fp, self.config.compiled)
             if fast is not None:
                 return fast
         hi = fp << 32

@@ -86,6 +86,11 @@ class Counter:
         self.load = load
         self.store = store
 
+    @property
+    def address(self) -> int:
+        """The counter's address in this process."""
+        return self._addr
+
     def release_buffer(self) -> None:
         """Drop the buffer export so the mapping can be closed."""
         self._cell = None  # type: ignore[assignment]

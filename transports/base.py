@@ -726,6 +726,12 @@ class Group(Protocol):
         has another chain raises :class:`transports.base.TagMismatchError`."""
         ...
 
+    def addresses(self, j: int, i: int) -> tuple[int, int, int]:
+        """Where rank j's slot of index ``i``, its posted word of that index and its
+        "done" word lie in this process (for a compiled step that writes and
+        reads them as :meth:`post_word`, :meth:`wait_word` and :meth:`done` do)."""
+        ...
+
     def wait_done(
         self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
     ) -> None:

@@ -342,6 +342,13 @@ class ShmGroup:
             self._views[key] = v
         return v
 
+    def addresses(self, j: int, i: int) -> tuple[int, int, int]:
+        """Rank ``j``'s slot of index ``i``, its posted word of that index and its
+        "done" word, as addresses in this process (valid while the group is open)."""
+        base = self._buf.__array_interface__["data"][0]
+        slot = base + self._data0 + (self.slots * j + i) * self.slot_bytes
+        return slot, self._posted[j][i].address, self._done[j].address
+
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
         """Wait until this rank may overwrite its slot and posted word for step ``seq``.
 

@@ -61,6 +61,12 @@ from pycoll.algorithms.ring import segments
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
+compiled: Any
+try:  # the compiled step (pycoll/_step.c), built by pip install where a C compiler is
+    from pycoll import _step as compiled  # found; without it the prepared steps stay in Python
+except ImportError:  # pragma: no cover - an install without a compiler
+    compiled = None
+
 #: Peers' bytes are reduced in pieces of this size (they stay in cache).
 PIECE_BYTES = 256 << 10
 
@@ -472,8 +478,63 @@ def barrier(L: Links) -> None:
 
 
 # ------------------------------------------------------------------ prepared
+#: Rounds a compiled step spins on the peers' words (about 1-4 us on the 2-core
+#: machine) before it hands the wait to the group's, which backs off.
+STEP_SPINS = 256
+
+#: The compiled reduction's codes of NumPy's ufuncs (pycoll/_step.c, ``reduce``).
+_STEP_OPS: dict[Any, int] = {
+    np.add: 0,
+    np.multiply: 1,
+    np.minimum: 2,
+    np.maximum: 3,
+    np.bitwise_and: 4,
+    np.bitwise_or: 5,
+    np.bitwise_xor: 6,
+}
+
+
+#: ... and of the dtypes it reduces: integers by width (upper case: unsigned),
+#: float32 and float64, in native byte order.
+_INT_KINDS = {1: "b", 2: "h", 4: "i", 8: "q"}
+
+
+def _step_kind(dtype: Any) -> int:
+    """The compiled reduction's code of ``dtype``; 0: it does not reduce it."""
+    if not dtype.isnative:
+        return 0
+    if dtype.kind in "iu" and dtype.itemsize in _INT_KINDS:
+        c = _INT_KINDS[dtype.itemsize]
+        return ord(c.upper() if dtype.kind == "u" else c)
+    if dtype.kind == "f" and dtype.itemsize in (4, 8):
+        return ord("f" if dtype.itemsize == 4 else "d")
+    return 0
+
+
+class _Compiled:
+    """The addresses a compiled step reads and writes, per slot index ``i``:
+    ``slot[i]`` and ``word[i]`` (this rank's), ``theirs[i]`` (the peers' posted
+    words, in ``others`` order) and ``rows[i]`` (every rank's slot, in rank
+    order, ``offset`` bytes in); ``done``: this rank's done word."""
+
+    def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...], offset: int = 0) -> None:
+        K = G.slots
+        at = [[G.addresses(j, i) for i in range(K)] for j in range(n)]
+        self.slot = tuple(at[r][i][0] for i in range(K))
+        self.word = tuple(at[r][i][1] for i in range(K))
+        self.done = at[r][0][2]
+        self.theirs = tuple(tuple(at[j][i][1] for j in others) for i in range(K))
+        self.rows = tuple(tuple(at[j][i][0] + offset for j in range(n)) for i in range(K))
+
+
 def prepare(
-    collective: str, L: Links, backoff: Backoff, count: int, root: int = 0, fp: int = 0
+    collective: str,
+    L: Links,
+    backoff: Backoff,
+    count: int,
+    root: int = 0,
+    fp: int = 0,
+    use_compiled: bool = True,
 ) -> Callable[[Any, Any], None] | None:
     """The one-step slot path of ``collective`` with everything but the buffers
     worked out in advance, or None where it does not apply.
@@ -486,6 +547,9 @@ def prepare(
     a call sets none.  ``fp``: the call's fingerprint, which each step folds into
     the group's chain as :meth:`~pycoll.algorithms.links.Group.step` does
     (written out here, a store and a compare more a step than with no fingerprint).
+    ``use_compiled``: allreduce and reduce copy in, publish, wait and reduce
+    through :mod:`pycoll._step` where it was built (:data:`compiled`), the same
+    bytes and words as the Python steps below.
     """
     G = L.group
     n, r = L.size, L.rank
@@ -568,6 +632,33 @@ def prepare(
 
         return run_reduce_root
 
+    if collective in ("allreduce", "reduce") and use_compiled and compiled is not None:
+        assert f is not None
+        reader = collective == "allreduce" or r == root
+        at = _Compiled(G, r, n, others)
+        nbytes = count * L.dtype.itemsize
+        code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
+        post_wait, reduce_c, store = compiled.post_wait, compiled.reduce, compiled.store
+
+        def run_reduce_c(x: Any, out: Any) -> None:
+            s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
+            claim(s, dl, bo)
+            theirs = at.theirs[i] if reader else ()
+            late = post_wait(
+                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, theirs, STEP_SPINS
+            )
+            if reader:
+                if late >= 0:  # a peer not there yet: the group's wait, which backs off
+                    wait_word(others[late:], i, w, dl, bo)
+                if not (kind and reduce_c(code, kind, out, count, at.rows[i])):
+                    reduce_rows(f, views[i], out)
+            store(at.done, s)
+
+        return run_reduce_c
+
     if collective in ("allreduce", "reduce"):
         assert f is not None
         reader = collective == "allreduce" or r == root
@@ -586,6 +677,31 @@ def prepare(
             done(s)
 
         return run_reduce
+
+    if collective == "allgather" and use_compiled and compiled is not None:
+        k = count
+        blocks = tuple((j, j * k, (j + 1) * k) for j in others)
+        at = _Compiled(G, r, n, others)
+        nbytes = count * L.dtype.itemsize
+        post_wait, store = compiled.post_wait, compiled.store
+
+        def run_allgather_c(x: Any, out: Any) -> None:
+            s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
+            claim(s, dl, bo)
+            k = post_wait(
+                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], STEP_SPINS
+            )
+            if k >= 0:
+                wait_word(others[k:], i, w, dl, bo)
+            v = views[i]
+            for j, lo, hi in blocks:
+                out[lo:hi] = v[j]
+            store(at.done, s)
+
+        return run_allgather_c
 
     if collective == "allgather":
         k = count
@@ -611,6 +727,21 @@ def prepare(
         src = (root,)
         theirs = tuple(v[root] for v in views)
 
+        if r == root and use_compiled and compiled is not None:
+            at = _Compiled(G, r, n, others)
+            nbytes = count * L.dtype.itemsize
+            post_wait, store = compiled.post_wait, compiled.store
+
+            def run_root_c(buf: Any, _: Any) -> None:
+                s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                claim(s, dl, bo)
+                post_wait(buf, at.slot[i], nbytes, at.done, s - 1, at.word[i], c | s, (), 0)
+                store(at.done, s)
+
+            return run_root_c
+
         if r == root:
 
             def run_root(buf: Any, _: Any) -> None:
@@ -635,6 +766,33 @@ def prepare(
             done(s)
 
         return run_leaf
+
+    if collective == "reduce_scatter" and use_compiled and compiled is not None:
+        assert f is not None
+        k = count // n
+        blk = slice(r * k, (r + 1) * k)
+        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
+        at = _Compiled(G, r, n, others, r * k * L.dtype.itemsize)
+        nbytes = count * L.dtype.itemsize
+        code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
+        post_wait, reduce_c, store = compiled.post_wait, compiled.reduce, compiled.store
+
+        def run_reduce_scatter_c(x: Any, out: Any) -> None:
+            s = G.seq = G.seq + 1
+            c = G.chain = (G.chain * mul + fpw) & cmask
+            i = s % K
+            w = c | s
+            claim(s, dl, bo)
+            k_ = post_wait(
+                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], STEP_SPINS
+            )
+            if k_ >= 0:
+                wait_word(others[k_:], i, w, dl, bo)
+            if not (kind and reduce_c(code, kind, out, k, at.rows[i])):
+                reduce_rows(f, parts[i], out)
+            store(at.done, s)
+
+        return run_reduce_scatter_c
 
     if collective == "reduce_scatter":
         assert f is not None

@@ -1,0 +1,15 @@
+from typing import Any
+
+def post_wait(
+    x: Any,
+    slot: int,
+    nbytes: int,
+    done: int,
+    done_value: int,
+    posted: int,
+    word: int,
+    peers: tuple[int, ...],
+    spins: int,
+) -> int: ...
+def reduce(op: int, kind: int, out: Any, count: int, rows: tuple[int, ...]) -> bool: ...
+def store(addr: int, value: int) -> None: ...
