@@ -33,6 +33,14 @@
 
    store(addr, value)
        A release store of a 64-bit word (a step's "done").
+
+   wait(peers, word, spins) -> int
+       post_wait's wait alone (a broadcast's reader, which posts nothing).
+
+   copy_blocks(out, block, sources) -> None
+       Copy block bytes from each address of the tuple sources into block j of
+       the writable buffer out (len(sources) blocks long); a source of 0 is
+       skipped (the rank's own block).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -54,6 +62,26 @@ addr_of(PyObject *o, char **p)
         return -1;
     *p = (char *)(uintptr_t)v;
     return 0;
+}
+
+/* Wait for the 64-bit words at the addresses of the tuple peers to equal word
+   (acquire loads), at most spins rounds in all: -1, or the index of the first
+   peer whose word is not there. */
+static PyObject *
+spin(PyObject *peers, unsigned long long word, long spins)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(peers);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        char *at;
+        if (addr_of(PyTuple_GET_ITEM(peers, k), &at))
+            return NULL;
+        while (__atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE) != (uint64_t)word) {
+            if (spins-- <= 0)
+                return PyLong_FromSsize_t(k);
+            RELAX();
+        }
+    }
+    return PyLong_FromLong(-1);
 }
 
 static PyObject *
@@ -95,18 +123,63 @@ post_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     __atomic_store_n((uint64_t *)done, (uint64_t)done_value, __ATOMIC_RELEASE);
     __atomic_store_n((uint64_t *)posted, (uint64_t)word, __ATOMIC_RELEASE);
-    Py_ssize_t n = PyTuple_GET_SIZE(peers);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        char *at;
-        if (addr_of(PyTuple_GET_ITEM(peers, k), &at))
-            return NULL;
-        while (__atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE) != (uint64_t)word) {
-            if (spins-- <= 0)
-                return PyLong_FromSsize_t(k);
-            RELAX();
-        }
+    return spin(peers, word, spins);
+}
+
+static PyObject *
+wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "wait takes 3 arguments");
+        return NULL;
     }
-    return PyLong_FromLong(-1);
+    unsigned long long word = PyLong_AsUnsignedLongLong(args[1]);
+    long spins = PyLong_AsLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "peers must be a tuple of addresses");
+        return NULL;
+    }
+    return spin(args[0], word, spins);
+}
+
+static PyObject *
+copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_blocks takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t block = PyLong_AsSsize_t(args[1]);
+    if (block < 0 && PyErr_Occurred())
+        return NULL;
+    PyObject *srcs = args[2];
+    if (!PyTuple_Check(srcs)) {
+        PyErr_SetString(PyExc_TypeError, "sources must be a tuple of addresses");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(srcs);
+    Py_buffer o;
+    if (PyObject_GetBuffer(args[0], &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (o.len != n * block) {
+        PyBuffer_Release(&o);
+        PyErr_Format(PyExc_ValueError, "copy_blocks: a %zd-byte output for %zd blocks of %zd",
+                     o.len, n, block);
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        char *src;
+        if (addr_of(PyTuple_GET_ITEM(srcs, j), &src)) {
+            PyBuffer_Release(&o);
+            return NULL;
+        }
+        if (src)
+            memcpy((char *)o.buf + j * block, src, (size_t)block);
+    }
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
 }
 
 #define LOOP(T, EXPR)                                                    \
@@ -255,6 +328,10 @@ static PyMethodDef methods[] = {
      "Reduce rows at addresses into a buffer, in rank order; False: not here."},
     {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL,
      "A release store of a 64-bit word."},
+    {"wait", (PyCFunction)(void (*)(void))wait, METH_FASTCALL,
+     "Wait briefly for the peers' words."},
+    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL,
+     "Copy blocks from addresses into consecutive blocks of a buffer."},
     {NULL, NULL, 0, NULL},
 };
 

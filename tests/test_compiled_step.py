@@ -133,12 +133,27 @@ class _Counting:
 
     def __init__(self, real: object) -> None:
         self.real, self.calls = real, 0
-        self.reduce = real.reduce  # type: ignore[attr-defined]
-        self.store = real.store  # type: ignore[attr-defined]
+        for name in ("reduce", "store", "wait", "copy_blocks"):
+            setattr(self, name, getattr(real, name))
 
     def post_wait(self, *args: object) -> int:
         self.calls += 1
         return self.real.post_wait(*args)  # type: ignore[attr-defined,no-any-return]
+
+
+@needs_step
+def test_wait_and_copy_blocks() -> None:
+    words = np.array([5, 6], np.uint64)
+    at = (_addr(words), _addr(words) + 8)
+    assert step.wait(at, 5, 0) == 1  # the second word is not 5
+    words[1] = 5
+    assert step.wait(at, 5, 0) == -1
+    a, b = np.arange(4, dtype=np.uint8), np.arange(4, 8, dtype=np.uint8)
+    out = np.full(12, 0xEE, np.uint8)
+    step.copy_blocks(out, 4, (_addr(a), 0, _addr(b)))  # 0: the own block, untouched
+    assert out.tolist() == [0, 1, 2, 3, 0xEE, 0xEE, 0xEE, 0xEE, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="12-byte output for 2 blocks of 4"):
+        step.copy_blocks(out, 4, (_addr(a), _addr(b)))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

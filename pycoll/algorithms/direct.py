@@ -680,11 +680,11 @@ def prepare(
         return run_reduce
 
     if collective == "allgather" and use_compiled and compiled is not None:
-        k = count
-        blocks = tuple((j, j * k, (j + 1) * k) for j in others)
         at = _Compiled(G, r, n, others)
         nbytes = count * L.dtype.itemsize
-        post_wait, store = compiled.post_wait, compiled.store
+        # every rank's slot but this rank's own block (the envelope copies it)
+        sources = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
+        post_wait, store, copy_blocks = compiled.post_wait, compiled.store, compiled.copy_blocks
 
         def run_allgather_c(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
@@ -692,12 +692,12 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo)
-            k = post_wait(x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins)
-            if k >= 0:
-                wait_word(others[k:], i, w, dl, bo)
-            v = views[i]
-            for j, lo, hi in blocks:
-                out[lo:hi] = v[j]
+            late = post_wait(
+                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
+            )
+            if late >= 0:
+                wait_word(others[late:], i, w, dl, bo)
+            copy_blocks(out, nbytes, sources[i])
             store(at.done, s)
 
         return run_allgather_c
@@ -755,6 +755,25 @@ def prepare(
 
             return run_root
 
+        if use_compiled and compiled is not None:
+            at = _Compiled(G, r, n, others)
+            nbytes = count * L.dtype.itemsize
+            words = tuple((at.theirs[i][others.index(root)],) for i in range(K))
+            slots = tuple((at.rows[i][root],) for i in range(K))
+            wait_c, store, copy_blocks = compiled.wait, compiled.store, compiled.copy_blocks
+
+            def run_leaf_c(buf: Any, _: Any) -> None:
+                s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                w = c | s
+                if wait_c(words[i], w, spins) >= 0:
+                    wait_word(src, i, w, dl, bo)
+                copy_blocks(buf, nbytes, slots[i])
+                store(at.done, s)
+
+            return run_leaf_c
+
         def run_leaf(buf: Any, _: Any) -> None:
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
@@ -782,11 +801,11 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo)
-            k_ = post_wait(
+            late = post_wait(
                 x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
             )
-            if k_ >= 0:
-                wait_word(others[k_:], i, w, dl, bo)
+            if late >= 0:
+                wait_word(others[late:], i, w, dl, bo)
             if not (kind and reduce_c(code, kind, out, k, at.rows[i])):
                 reduce_rows(f, parts[i], out)
             store(at.done, s)
