@@ -10,7 +10,9 @@
    fingerprints, claims, back-off, mismatches and timeouts.  These functions
    only move bytes and words at the addresses they are given, so a caller that
    gets an address wrong corrupts memory: pycoll.algorithms.direct is the only
-   caller, with addresses of the segment it maps.
+   caller, with addresses of the segment it maps.  Every function holds the GIL
+   throughout (its spins are bounded), so no other thread can close and unmap
+   the segment while one runs; a closed communicator never reaches them.
 
    post_wait(x, slot, nbytes, done, done_value, posted, word, peers, spins) -> int
        Copy buffer x, which must hold nbytes, into address slot (x None:
