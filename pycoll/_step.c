@@ -87,7 +87,7 @@ spin(PyObject *peers, unsigned long long word, long spins)
 }
 
 static PyObject *
-post_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+step_post_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     char *slot, *done, *posted;
     unsigned long long done_value, word;
@@ -129,7 +129,7 @@ post_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+step_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "wait takes 3 arguments");
@@ -147,7 +147,7 @@ wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+step_copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "copy_blocks takes 3 arguments");
@@ -268,7 +268,7 @@ width(int kind)
 }
 
 static PyObject *
-reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+step_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "reduce takes 5 arguments");
@@ -307,7 +307,7 @@ reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+step_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     char *at;
     if (nargs != 2) {
@@ -324,15 +324,15 @@ store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"post_wait", (PyCFunction)(void (*)(void))post_wait, METH_FASTCALL,
+    {"post_wait", (PyCFunction)(void (*)(void))step_post_wait, METH_FASTCALL,
      "Copy in, publish a step, and wait briefly for the peers' words."},
-    {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
+    {"reduce", (PyCFunction)(void (*)(void))step_reduce, METH_FASTCALL,
      "Reduce rows at addresses into a buffer, in rank order; False: not here."},
-    {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL,
+    {"store", (PyCFunction)(void (*)(void))step_store, METH_FASTCALL,
      "A release store of a 64-bit word."},
-    {"wait", (PyCFunction)(void (*)(void))wait, METH_FASTCALL,
+    {"wait", (PyCFunction)(void (*)(void))step_wait, METH_FASTCALL,
      "Wait briefly for the peers' words."},
-    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL,
+    {"copy_blocks", (PyCFunction)(void (*)(void))step_copy_blocks, METH_FASTCALL,
      "Copy blocks from addresses into consecutive blocks of a buffer."},
     {NULL, NULL, 0, NULL},
 };
