@@ -517,16 +517,16 @@ class _Compiled:
     """The addresses a compiled step reads and writes, per slot index ``i``:
     ``slot[i]`` and ``word[i]`` (this rank's), ``theirs[i]`` (the peers' posted
     words, in ``others`` order) and ``rows[i]`` (every rank's slot, in rank
-    order, ``offset`` bytes in); ``done``: this rank's done word."""
+    order); ``done``: this rank's done word."""
 
-    def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...], offset: int = 0) -> None:
+    def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...]) -> None:
         K = G.slots
         at = [[G.addresses(j, i) for i in range(K)] for j in range(n)]
         self.slot = tuple(at[r][i][0] for i in range(K))
         self.word = tuple(at[r][i][1] for i in range(K))
         self.done = at[r][0][2]
         self.theirs = tuple(tuple(at[j][i][1] for j in others) for i in range(K))
-        self.rows = tuple(tuple(at[j][i][0] + offset for j in range(n)) for i in range(K))
+        self.rows = tuple(tuple(at[j][i][0] for j in range(n)) for i in range(K))
 
 
 def prepare(
@@ -635,34 +635,39 @@ def prepare(
 
         return run_reduce_root
 
-    if collective in ("allreduce", "reduce") and use_compiled and compiled is not None:
-        assert f is not None
-        reader = collective == "allreduce" or r == root
+    # The compiled step's addresses and functions, shared by the closures below
+    use = use_compiled and compiled is not None
+    if use:
         at = _Compiled(G, r, n, others)
         nbytes = count * L.dtype.itemsize
         code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
         post_wait, reduce_c, store = compiled.post_wait, compiled.reduce, compiled.store
-
-        def run_reduce_c(x: Any, out: Any) -> None:
-            s = G.seq = G.seq + 1
-            c = G.chain = (G.chain * mul + fpw) & cmask
-            i = s % K
-            w = c | s
-            claim(s, dl, bo)
-            theirs = at.theirs[i] if reader else ()
-            late = post_wait(x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, theirs, spins)
-            if reader:
-                if late >= 0:  # a peer not there yet: the group's wait, which backs off
-                    wait_word(others[late:], i, w, dl, bo)
-                if not (kind and reduce_c(code, kind, out, count, at.rows[i])):
-                    reduce_rows(f, views[i], out)
-            store(at.done, s)
-
-        return run_reduce_c
+        wait_c, copy_blocks = compiled.wait, compiled.copy_blocks
 
     if collective in ("allreduce", "reduce"):
         assert f is not None
         reader = collective == "allreduce" or r == root
+
+        if use:
+
+            def run_reduce_c(x: Any, out: Any) -> None:
+                s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                w = c | s
+                claim(s, dl, bo)
+                theirs = at.theirs[i] if reader else ()
+                late = post_wait(
+                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, theirs, spins
+                )
+                if reader:
+                    if late >= 0:  # a peer not there yet: the group's wait, which backs off
+                        wait_word(others[late:], i, w, dl, bo)
+                    if not (kind and reduce_c(code, kind, out, count, at.rows[i])):
+                        reduce_rows(f, views[i], out)
+                store(at.done, s)
+
+            return run_reduce_c
 
         def run_reduce(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
@@ -679,30 +684,27 @@ def prepare(
 
         return run_reduce
 
-    if collective == "allgather" and use_compiled and compiled is not None:
-        at = _Compiled(G, r, n, others)
-        nbytes = count * L.dtype.itemsize
-        # every rank's slot but this rank's own block (the envelope copies it)
-        sources = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
-        post_wait, store, copy_blocks = compiled.post_wait, compiled.store, compiled.copy_blocks
-
-        def run_allgather_c(x: Any, out: Any) -> None:
-            s = G.seq = G.seq + 1
-            c = G.chain = (G.chain * mul + fpw) & cmask
-            i = s % K
-            w = c | s
-            claim(s, dl, bo)
-            late = post_wait(
-                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
-            )
-            if late >= 0:
-                wait_word(others[late:], i, w, dl, bo)
-            copy_blocks(out, nbytes, sources[i])
-            store(at.done, s)
-
-        return run_allgather_c
-
     if collective == "allgather":
+        if use:
+            # every rank's slot but this rank's own block (the envelope copies it)
+            sources = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
+
+            def run_allgather_c(x: Any, out: Any) -> None:
+                s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                w = c | s
+                claim(s, dl, bo)
+                late = post_wait(
+                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
+                )
+                if late >= 0:
+                    wait_word(others[late:], i, w, dl, bo)
+                copy_blocks(out, nbytes, sources[i])
+                store(at.done, s)
+
+            return run_allgather_c
+
         k = count
         blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
@@ -726,10 +728,7 @@ def prepare(
         src = (root,)
         theirs = tuple(v[root] for v in views)
 
-        if r == root and use_compiled and compiled is not None:
-            at = _Compiled(G, r, n, others)
-            nbytes = count * L.dtype.itemsize
-            post_wait, store = compiled.post_wait, compiled.store
+        if r == root and use:
 
             def run_root_c(buf: Any, _: Any) -> None:
                 s = G.seq = G.seq + 1
@@ -755,12 +754,9 @@ def prepare(
 
             return run_root
 
-        if use_compiled and compiled is not None:
-            at = _Compiled(G, r, n, others)
-            nbytes = count * L.dtype.itemsize
+        if use:
             words = tuple((at.theirs[i][others.index(root)],) for i in range(K))
             slots = tuple((at.rows[i][root],) for i in range(K))
-            wait_c, store, copy_blocks = compiled.wait, compiled.store, compiled.copy_blocks
 
             def run_leaf_c(buf: Any, _: Any) -> None:
                 s = G.seq = G.seq + 1
@@ -785,38 +781,32 @@ def prepare(
 
         return run_leaf
 
-    if collective == "reduce_scatter" and use_compiled and compiled is not None:
-        assert f is not None
-        k = count // n
-        blk = slice(r * k, (r + 1) * k)
-        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
-        at = _Compiled(G, r, n, others, r * k * L.dtype.itemsize)
-        nbytes = count * L.dtype.itemsize
-        code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
-        post_wait, reduce_c, store = compiled.post_wait, compiled.reduce, compiled.store
-
-        def run_reduce_scatter_c(x: Any, out: Any) -> None:
-            s = G.seq = G.seq + 1
-            c = G.chain = (G.chain * mul + fpw) & cmask
-            i = s % K
-            w = c | s
-            claim(s, dl, bo)
-            late = post_wait(
-                x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
-            )
-            if late >= 0:
-                wait_word(others[late:], i, w, dl, bo)
-            if not (kind and reduce_c(code, kind, out, k, at.rows[i])):
-                reduce_rows(f, parts[i], out)
-            store(at.done, s)
-
-        return run_reduce_scatter_c
-
     if collective == "reduce_scatter":
         assert f is not None
         k = count // n
         blk = slice(r * k, (r + 1) * k)
         parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
+
+        if use:
+            off = r * k * L.dtype.itemsize  # block r of every rank's slot
+            blocks_at = tuple(tuple(a + off for a in row) for row in at.rows)
+
+            def run_reduce_scatter_c(x: Any, out: Any) -> None:
+                s = G.seq = G.seq + 1
+                c = G.chain = (G.chain * mul + fpw) & cmask
+                i = s % K
+                w = c | s
+                claim(s, dl, bo)
+                late = post_wait(
+                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
+                )
+                if late >= 0:
+                    wait_word(others[late:], i, w, dl, bo)
+                if not (kind and reduce_c(code, kind, out, k, blocks_at[i])):
+                    reduce_rows(f, parts[i], out)
+                store(at.done, s)
+
+            return run_reduce_scatter_c
 
         def run_reduce_scatter(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
