@@ -217,33 +217,29 @@ step_copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     default: return 0;                                                   \
     }
 
-/* Sums and products in unsigned 64-bit arithmetic, cut to the width, for the
-   signed kinds too: they wrap as NumPy's do, without C's undefined signed
-   overflow (or int promotion's: uint16 * uint16 overflows an int). */
+/* Integers of one width: min and max compare as the kind's sign says; every
+   other op works on the unsigned type, sums and products in unsigned 64-bit
+   arithmetic cut to the width, for the signed kinds too: they wrap as NumPy's
+   do, without C's undefined signed overflow (or int promotion's: uint16 *
+   uint16 overflows an int). */
+#define INTS(S, U, SIGNED_KIND)                                          \
+    do {                                                                 \
+        if (kind == (SIGNED_KIND) && (op == 2 || op == 3)) {             \
+            INT_OPS(S)                                                   \
+        } else {                                                         \
+            INT_OPS(U)                                                   \
+        }                                                                \
+        return 1;                                                        \
+    } while (0)
+
 static int
 reduce_kind(int op, int kind, char *out, char **rows, Py_ssize_t nrows, Py_ssize_t count)
 {
     switch (kind) {
-    case 'b': case 'B':
-        if (op == 2 || op == 3) {
-            if (kind == 'b') { INT_OPS(int8_t) } else { INT_OPS(uint8_t) }
-        } else { INT_OPS(uint8_t) }
-        return 1;
-    case 'h': case 'H':
-        if (op == 2 || op == 3) {
-            if (kind == 'h') { INT_OPS(int16_t) } else { INT_OPS(uint16_t) }
-        } else { INT_OPS(uint16_t) }
-        return 1;
-    case 'i': case 'I':
-        if (op == 2 || op == 3) {
-            if (kind == 'i') { INT_OPS(int32_t) } else { INT_OPS(uint32_t) }
-        } else { INT_OPS(uint32_t) }
-        return 1;
-    case 'q': case 'Q':
-        if (op == 2 || op == 3) {
-            if (kind == 'q') { INT_OPS(int64_t) } else { INT_OPS(uint64_t) }
-        } else { INT_OPS(uint64_t) }
-        return 1;
+    case 'b': case 'B': INTS(int8_t, uint8_t, 'b');
+    case 'h': case 'H': INTS(int16_t, uint16_t, 'h');
+    case 'i': case 'I': INTS(int32_t, uint32_t, 'i');
+    case 'q': case 'Q': INTS(int64_t, uint64_t, 'q');
     case 'f':
         FLOAT_OPS(float)
         return 1;
@@ -340,6 +336,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "pycoll._step",
     "The hot part of a small direct collective's step, compiled (see _step.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
