@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import pycoll
 from pycoll.algorithms import direct
 from pycoll.reduce import DTYPES, ReduceOp, reduce_rows, ufunc
 from tests.inproc import communicators, run_ranks
@@ -213,3 +214,34 @@ def test_replayed_steps_agree_with_and_without_it(n: int, monkeypatch: pytest.Mo
         same = ("allreduce", "allgather", "broadcast")  # every rank holds the same bits
         mine = {k: v for k, v in on.items() if k[0] in same}
         assert mine == {k: v for k, v in results[True][0].items() if k[0] in same}
+
+
+@pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
+def test_peer_gone_under_a_replayed_step_raises(use: bool) -> None:
+    """Rank 1 closes after a few replayed allreduces; rank 0's next one, which
+    waits for rank 1's posted word, raises within the timeout instead of
+    spinning or returning its own input as a sum."""
+    import time
+
+    with communicators(2, timeout=5, compiled=use) as comms:
+
+        def body(r: int) -> object:
+            c = comms[r]
+            x, out = np.ones(3, np.float32), np.empty(3, np.float32)
+            for _ in range(4):
+                c.allreduce(x, out)
+            assert (out == 2).all()
+            if r == 1:
+                c.close()
+                return None
+            time.sleep(0.2)  # rank 1 is gone
+            out[:] = -1
+            t0 = time.monotonic()
+            with pytest.raises(pycoll.PycollError) as ei:
+                c.allreduce(x, out)
+            return type(ei.value).__name__, time.monotonic() - t0
+
+        res = run_ranks(2, body, timeout=60)
+    name, waited = res[0]
+    assert name in ("PeerAbortedError", "CollectiveTimeout"), res
+    assert waited < 5 + 3, res
