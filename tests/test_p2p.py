@@ -206,6 +206,34 @@ def test_same_arrays_again_replay_and_still_check(transports):
         run_ranks(2, body)
 
 
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_replayed_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
+    """A receive replayed on the same array (pycoll.p2p._Again) whose peer
+    aborts: PeerAbortedError within the timeout, the buffer untouched."""
+    with communicators(2, **_cfg(transports)) as comms:
+
+        def body(r: int) -> object:
+            c = comms[r]
+            buf = np.zeros(3)
+            for _ in range(3):
+                if r == 0:
+                    c.recv(buf, 1)
+                else:
+                    c.send(buf, 0)
+            if r == 1:
+                c.abort()
+                return None
+            assert (False, id(buf), 1, 0) in c._peers._again
+            buf[:] = -1
+            start = time.monotonic()
+            with pytest.raises(pycoll.PeerAbortedError):
+                c.recv(buf, 1)
+            assert (buf == -1).all()
+            return time.monotonic() - start
+
+        assert run_ranks(2, body)[0] < 10
+
+
 def test_bad_arguments_raise_before_anything_moves():
     with communicators(2, timeout=10) as comms:
         c = comms[0]
