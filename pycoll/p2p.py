@@ -238,7 +238,7 @@ class PointToPoint:
             op.hdr = np.frombuffer(_HDR.pack(*fields), np.uint8).copy()
             op.reqs = [
                 conn.isend(_bytes(op.hdr), (HDR_FP << 32) | (n & _M32)),
-                conn.isend(op.data(), (DATA_FP << 32) | (n & _M32)),
+                conn.isend_copied(op.data(), (DATA_FP << 32) | (n & _M32)),
             ]
         self.sends.append(op)
 

@@ -109,6 +109,52 @@ def test_sink_pieces_are_aligned_and_ordered(name: str) -> None:
     assert sum(n for _, n in seen) == x.nbytes
 
 
+def test_copied_sends_arrive_whole_and_skip_direct_reads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``isend_copied`` delivers the same message as ``isend``, into a buffer or a
+    sink; on shm it moves through the slots in pieces of at most PIECE_BYTES,
+    never by a cross-memory read, while ``isend`` of the same size does read."""
+    from transports import _cma, shm
+
+    reads: list[int] = []
+    real = _cma.read
+
+    def counted(pid: int, remote: int, local: int, nbytes: int) -> None:
+        if nbytes > 8:  # (not the probe of whether reads work)
+            reads.append(nbytes)
+        real(pid, remote, local, nbytes)
+
+    monkeypatch.setattr(_cma, "read", counted)
+    rng = np.random.default_rng(7)
+    with _pair(name, slot_bytes=1 << 20, nslots=2) as (a, b):
+        for nbytes in ((1 << 20) + 3, 5 << 20):
+            x = rng.integers(0, 256, nbytes, dtype=np.uint8)
+            out = np.zeros_like(x)
+            wait_all(
+                [a.isend_copied(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30)
+            )
+            assert np.array_equal(out, x)
+            pieces: list[tuple[int, int]] = []
+            sunk = np.zeros_like(x)
+
+            def sink(off: int, piece: memoryview) -> None:
+                pieces.append((off, len(piece)))
+                sunk[off : off + len(piece)] = np.frombuffer(piece, np.uint8)
+
+            wait_all([a.isend_copied(memoryview(x)), b.irecv(nbytes, sink)], Deadline.after(30))
+            assert np.array_equal(sunk, x)
+            assert sum(n for _, n in pieces) == nbytes
+            if name == "shm":
+                assert not reads
+                assert len(pieces) > 1 and max(n for _, n in pieces) <= shm.PIECE_BYTES
+        if name == "shm" and _cma.available():
+            x = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+            out = np.zeros_like(x)
+            wait_all([a.isend(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30))
+            assert np.array_equal(out, x) and reads == [1 << 20]
+
+
 def test_wait_times_out_naming_peer(name: str) -> None:
     with _pair(name) as (a, b):
         r = a.irecv_into(memoryview(bytearray(8)))

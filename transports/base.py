@@ -467,6 +467,17 @@ class Connection(abc.ABC):
         name the same one (see the module docstring).
         """
 
+    def isend_copied(self, data: memoryview, tag: int = 0) -> Request:
+        """:meth:`isend`, but the bytes travel through the transport's own buffers
+        in pieces, the sender copying one while the receiver copies the one before,
+        where the transport could instead let the receiver read them in place
+        (shm's cross-memory reads).  The message is the same to the receiver.
+
+        A caller that gains from both ends copying at once (a point-to-point
+        message, whose sender waits anyway) uses it; this default is :meth:`isend`.
+        """
+        return self.isend(data, tag)
+
     @abc.abstractmethod
     def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         """Post a receive of ``nbytes``; each arriving piece goes to ``sink(offset, view)``.

@@ -29,7 +29,11 @@ A piece is written into its slot at the same offset within a 4 KiB page as its
 source: memcpy between addresses whose page offsets differ by a few bytes runs
 several times slower on the machines we measured.
 
-Large messages skip the slots: a slot then holds a descriptor of where the bytes
+A message moves through the slots in pieces of at most :data:`PIECE_BYTES`, so
+the receiver copies one out while the sender copies the next in.
+
+Large messages sent with :meth:`~ShmConnection.isend` skip the slots (those sent
+with ``isend_copied`` never do): a slot then holds a descriptor of where the bytes
 are, and the send completes once the receiver has taken them (``tail`` passes
 the slot).  The bytes are either in the sender's own memory, which the receiver
 reads with one cross-memory copy (:mod:`transports._cma`), or in the sender's
@@ -97,6 +101,12 @@ _META = struct.Struct("<QQQQ")
 #: can read the sender's memory (cross-memory attach).
 CMA_MIN_BYTES = 256 << 10
 _CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
+#: A message through the slots moves in pieces of at most this many bytes, so the
+#: receiver copies one piece out while the sender copies the next in: a 1 MiB
+#: point-to-point message took 94 us a way in 256 KiB pieces, 190-206 us as one
+#: 1 MiB piece, and 144-153 us by a cross-memory read (the 2-core VM of
+#: benchmarks/RESULTS.md, "Point-to-point and alltoall against MPI and Gloo").
+PIECE_BYTES = 256 << 10
 
 #: In a descriptor's offset field: the bytes are in the sender's shared send
 #: buffer, at the descriptor's address taken as an offset into that buffer.
@@ -320,7 +330,17 @@ class ShmTransport(Transport):
 class _Direction:
     """One ring of slots: counters, metadata and data views."""
 
-    __slots__ = ("base", "data", "head", "meta_off", "nslots", "slot_bytes", "stride", "tail")
+    __slots__ = (
+        "base",
+        "data",
+        "head",
+        "meta_off",
+        "nslots",
+        "piece",
+        "slot_bytes",
+        "stride",
+        "tail",
+    )
 
     def __init__(self, mm: mmap.mmap, d: int, nslots: int, slot_bytes: int) -> None:
         ctrl = _CTRL0 + d * _CTRL_SIZE
@@ -329,6 +349,7 @@ class _Direction:
         self.meta_off = ctrl + 256
         self.nslots = nslots
         self.slot_bytes = slot_bytes
+        self.piece = min(slot_bytes, PIECE_BYTES)  # a message's bytes per slot
         self.stride = slot_bytes + _PAGE
         self.base = _DATA0 + d * nslots * self.stride
         self.data = np.frombuffer(mm, dtype=np.uint8)
@@ -395,6 +416,13 @@ class ShmConnection(Connection):
 
     # ------------------------------------------------------------------ posting
     def isend(self, data: memoryview, tag: int = 0) -> Request:
+        return self._isend(data, tag, True)
+
+    def isend_copied(self, data: memoryview, tag: int = 0) -> Request:
+        return self._isend(data, tag, False)
+
+    def _isend(self, data: memoryview, tag: int, direct: bool) -> Request:
+        """``direct``: a large message may go by a direct-read descriptor."""
         self._check_open()
         n = data.nbytes
         if n == 0:
@@ -406,7 +434,7 @@ class ShmConnection(Connection):
             and self._put_small(data, n, tag)
         ):
             return DoneRequest(self.peer)
-        req = _ShmSend(self, np.frombuffer(data, dtype=np.uint8), tag)
+        req = _ShmSend(self, np.frombuffer(data, dtype=np.uint8), tag, direct)
         self._sends.append(req)
         return req
 
@@ -556,7 +584,7 @@ class ShmConnection(Connection):
                 at = req.addr - self._sbuf_addr
                 if 0 <= at <= self._sbuf.size - total:
                     described = (_IN_SBUF, at)  # the receiver reads it in place
-            if described is None and req.off == 0 and total >= self._cma_min > 0:
+            if described is None and req.off == 0 and req.direct and total >= self._cma_min > 0:
                 if self._peer_can_read():
                     described = (0, req.addr)  # the receiver copies out of our memory
             if described is not None:
@@ -577,7 +605,7 @@ class ShmConnection(Connection):
                 q.popleft()
                 continue
             while req.off < total and head - tail < out.nslots:
-                n = min(out.slot_bytes, total - req.off)
+                n = min(out.piece, total - req.off)
                 # same page offset as the source: see the module docstring
                 o = (req.addr + req.off) % _PAGE
                 self._write_slot(head, src[req.off : req.off + n], n, o, req.tag)
@@ -615,7 +643,7 @@ class ShmConnection(Connection):
                     inn.tail.store(tail)
                     req.off += n
                     continue
-                want = min(inn.slot_bytes, req.nbytes - req.off)
+                want = min(inn.piece, req.nbytes - req.off)
                 if n != want or o >= _PAGE:
                     raise TransportError(
                         f"shm: peer {self.peer} sent a {n}-byte piece where {want} were "
@@ -778,7 +806,7 @@ class ShmConnection(Connection):
 
 
 class _ShmSend(QueuedRequest):
-    def __init__(self, conn: ShmConnection, src: Any, tag: int) -> None:
+    def __init__(self, conn: ShmConnection, src: Any, tag: int, direct: bool = True) -> None:
         super().__init__(conn, conn._progress_sends)
         self.src = src
         self.tag = tag
@@ -789,6 +817,7 @@ class _ShmSend(QueuedRequest):
         self.addr = src.__array_interface__["data"][0] if big else 0
         self.off = 0
         self.need_tail = 0
+        self.direct = direct  # may go by a direct-read descriptor (isend_copied: no)
 
 
 class _ShmRecv(QueuedRequest):
