@@ -113,8 +113,9 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``isend_copied`` delivers the same message as ``isend``, into a buffer or a
-    sink; on shm it moves through the slots in pieces of at most PIECE_BYTES,
-    never by a cross-memory read, while ``isend`` of the same size does read."""
+    sink; on shm, below COPIED_CMA_MIN_BYTES, it moves through the slots in
+    pieces of at most PIECE_BYTES, never by a cross-memory read, while ``isend``
+    of the same size does read."""
     from transports import _cma, shm
 
     reads: list[int] = []
@@ -128,7 +129,7 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
     monkeypatch.setattr(_cma, "read", counted)
     rng = np.random.default_rng(7)
     with _pair(name, slot_bytes=1 << 20, nslots=2) as (a, b):
-        for nbytes in ((1 << 20) + 3, 5 << 20):
+        for nbytes in ((1 << 20) + 3, (3 << 20) + 5):
             x = rng.integers(0, 256, nbytes, dtype=np.uint8)
             out = np.zeros_like(x)
             wait_all(

@@ -474,7 +474,10 @@ class Connection(abc.ABC):
         (shm's cross-memory reads).  The message is the same to the receiver.
 
         A caller that gains from both ends copying at once (a point-to-point
-        message, whose sender waits anyway) uses it; this default is :meth:`isend`.
+        message, whose sender waits anyway) uses it.  It is a preference: where
+        reading in place wins anyway (shm: from 4 MiB, on the huge pages NumPy
+        gives such arrays) the transport still does so.  This default is
+        :meth:`isend`.
         """
         return self.isend(data, tag)
 

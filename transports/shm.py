@@ -32,8 +32,8 @@ several times slower on the machines we measured.
 A message moves through the slots in pieces of at most :data:`PIECE_BYTES`, so
 the receiver copies one out while the sender copies the next in.
 
-Large messages sent with :meth:`~ShmConnection.isend` skip the slots (those sent
-with ``isend_copied`` never do): a slot then holds a descriptor of where the bytes
+Large messages skip the slots (from :data:`CMA_MIN_BYTES` by ``isend``, from
+:data:`COPIED_CMA_MIN_BYTES` by ``isend_copied``): a slot then holds a descriptor of where the bytes
 are, and the send completes once the receiver has taken them (``tail`` passes
 the slot).  The bytes are either in the sender's own memory, which the receiver
 reads with one cross-memory copy (:mod:`transports._cma`), or in the sender's
@@ -107,6 +107,12 @@ _CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
 #: 1 MiB piece, and 144-153 us by a cross-memory read (the 2-core VM of
 #: benchmarks/RESULTS.md, "Point-to-point and alltoall against MPI and Gloo").
 PIECE_BYTES = 256 << 10
+#: ``isend_copied`` still lets the receiver read a message this large in place:
+#: NumPy puts arrays from 4 MiB on huge pages, and a cross-memory read of those
+#: runs at 2-3x the rate it has on 4 KiB pages, ahead of two copies (a 4 MiB
+#: ping-pong a way: 152 us for MPI, which reads in place, and 318 us through
+#: the slots; on 4 KiB pages 520 and 235 us).
+COPIED_CMA_MIN_BYTES = 4 << 20
 
 #: In a descriptor's offset field: the bytes are in the sender's shared send
 #: buffer, at the descriptor's address taken as an offset into that buffer.
@@ -419,7 +425,7 @@ class ShmConnection(Connection):
         return self._isend(data, tag, True)
 
     def isend_copied(self, data: memoryview, tag: int = 0) -> Request:
-        return self._isend(data, tag, False)
+        return self._isend(data, tag, data.nbytes >= COPIED_CMA_MIN_BYTES)
 
     def _isend(self, data: memoryview, tag: int, direct: bool) -> Request:
         """``direct``: a large message may go by a direct-read descriptor."""
