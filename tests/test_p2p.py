@@ -28,12 +28,13 @@ def _cfg(transports: tuple[str, ...]) -> dict[str, object]:
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
 def test_ring_shift_in_a_group_never_deadlocks(transports):
     """Every rank sends right and receives left, from one element to several
-    slots and chunks: all posted together, nothing waits for a receive first."""
+    slots and chunks (about 1 MiB: through shm's slots in pieces; 12 MiB: read
+    in place): all posted together, nothing waits for a receive first."""
     with communicators(3, **_cfg(transports)) as comms:
 
         def body(r: int) -> None:
             c = comms[r]
-            for count in (1, 1000, 3 << 20):
+            for count in (1, 1000, (1 << 18) + 7, 3 << 20):
                 x = np.full(count, r, np.int32)
                 y = np.full(count, -1, np.int32)
                 with c.group():
