@@ -732,3 +732,46 @@ def test_a_failed_shm_connection_falls_back_to_tcp(monkeypatch) -> None:
         logging.getLogger("pycoll.bootstrap").removeHandler(handler)
     said = [r.getMessage() for r in records if "falling back to tcp" in r.getMessage()]
     assert said and all("rank 0: rank 0:" not in m for m in said), said
+
+
+def test_check_alive_looks_a_pid_up_at_most_every_few_ms_and_still_sees_an_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pid lookup behind every shared-memory liveness check is rate-limited
+    (it costs tens of microseconds); a closed word is read every time, and a
+    peer that exits is still reported within PID_CHECK_SECONDS."""
+    import time
+
+    from transports import _atomic, _segment
+    from transports.base import PeerClosedError
+
+    lookups: list[int] = []
+    real = _segment.process_gone
+
+    def counted(pid: int) -> bool:
+        lookups.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(_segment, "process_gone", counted)
+    closed = _atomic.Counter(bytearray(8), 0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        t0 = time.monotonic()
+        for _ in range(100):
+            _segment.check_alive(closed, child.pid, "peer", peer=1, transport="shm")
+        most = 2 + (time.monotonic() - t0) / _segment.PID_CHECK_SECONDS
+        assert 1 <= len(lookups) <= most < 50
+        closed.store(_segment.CLOSED)
+        with pytest.raises(PeerClosedError, match="closed its connection"):
+            _segment.check_alive(closed, child.pid, "peer", peer=1, transport="shm")
+        closed.store(0)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)  # reaped: the pid is gone
+    end = time.monotonic() + 2
+    with pytest.raises(PeerClosedError, match="has exited"):
+        while time.monotonic() < end:
+            _segment.check_alive(closed, child.pid, "peer", peer=1, transport="shm")
