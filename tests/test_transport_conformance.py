@@ -156,6 +156,24 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
             assert np.array_equal(out, x) and reads == [1 << 20]
 
 
+def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:
+    """A receive that has taken some of a copied message's pieces when the sender
+    closes raises PeerClosedError rather than wait for the rest, or end as if
+    whole (shm: the pieces through the slots)."""
+    if name != "shm":
+        pytest.skip("pieces through slots are shm's")
+    with _pair(name, slot_bytes=1 << 20, nslots=2) as (a, b):
+        x = np.ones((3 << 20) + 5, np.uint8)
+        send = a.isend_copied(memoryview(x))
+        out = np.zeros_like(x)
+        recv = b.irecv_into(memoryview(out))
+        assert not send.test() and not recv.test()  # two pieces written, then taken
+        assert 0 < recv.off < x.nbytes  # type: ignore[attr-defined]
+        a.close()
+        with pytest.raises(PeerClosedError):
+            wait_all([recv], Deadline.after(10))
+
+
 def test_wait_times_out_naming_peer(name: str) -> None:
     with _pair(name) as (a, b):
         r = a.irecv_into(memoryview(bytearray(8)))
