@@ -33,11 +33,12 @@ A message moves through the slots in pieces of at most :data:`PIECE_BYTES`, so
 the receiver copies one out while the sender copies the next in.
 
 Large messages skip the slots (from :data:`CMA_MIN_BYTES` by ``isend``, from
-:data:`COPIED_CMA_MIN_BYTES` by ``isend_copied``): a slot then holds a descriptor of where the bytes
-are, and the send completes once the receiver has taken them (``tail`` passes
-the slot).  The bytes are either in the sender's own memory, which the receiver
-reads with one cross-memory copy (:mod:`transports._cma`), or in the sender's
-*shared send buffer* (:meth:`ShmConnection.send_buffer`), a nameless segment of
+:data:`COPIED_CMA_MIN_BYTES` by ``isend_copied``): a slot then holds a
+descriptor of where the bytes are, and the send completes once the receiver
+has taken them (``tail`` passes the slot).  The bytes are either in the
+sender's own memory, which the receiver reads with one cross-memory copy
+(:mod:`transports._cma`), or in the sender's *shared send buffer*
+(:meth:`ShmConnection.send_buffer`), a nameless segment of
 its own (made on first use; its handle is in the pair segment's header, written
 before the first descriptor that points into it) that both sides map: the receiver's sink reads them in place, so bytes
 that a GPU copied into it reach the receiving GPU with no CPU copy at all.
@@ -823,7 +824,7 @@ class _ShmSend(QueuedRequest):
         self.addr = src.__array_interface__["data"][0] if big else 0
         self.off = 0
         self.need_tail = 0
-        self.direct = direct  # may go by a direct-read descriptor (isend_copied: no)
+        self.direct = direct  # may go by a direct-read descriptor (see isend_copied)
 
 
 class _ShmRecv(QueuedRequest):
