@@ -74,6 +74,30 @@ def test_size_or_dtype_mismatch_raises_and_writes_nothing():
     assert "4 x float32" in msgs[1] and "4 x int32" in msgs[1], msgs
 
 
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_a_large_size_mismatch_writes_nothing_and_the_stream_stays_in_step(transports):
+    """A 1 MiB payload (on shm: pieces through the slots) into a receive of
+    another count is refused before a byte lands; the pieces are drained, and
+    the next message of the pair arrives whole."""
+    k = 1 << 18
+    with communicators(2, **_cfg(transports)) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            if r == 0:
+                c.send(np.arange(k, dtype=np.int32), 1)
+                c.send(np.arange(k, dtype=np.int32) + 1, 1)
+                return
+            bad = np.full(k + 1, -1, np.int32)
+            with pytest.raises(pycoll.CollectiveMismatchError, match="where this rank receives"):
+                c.recv(bad, 0)
+            assert (bad == -1).all(), "a refused message wrote into recvbuf"
+            ok = c.recv(np.full(k, -1, np.int32), 0)
+            assert (ok == np.arange(k) + 1).all()
+
+        run_ranks(2, body)
+
+
 @pytest.mark.parametrize("transports", [("shm",), ("tcp",)], ids=lambda t: t[0])
 def test_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
     with communicators(2, **_cfg(transports)) as comms:
