@@ -23,6 +23,7 @@ from pycoll.collectives import (
     ALLTOALLV,
     BARRIER,
     BROADCAST,
+    COLLECTIVES,
     GATHER,
     REDUCE,
     REDUCE_SCATTER,
@@ -103,6 +104,17 @@ class Communicator:
         if device and self._gpu is not None:
             return str(self._gpu.kind(int(peer), self._engine.conns, kinds))
         return kinds[int(peer)]
+
+    def returns_early(self, collective: str, nbytes: int) -> bool:
+        """Whether a blocking call of ``collective`` (``algorithm="auto"``) on device
+        buffers, ``nbytes`` bytes in ``sendbuf``, returns before its device work is
+        done: its host part is only the peers' descriptors (the ``direct`` path,
+        one-sided windows; docs/gpu.md, "Streams and the host").  False for host
+        buffers' routes, for other paths, and on a sub-communicator."""
+        coll = COLLECTIVES.get(collective)
+        if coll is None or not self._root:
+            return False
+        return self._policy.returns_early(coll, int(nbytes))
 
     def allreduce(
         self,

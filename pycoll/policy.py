@@ -60,6 +60,7 @@ class Policy:
         self.tuners: dict[tuple[Any, ...], Tuner | None] = {}
         # ... and the name and function each runs its calls by, made once
         self.tuned: dict[Tuner, tuple[str, Callable[..., None]]] = {}
+        self._early: dict[tuple[str, int], bool] = {}  # returns_early's answers
 
     def candidates(self, what: str) -> tuple[str, ...]:
         """The algorithms of ``what`` that can run here, in registration order."""
@@ -211,3 +212,20 @@ class Policy:
         if algo != "direct":
             return algo
         return next(a for a in algorithms.names(what) if a != "direct")
+
+    def returns_early(self, coll: Any, nbytes: int) -> bool:
+        """Whether a blocking ``auto`` call of ``coll`` on device buffers of ``nbytes``
+        returns before its device work is done: the ``direct`` path, whose host
+        part is the peers' descriptors (docs/gpu.md, "Streams and the host")."""
+        what = coll.name
+        known = self._early.get((what, nbytes))
+        if known is None:
+            known = (
+                self.gpu is not None
+                and not self.via_host(what, "auto", nbytes)
+                and self.device(coll, "auto", self.algorithm(what, "auto", nbytes)) == "direct"
+            )
+            if len(self._early) > 4096:
+                self._early.clear()
+            self._early[what, nbytes] = known
+        return known
