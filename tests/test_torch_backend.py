@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -431,3 +432,64 @@ def test_work_future_whenever_asked() -> None:
             (early or bad.get_future()).wait()
         with pytest.raises(PeerAbortedError):
             bad.wait()
+
+
+def test_lane_runs_a_call_here_only_when_it_would_be_next() -> None:
+    """``Lane.run_here`` runs a call on the caller's thread only while nothing is
+    queued, running or posted, so calls keep their program order: while the
+    worker runs one job and another waits behind it, a third is refused (and
+    queued, it runs last); once the lane is idle it runs here, on this thread."""
+    import threading
+
+    from pycoll.torch_backend.work import Busy, Posted, Work
+    from pycoll.torch_backend.worker import Lane
+
+    lane = Lane("test-lane").join()
+    order: list[tuple[str, str]] = []
+    release = threading.Event()
+
+    def job(name: str, block: bool = False) -> Any:
+        def run() -> list[Any]:
+            if block:
+                assert release.wait(10)
+            order.append((name, threading.current_thread().name))
+            return []
+
+        return run
+
+    def work(name: str) -> Work:
+        return Work(name, 0, 10.0, Busy())
+
+    try:
+        first, second, third = work("first"), work("second"), work("third")
+        lane.put(job("first", block=True), first)
+        lane.put(job("second"), second)
+        assert not lane.run_here(job("third"), third)  # two ahead of it
+        lane.put(job("third"), third)
+        release.set()
+        for w in (first, second, third):
+            assert w.wait()
+        assert [n for n, _ in order] == ["first", "second", "third"]
+        assert {t for _, t in order} == {"test-lane"}
+        assert lane.pending == 0
+
+        here = work("here")
+        assert lane.run_here(job("here"), here)
+        assert here.is_completed() and order[-1] == ("here", threading.current_thread().name)
+
+        # a posted point-to-point call keeps the caller off the thread too
+        never = threading.Event()
+        lane.posted.append((Posted(type("R", (), {"test": never.is_set})(), list), work("p2p")))
+        assert not lane.run_here(job("late"), work("late"))
+        lane.posted.clear()
+
+        # a call run here that posts is progressed by the thread, which was asleep
+        done = threading.Event()
+        request = type("R", (), {"test": done.is_set, "wait": lambda self: True})()
+        posts = work("posts")
+        assert lane.run_here(lambda: Posted(request, lambda: ["out"]), posts)
+        assert not posts.is_completed()
+        done.set()
+        assert posts.wait() and posts.result() == ["out"]
+    finally:
+        lane.leave()

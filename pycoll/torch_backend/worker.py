@@ -12,6 +12,11 @@ the send or receive (``async_op=True``) and returns a :class:`Posted`; between
 jobs the thread progresses what is posted and completes each ``Work`` as its
 request completes, so that an ``irecv`` posted before an ``isend`` on both
 ranks never deadlocks.
+
+A call may also run on the caller's thread (:meth:`Lane.run_here`), when nothing
+is queued, running or posted: program order holds, and the two thread hops are
+saved.  The process group does that only for device calls whose host part ends
+before their device work (:meth:`pycoll.Communicator.returns_early`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ class Lane:
         self.broken = False  # a call failed: the family is unusable, peers may be gone
         self.users = 0  # open process groups on this lane
         self.posted: list[tuple[Posted, Work]] = []
+        # held by whoever runs a job or progresses posted calls (the thread, or a
+        # caller in run_here); pending counts jobs put and not yet run, so that a
+        # caller holding _running and seeing 0 knows it is next in program order
+        self._running = threading.Lock()
+        self._count = threading.Lock()
+        self.pending = 0
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
@@ -67,7 +78,28 @@ class Lane:
     # ------------------------------------------------------------------ jobs
     def put(self, run: Callable[[], Any], work: Work) -> None:
         """Queue ``run``, which completes ``work``."""
-        self.jobs.put((run, work))
+        self._queue((run, work))
+
+    def _queue(self, job: Any) -> None:
+        with self._count:
+            self.pending += 1
+        self.jobs.put(job)
+
+    def run_here(self, run: Callable[[], Any], work: Work) -> bool:
+        """Run ``run`` (which completes ``work``) on the calling thread if nothing is
+        queued, running or posted; whether it did (else queue it with :meth:`put`)."""
+        if not self._running.acquire(blocking=False):
+            return False
+        try:
+            with self._count:
+                if self.pending or self.posted:
+                    return False
+            self._run((run, work))
+        finally:
+            self._running.release()
+        if self.posted:
+            self._queue(_wake)  # the thread sleeps in jobs.get() while nothing is posted
+        return True
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the thread after what is queued; its result (or error)."""
@@ -82,7 +114,7 @@ class Lane:
             finally:
                 done.set()
 
-        self.jobs.put(run)
+        self._queue(run)
         done.wait()
         ok, value = box[0]
         if not ok:
@@ -101,8 +133,14 @@ class Lane:
                 self._abandon()
                 return
             if job is not False:
-                self._run(job)
-            moved = self._progress() if self.posted else False
+                with self._running:
+                    self._run(job)
+                    with self._count:
+                        self.pending -= 1
+            moved = False
+            if self.posted:
+                with self._running:
+                    moved = self._progress()
             if moved or job is not False:
                 nap = 0.0
             else:
@@ -153,3 +191,7 @@ class Lane:
                 )
             )
         self.posted = []
+
+
+def _wake() -> None:
+    """A job that does nothing: it wakes the thread to progress what run_here posted."""
