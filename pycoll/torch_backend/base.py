@@ -103,9 +103,13 @@ class GroupBase(dist.ProcessGroup):
         return self._comm
 
     # --- the device
-    def _stream(self, tensors: Sequence[torch.Tensor], what: str) -> torch.cuda.Stream | None:
-        """The group's stream where the call runs on the device (its tensors are CUDA
-        tensors of the communicator's device), else None: it goes through the host.
+    def _stream(
+        self, tensors: Sequence[torch.Tensor], what: str, sync: bool = False
+    ) -> torch.cuda.Stream | None:
+        """The stream the call runs on where it runs on the device (its tensors are
+        CUDA tensors of the communicator's device), else None: it goes through the
+        host.  The group's stream; for a synchronous call (``sync``, see
+        :func:`is_sync`), the caller's current stream, as ProcessGroupNCCL does.
 
         Raises:
             InvalidArgumentError: CPU and CUDA tensors, or tensors of two devices.
@@ -142,6 +146,8 @@ class GroupBase(dist.ProcessGroup):
                 )
             return None
         assert mine is not None
+        if sync:
+            return torch.cuda.current_stream(dev)
         stream = self._streams.get(mine)
         if stream is None:
             stream = self._streams[mine] = torch.cuda.Stream(dev)
@@ -154,11 +160,33 @@ class GroupBase(dist.ProcessGroup):
         return stream
 
     # --- the worker
+    def _here(
+        self, stream: torch.cuda.Stream | None, what: str, sizes: Sequence[int], sync: bool
+    ) -> bool:
+        """Whether a call may run on the caller's thread (when the worker is idle,
+        :meth:`Lane.run_here`).  A synchronous call (``sync``) may: its caller
+        waits for it anyway.  An asynchronous one may where it runs on the device
+        and each of its pycoll calls (``what``, of ``sizes`` bytes in ``sendbuf``)
+        returns before its device work is done, having waited only for the peers'
+        descriptors.  The worker's two thread hops cost such a call more than that
+        wait: 130-190 us of a 256 MiB allreduce on the H200 machine
+        (benchmarks/RESULTS.md, "The torch backend's share of a device allreduce")."""
+        if sync:
+            return True
+        return stream is not None and all(self._comm.returns_early(what, n) for n in sizes)
+
     def _enqueue(
-        self, what: str, run: Callable[[], Any], stream: torch.cuda.Stream | None = None
+        self,
+        what: str,
+        run: Callable[[], Any],
+        stream: torch.cuda.Stream | None = None,
+        here: bool = False,
+        sync: bool = False,
     ) -> Work:
-        """Queue ``run`` to the worker; with ``stream``, ordered on the device after
-        the caller's current stream and before what ``Work.wait()`` orders after it."""
+        """Queue ``run`` to the worker (``here``: run it on this thread if the worker
+        is idle, see :meth:`Lane.run_here`); with ``stream``, ordered on the device
+        after the caller's current stream and before what ``Work.wait()`` orders
+        after it (``sync``: ``stream`` is the caller's current stream)."""
         if self._closed:
             raise RuntimeError(f"pycoll backend: {self!r} is shut down")
         lane = self._lane
@@ -167,9 +195,10 @@ class GroupBase(dist.ProcessGroup):
             self._rank,
             self._timeout,
             lane.busy,
-            OnStream(stream) if stream is not None else None,
+            OnStream(stream, current=sync) if stream is not None else None,
         )
-        lane.put(run, work)
+        if not (here and lane.run_here(run, work)):
+            lane.put(run, work)
         return work
 
     def shutdown(self) -> None:
@@ -205,3 +234,9 @@ class GroupBase(dist.ProcessGroup):
         self._closed = True
         self._comm.abort()
         self._lane.leave(wait=False)
+
+
+def is_sync(opts: Any) -> bool:
+    """Whether torch waits for the call as soon as it returns (``async_op=False``:
+    torch sets ``opts.asyncOp``; DDP's own calls and older torch leave it True)."""
+    return opts is not None and getattr(opts, "asyncOp", True) is False

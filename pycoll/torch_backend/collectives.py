@@ -10,7 +10,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pycoll.errors import InvalidArgumentError
-from pycoll.torch_backend.base import GroupBase
+from pycoll.torch_backend.base import GroupBase, is_sync
 from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
 
 
@@ -32,7 +32,8 @@ class Collectives(GroupBase):
         and unpacked; a dtype with a single tensor is reduced in place."""
         rank = self._rank
         op = reduce_op(opts, rank) if opts is not None else "sum"
-        stream = self._stream(tensors, "allreduce")
+        sync = is_sync(opts)
+        stream = self._stream(tensors, "allreduce", sync)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -46,7 +47,7 @@ class Collectives(GroupBase):
 
         def run() -> list[torch.Tensor]:
             for s, packed in parts:
-                self._comm.allreduce(s.array, op=op)
+                self._comm.allreduce(s.array, op=op, stream=stream)
                 if packed is None:
                     s.finish()
                     continue
@@ -54,36 +55,42 @@ class Collectives(GroupBase):
                     t.detach().copy_(r)
             return tensors
 
-        return self._enqueue("allreduce", run, stream)
+        sizes = [sum(t.nbytes for t in ts) for ts in by_dtype.values()]
+        here = self._here(stream, "allreduce", sizes, sync)
+        return self._enqueue("allreduce", run, stream, here, sync)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         check_one(tensors, "broadcast", self._rank)
         root = int(opts.rootRank) if opts is not None else 0
-        stream = self._stream(tensors, "broadcast")
+        sync = is_sync(opts)
+        stream = self._stream(tensors, "broadcast", sync)
         s = Staged(tensors[0], self._rank, as_bytes=True, copy_in=self._rank == root, stream=stream)
 
         def run() -> list[torch.Tensor]:
-            self._comm.broadcast(s.array, root=root)
+            self._comm.broadcast(s.array, root=root, stream=stream)
             if self._rank != root:
                 s.finish()
             return tensors
 
-        return self._enqueue("broadcast", run, stream)
+        here = self._here(stream, "broadcast", [tensors[0].nbytes], sync)
+        return self._enqueue("broadcast", run, stream, here, sync)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         check_one(tensors, "reduce", self._rank)
         op = reduce_op(opts, self._rank) if opts is not None else "sum"
         root = int(opts.rootRank) if opts is not None else 0
-        stream = self._stream(tensors, "reduce")
+        sync = is_sync(opts)
+        stream = self._stream(tensors, "reduce", sync)
         s = Staged(tensors[0], self._rank, as_bytes=False, stream=stream)
 
         def run() -> list[torch.Tensor]:
-            self._comm.reduce(s.array, root=root, op=op)
+            self._comm.reduce(s.array, root=root, op=op, stream=stream)
             if self._rank == root:
                 s.finish()
             return tensors
 
-        return self._enqueue("reduce", run, stream)
+        here = self._here(stream, "reduce", [tensors[0].nbytes], sync)
+        return self._enqueue("reduce", run, stream, here, sync)
 
     def allgather(  # type: ignore[override]
         self,
@@ -97,7 +104,8 @@ class Collectives(GroupBase):
             raise InvalidArgumentError(
                 f"pycoll backend, rank {self._rank}: allgather needs {self._size} output tensors, got {len(outs)}"
             )
-        stream = self._stream([*input_tensors, *outs], "allgather")
+        sync = is_sync(opts)
+        stream = self._stream([*input_tensors, *outs], "allgather", sync)
         x = Staged(input_tensors[0], self._rank, as_bytes=True, stream=stream)
         k = input_tensors[0].nbytes
         for o in outs:
@@ -116,7 +124,7 @@ class Collectives(GroupBase):
                 s.finish()
             return output_tensors
 
-        return self._enqueue("allgather", run, stream)
+        return self._enqueue("allgather", run, stream, here=sync, sync=sync)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -127,7 +135,8 @@ class Collectives(GroupBase):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        stream = self._stream([*outputs, *inputs], "allgather_into_tensor")
+        sync = is_sync(opts)
+        stream = self._stream([*outputs, *inputs], "allgather_into_tensor", sync)
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             check_dtypes(o, i, "allgather_into_tensor", self._rank)
@@ -145,11 +154,12 @@ class Collectives(GroupBase):
 
         def run() -> list[torch.Tensor]:
             for x, out in pairs:
-                self._comm.allgather(x.array, out.array)
+                self._comm.allgather(x.array, out.array, stream=stream)
                 out.finish()
             return outputs
 
-        return self._enqueue("allgather_into_tensor", run, stream)
+        here = self._here(stream, "allgather", [i.nbytes for i in inputs], sync)
+        return self._enqueue("allgather_into_tensor", run, stream, here, sync)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -170,7 +180,7 @@ class Collectives(GroupBase):
             raise InvalidArgumentError(
                 f"pycoll backend, rank {self._rank}: reduce_scatter needs {self._size} input tensors, got {len(ins)}"
             )
-        stream = self._stream([*ins, *output_tensors], "reduce_scatter")
+        stream = self._stream([*ins, *output_tensors], "reduce_scatter", is_sync(opts))
         flat_in = torch.cat([_there(t, stream).reshape(-1) for t in ins])
         return self._reduce_scatter([output_tensors[0]], [flat_in], opts)
 
@@ -198,7 +208,8 @@ class Collectives(GroupBase):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
         op = reduce_op(opts, self._rank) if opts is not None else "sum"
-        stream = self._stream([*outputs, *inputs], "reduce_scatter")
+        sync = is_sync(opts)
+        stream = self._stream([*outputs, *inputs], "reduce_scatter", sync)
         pairs = []
         for o, i in zip(outputs, inputs, strict=True):
             check_dtypes(o, i, "reduce_scatter", self._rank)
@@ -216,18 +227,19 @@ class Collectives(GroupBase):
 
         def run() -> list[torch.Tensor]:
             for x, out in pairs:
-                self._comm.reduce_scatter(x.array, out.array, op=op)
+                self._comm.reduce_scatter(x.array, out.array, op=op, stream=stream)
                 out.finish()
             return outputs
 
-        return self._enqueue("reduce_scatter", run, stream)
+        here = self._here(stream, "reduce_scatter", [i.nbytes for i in inputs], sync)
+        return self._enqueue("reduce_scatter", run, stream, here, sync)
 
     def barrier(self, opts: Any = None) -> Any:
         def run() -> list[torch.Tensor]:
             self._comm.barrier()
             return []
 
-        return self._enqueue("barrier", run)
+        return self._enqueue("barrier", run, here=is_sync(opts))
 
     def allgather_coalesced(  # type: ignore[override]
         self,

@@ -1,13 +1,15 @@
 """The torch backend on CUDA tensors: on the device, stream-ordered, loud.
 
 CUDA tensors of the communicator's device go to pycoll's device path with no
-copy to the host; each call runs on the group's stream after the caller's
-current stream, ``Work.wait()`` (what a synchronous call runs) makes the current
-stream wait on the device, and the Work's future is CUDA-aware.  Checked here:
-every collective against values every rank can compute (dtypes, ops,
-non-contiguous tensors), no host copy, the host not held by the GPU, two
-streams, futures chained with ``then``, tensors the caller drops, a failure
-that reaches the caller, and DDP on CUDA over pycoll against DDP over Gloo.
+copy to the host; an asynchronous call runs on the group's stream after the
+caller's current stream, ``Work.wait()`` makes the current stream wait on the
+device, and the Work's future is CUDA-aware; a synchronous one runs on the
+caller's current stream, as ProcessGroupNCCL does.  Checked here: every
+collective against values every rank can compute (dtypes, ops, non-contiguous
+tensors), no host copy, the host not held by the GPU, two streams, the stream
+each kind of call runs on, futures chained with ``then``, tensors the caller
+drops, a failure that reaches the caller, and DDP on CUDA over pycoll against
+DDP over Gloo.
 Runs at n = 1 and under mpiexec (ranks share the GPU).
 """
 
@@ -183,6 +185,35 @@ def test_two_streams(dev):
     assert float(a2.min()) == float(a2.max()) == TOTAL + 1
     assert float(b2.min()) == float(b2.max()) == 10 * TOTAL + 1
     assert float(ab.min()) == float(ab.max()) == 11 * TOTAL
+
+
+def test_a_synchronous_call_runs_on_the_current_stream(dev):
+    """As ProcessGroupNCCL: ``async_op=False`` runs on the caller's current stream,
+    with no event to the group's stream and back, and on the caller's thread
+    while the worker is idle; ``async_op=True`` runs on the group's stream, ordered
+    after the current one.  Both see what the current stream wrote before them."""
+    pg = dist.distributed_c10d._get_default_group()
+    side = torch.cuda.Stream(dev)
+    t = torch.zeros(1 << 20, device=dev)
+    torch.cuda.synchronize()
+    opts = dist.AllreduceOptions()
+    with torch.cuda.stream(side):
+        _spin(50.0)
+        t.fill_(RANK + 1)
+        opts.asyncOp = False
+        w = pg.allreduce([t], opts)
+        assert w._done.is_set()  # its host part ran in the call, on this thread
+        w.wait()
+        assert w._cuda.stream == side and w._cuda.ready is None, w._cuda.stream
+        first = t + 0
+        opts.asyncOp = True
+        w = pg.allreduce([t], opts)
+        w.wait()
+        assert w._cuda.stream != side and w._cuda.ready is not None
+        second = t + 0
+    torch.cuda.synchronize()
+    assert float(first.min()) == float(first.max()) == TOTAL
+    assert float(second.min()) == float(second.max()) == TOTAL * SIZE
 
 
 def test_future_chains_on_the_device(dev):
