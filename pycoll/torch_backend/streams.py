@@ -80,19 +80,23 @@ class OnStream:
                 torch.cuda.set_device(old)
 
     def ended(self) -> None:
-        """Mark the end of the call's work on the group's stream (once)."""
-        if self.end is None:
+        """Mark the end of the call's work on the group's stream (once).  On the
+        caller's stream, only when asked (:meth:`over`, a future): an event
+        recorded there later is later than the call's work too."""
+        if self.end is None and self.caller is None:
             self.end = self.stream.record_event()
 
     def join(self) -> None:
         """Make the caller's current stream wait for the call's work (on the
         caller's stream, it is ordered before what follows there already)."""
-        assert self.end is not None, "join() before the call ran"
         if self.caller is None:
+            assert self.end is not None, "join() before the call ran"
             torch.cuda.current_stream(self.device).wait_event(self.end)
 
     def over(self) -> bool:
-        """Whether the device work of the call is done."""
+        """Whether the device work of the call is done (once its host part is)."""
+        if self.end is None and self.caller is not None:
+            self.end = self.stream.record_event()
         return self.end is not None and self.end.query()
 
 
