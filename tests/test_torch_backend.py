@@ -493,3 +493,60 @@ def test_lane_runs_a_call_here_only_when_it_would_be_next() -> None:
         assert posts.wait() and posts.result() == ["out"]
     finally:
         lane.leave()
+
+
+SYNC_HERE = r"""
+import json, threading, torch, torch.distributed as dist
+import pycoll.torch_backend as tb
+from pycoll.torch_backend.work import Work
+tb.register()
+dist.init_process_group("pycoll", store=dist.HashStore(), rank=0, world_size=1)
+pg = dist.distributed_c10d._get_default_group()
+ran = []
+real = pg.communicator.allreduce
+def spy(*a, **k):
+    ran.append(threading.current_thread().name)
+    return real(*a, **k)
+pg.communicator.allreduce = spy
+sync, asyn = dist.AllreduceOptions(), dist.AllreduceOptions()
+sync.asyncOp, asyn.asyncOp = False, True
+out = {}
+t = torch.ones(3)
+w = pg.allreduce([t], sync)
+out["sync_done_at_return"] = w.is_completed()
+w = pg.allreduce([t], asyn)
+w.wait()
+# a job in the way: the synchronous call queues behind it and runs after it
+release, order = threading.Event(), []
+def blocker():
+    release.wait(10)
+    order.append("blocker")
+    return []
+pg._lane.put(blocker, Work("blocker", 0, 10.0, pg._lane.busy))
+w = pg.allreduce([t], sync)
+out["queued_done_early"] = w.is_completed()
+release.set()
+w.wait()
+order.append("sync")
+out["order"] = order
+out["threads"] = ran
+out["value"] = t.tolist()
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_synchronous_call_runs_on_the_callers_thread_when_the_worker_is_idle() -> None:
+    """A synchronous call (``async_op=False``: torch waits at once) runs on the
+    caller's thread when the group's worker is idle, and is done when it
+    returns; an asynchronous host call goes to the worker; a synchronous call
+    behind a running job queues and runs after it, on the worker (n = 1)."""
+    proc = _python(SYNC_HERE, 100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sync_done_at_return"] and not out["queued_done_early"], out
+    assert out["order"] == ["blocker", "sync"], out
+    main, worker, queued = out["threads"]
+    assert main == "MainThread" and worker != "MainThread" and queued == worker, out
+    assert out["value"] == [1.0, 1.0, 1.0], out
