@@ -54,7 +54,9 @@ Baselines use the same buffers in the same job: ``mpi`` (mpi4py's
 and reduce work in place on the output buffer; ``all_to_all_single``,
 ``gather``, ``scatter``, and for sendrecv an ``isend`` and an ``irecv`` posted
 together by ``batch_isend_irecv``), and ``nccl`` (torch.distributed,
-``--device cuda`` only).  alltoall, gather, scatter and sendrecv are checked
+``--device cuda`` only), and ``torch-pycoll`` (the same torch.distributed calls
+on a ``"pycoll"`` process group, ``pycoll.torch_backend``: what pycoll's own
+call costs a torch user).  alltoall, gather, scatter and sendrecv are checked
 against inputs whose every value tells the sender and the place
 (``exchanges.py``).  ``avg`` is a sum followed
 by a division for the baselines, as pycoll does it.  A baseline that cannot run
@@ -108,6 +110,8 @@ from common import (
 #: and redop none for the others).
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
+#: The baselines that run through torch.distributed (see the module docstring).
+TORCH_BASELINES = ("gloo", "nccl", "torch-pycoll")
 
 
 def forms(coll: str, asked: list[bool]) -> list[bool]:
@@ -164,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chunk-bytes", default=None, help="pycoll chunk_bytes (default: pycoll's)")
     ap.add_argument("--timeout", type=float, default=300.0, help="pycoll timeout in seconds")
     ap.add_argument("--device", choices=("host", "cuda"), default="host")
-    ap.add_argument("--baselines", default="", help="comma list of mpi, gloo, nccl")
+    ap.add_argument("--baselines", default="", help="comma list of mpi, gloo, nccl, torch-pycoll")
     ap.add_argument(
         "--inplace",
         default="both",
@@ -229,8 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.variants = [False, True] if a.inplace == "both" else [a.inplace == "1"]
     a.baselines = [b.strip().lower() for b in a.baselines.split(",") if b.strip()]
     for b in a.baselines:
-        if b not in ("mpi", "gloo", "nccl"):
-            ap.error(f"unknown baseline {b!r}; choose from mpi, gloo, nccl")
+        if b not in ("mpi", *TORCH_BASELINES):
+            ap.error(f"unknown baseline {b!r}; choose from mpi, {', '.join(TORCH_BASELINES)}")
     return a
 
 
@@ -437,6 +441,7 @@ class Runner:
         self.torch: Any = None
         self.dist: Any = None
         self.nccl_group: Any = None
+        self.pycoll_group: Any = None  # torch.distributed over pycoll (torch-pycoll)
 
     # ------------------------------------------------------------ pycoll
     def pycoll(self, algo: str, case: Case, bufs: Buffers) -> Prepared:
@@ -530,8 +535,9 @@ class Runner:
         )
 
     # ------------------------------------------------------------ torch.distributed
-    def init_torch(self, want_nccl: bool) -> str | None:
-        """Start torch.distributed (gloo as the default group); None or a reason."""
+    def init_torch(self, want_nccl: bool, want_pycoll: bool = False) -> str | None:
+        """Start torch.distributed (gloo as the default group, and a ``"pycoll"``
+        group with ``want_pycoll``); None or a reason."""
         try:
             warnings.filterwarnings("ignore", module="torch")
             import torch
@@ -561,6 +567,11 @@ class Runner:
         self.torch, self.dist = torch, dist
         if want_nccl:
             self.nccl_group = dist.new_group(backend="nccl")
+        if want_pycoll:
+            import pycoll.torch_backend
+
+            pycoll.torch_backend.register()
+            self.pycoll_group = dist.new_group(backend="pycoll")
         return None
 
     def _tensor(self, arr: Any, case: Case) -> Any:
@@ -580,7 +591,10 @@ class Runner:
             raise Skip("gloo baseline runs on host buffers only")
         if kind == "nccl" and self.nccl_group is None:
             raise Skip("no NCCL group")
-        dist, group = self.dist, (self.nccl_group if kind == "nccl" else None)
+        if kind == "torch-pycoll" and self.pycoll_group is None:
+            raise Skip("no pycoll process group")
+        group = {"nccl": self.nccl_group, "torch-pycoll": self.pycoll_group}.get(kind)
+        dist = self.dist
         R = dist.ReduceOp
         top = {"sum": R.SUM, "avg": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[case.op]
         c, root, n = case.collective, case.root, self.n
@@ -886,7 +900,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     runner = Runner(args, w, comm, xp)
     baselines: list[str] = []
     torch_reason: str | None = None
-    if any(b in ("gloo", "nccl") for b in args.baselines):
+    if any(b in TORCH_BASELINES for b in args.baselines):
         want_nccl = "nccl" in args.baselines and args.device == "cuda"
         if want_nccl:
             try:
@@ -898,12 +912,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     want_nccl = False
             except Exception:
                 want_nccl = False
-        torch_reason = runner.init_torch(want_nccl)
+        torch_reason = runner.init_torch(want_nccl, "torch-pycoll" in args.baselines)
     for b in args.baselines:
         reason = None
         if b == "nccl" and args.device != "cuda":
             reason = "needs --device cuda (and torch with CUDA)"
-        elif b in ("gloo", "nccl") and torch_reason:
+        elif b in TORCH_BASELINES and torch_reason:
             reason = torch_reason
         elif b == "nccl" and runner.nccl_group is None:
             reason = "torch has no CUDA/NCCL here"

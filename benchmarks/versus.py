@@ -28,7 +28,8 @@ per-call mean on the slowest rank (us), and that time over the first system's
 in the same round: median, 10th and 90th percentile over rounds.  For ``auto``
 the last column is what it ran (its tuner, :mod:`pycoll.tune`, may time
 contenders as it goes).  Systems: ``auto``, any algorithm of the collective,
-``mpi`` (host buffers) and ``gloo`` (torch.distributed).  Every system's output
+``mpi`` (host buffers), ``gloo`` (torch.distributed) and ``torch-pycoll``
+(torch.distributed over a ``"pycoll"`` group).  Every system's output
 is checked once against the NumPy reference before the rounds, and again after
 them.  Sizes are nccl-tests' (see sweep.py): for alltoall each rank's send and
 receive buffer, for gather the root's output, for scatter the root's input, for
@@ -80,7 +81,7 @@ from sweep import (
     tuned_calls,
 )
 
-BASELINES = ("mpi", "gloo")
+BASELINES = ("mpi", "gloo", "torch-pycoll")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -349,11 +350,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         cfg["transports"] = tuple(t.strip() for t in args.transport.split(",") if t.strip())
     comm = pycoll.init(w, **cfg)
     runner = Runner(args, w, comm, np)
-    if any(s.kind == "gloo" for s in systems):
-        why = runner.init_torch(False)
+    if any(s.kind in ("gloo", "torch-pycoll") for s in systems):
+        why = runner.init_torch(False, any(s.kind == "torch-pycoll" for s in systems))
         if why:
-            say(f"# gloo: skipped: {why}")
-            systems = [s for s in systems if s.kind != "gloo"]
+            say(f"# gloo, torch-pycoll: skipped: {why}")
+            systems = [s for s in systems if s.kind not in ("gloo", "torch-pycoll")]
     if not systems:
         raise SystemExit("--systems: none of them can run here")
     first = systems[0].label

@@ -30,6 +30,41 @@ class Busy:
         self.since: float | None = None
 
 
+class _Done:
+    """Whether a call is over: a ``threading.Event`` made only for a wait that
+    starts before the call ends.  A call run on the caller's thread has ended
+    before anyone waits, and an Event (a Condition and its lock) took about 2 us
+    of the backend's 35 a synchronous call on the 2-core machine."""
+
+    __slots__ = ("_event", "_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._lock:
+            self._flag = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        with self._lock:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+
 class Posted:
     """A point-to-point call posted on the communicator, completed later.
 
@@ -67,7 +102,7 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
         self._rank = rank
         self._timeout = timeout
         self._worker = worker
-        self._done = threading.Event()
+        self._done = _Done()
         self._error: BaseException | None = None
         self._outputs: Any = None
         self._posted: float | None = None  # when its send or receive was posted
