@@ -205,6 +205,7 @@ def test_a_synchronous_call_runs_on_the_current_stream(dev):
         assert w._done.is_set()  # its host part ran in the call, on this thread
         w.wait()
         assert w._cuda.stream == side and w._cuda.ready is None, w._cuda.stream
+        sync_work = w
         first = t + 0
         opts.asyncOp = True
         w = pg.allreduce([t], opts)
@@ -214,6 +215,11 @@ def test_a_synchronous_call_runs_on_the_current_stream(dev):
     torch.cuda.synchronize()
     assert float(first.min()) == float(first.max()) == TOTAL
     assert float(second.min()) == float(second.max()) == TOTAL * SIZE
+    # its end event, recorded on request, fires once the stream is past it
+    end = time.monotonic() + 10
+    while not sync_work.is_completed():
+        assert time.monotonic() < end, "a synchronous call never completed"
+        time.sleep(0.001)
 
 
 def test_future_chains_on_the_device(dev):
