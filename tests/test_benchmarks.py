@@ -123,6 +123,28 @@ def test_sweep_gloo_baseline(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.timeout(90)
+def test_sweep_torch_pycoll_baseline() -> None:
+    """The torch-pycoll baseline (torch.distributed's calls on a "pycoll" group)
+    runs every case of a reduction and a gather, out of place and in place, and
+    its outputs match the reference (#wrong 0)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    for coll in ("allreduce", "allgather"):
+        cmd = mpiexec(2) + [
+            sys.executable, str(BENCH / "sweep.py"), coll,
+            "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-c", "1",
+            "--baselines", "torch-pycoll", "--timeout", "60", "--no-progress",
+            "--hugepages", "off", "--repetitions", "1",
+        ]  # fmt: skip
+        proc = _run(cmd, 80)
+        assert "skipped" not in proc.stdout, proc.stdout
+        rows = _rows(proc.stdout)
+        assert len(rows) == 4, proc.stdout  # 8 B, 64 B, 512 B and 4 KiB
+        assert all(r[8] == r[14] == "0" for r in rows), proc.stdout
+        assert all("skip" not in (r[9], r[15]) for r in rows), proc.stdout
+
+
 @pytest.mark.timeout(60)
 def test_sweep_root_agrees_in_header_and_rows() -> None:
     """-r is the root (as in nccl-tests): the header and the rows say the same
@@ -356,7 +378,7 @@ def test_versus_refuses_an_unknown_system() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "'nccl' is not auto, mpi, gloo or one of" in proc.stdout + proc.stderr
+    assert "'nccl' is not auto, mpi, gloo, torch-pycoll or one of" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(30)
