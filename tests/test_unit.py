@@ -775,3 +775,26 @@ def test_check_alive_looks_a_pid_up_at_most_every_few_ms_and_still_sees_an_exit(
     with pytest.raises(PeerClosedError, match="has exited"):
         while time.monotonic() < end:
             _segment.check_alive(closed, child.pid, "peer", peer=1, transport="shm")
+
+
+def test_a_driver_call_on_a_thread_without_a_context_binds_one_and_retries(monkeypatch):
+    """A progress thread that made no CUDA runtime call has no current context: a
+    driver call answering CUDA_ERROR_INVALID_CONTEXT binds the primary context
+    (cudaFree(NULL)) and runs again, once."""
+    from types import SimpleNamespace
+
+    from transports import cuda_driver
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(
+        cuda_driver, "runtime", lambda: SimpleNamespace(free=lambda p: calls.append(("free", p)))
+    )
+    answers = iter([201, 0, 201, 201])
+
+    def fn(*args):
+        calls.append(("fn", args))
+        return next(answers)
+
+    assert cuda_driver._call(fn, 1, 2) == 0
+    assert calls == [("fn", (1, 2)), ("free", 0), ("fn", (1, 2))]
+    assert cuda_driver._call(fn, 3) == 201  # still no context: the error is the caller's

@@ -1,6 +1,6 @@
 """CUDA helpers that any transport (and the layer above) may use: which device is
-current, where an allocation starts, its IPC handle, and 32-bit words that
-streams write and wait on.
+current, where an allocation starts, its IPC handle, 32-bit words that streams
+write and wait on, host memory the device can see, and whether a stream is idle.
 
 CuPy's runtime module and the driver library (``libcuda.so.1``, through ctypes,
 for the few calls CuPy lacks) are loaded on first use, never at import time, so
@@ -18,8 +18,11 @@ __all__ = [
     "allocation_base",
     "driver",
     "export",
+    "host_map",
+    "host_unmap",
     "on_device",
     "runtime",
+    "stream_idle",
     "stream_wait",
     "stream_write",
 ]
@@ -49,22 +52,76 @@ def driver() -> Any:
         ]
         for fn in (lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        lib.cuStreamQuery.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_void_p,
+            ctypes.c_uint,
+        ]
         _libcuda = lib
     return _libcuda
 
 
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def _call(fn: Any, *args: Any) -> int:
+    """``fn(*args)``, a driver call, on the calling thread's current context.  A
+    thread that has made no runtime call yet (a progress thread) has none: then
+    ``cudaFree(NULL)`` makes the current device's primary context current, once."""
+    err = fn(*args)
+    if err == _INVALID_CONTEXT:
+        runtime().free(0)
+        err = fn(*args)
+    return int(err)
+
+
 def stream_write(stream: int, addr: int, value: int) -> None:
     """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
-    err = driver().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0)
+    err = _call(driver().cuStreamWriteValue32_v2, stream, addr, value & 0xFFFFFFFF, 0)
     if err:
         raise TransportError(f"cuda: cuStreamWriteValue32 failed with CUDA error {err}")
 
 
 def stream_wait(stream: int, addr: int, value: int) -> None:
     """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
-    err = driver().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
+    err = _call(driver().cuStreamWaitValue32_v2, stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
     if err:
         raise TransportError(f"cuda: cuStreamWaitValue32 failed with CUDA error {err}")
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+def stream_idle(stream: int) -> bool:
+    """Whether everything queued on ``stream`` so far has run (its waits included)."""
+    err = _call(driver().cuStreamQuery, stream)
+    if err and err != _NOT_READY:
+        raise TransportError(f"cuda: cuStreamQuery failed with CUDA error {err}")
+    return not err
+
+
+_HOST_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def host_map(addr: int, nbytes: int) -> int:
+    """Pin host memory (say, a shared segment) and map it for every device; returns
+    its device address, which streams may write and wait on (:func:`stream_wait`).
+    Undo with :func:`host_unmap` once no queued work touches it."""
+    try:
+        runtime().hostRegister(addr, nbytes, _HOST_MAPPED)
+    except Exception as exc:
+        raise TransportError(f"cuda: cannot map host memory for the device: {exc}") from exc
+    dev = ctypes.c_uint64()
+    err = _call(driver().cuMemHostGetDevicePointer_v2, ctypes.byref(dev), addr, 0)
+    if err:
+        runtime().hostUnregister(addr)
+        raise TransportError(f"cuda: cuMemHostGetDevicePointer failed with CUDA error {err}")
+    return int(dev.value)
+
+
+def host_unmap(addr: int) -> None:
+    runtime().hostUnregister(addr)
 
 
 def allocation_base(ptr: int) -> int:
@@ -74,7 +131,7 @@ def allocation_base(ptr: int) -> int:
         UnshareableMemoryError: ``ptr`` is not device memory.
     """
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    err = driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    err = _call(driver().cuMemGetAddressRange_v2, ctypes.byref(base), ctypes.byref(size), ptr)
     if err:
         raise UnshareableMemoryError(
             f"cuda: {ptr:#x} is not device memory (cuMemGetAddressRange: error {err})"

@@ -40,6 +40,7 @@ from pycoll.gpu.staging import Pinned, piece_bytes
 from pycoll.gpu.windows import Scratch, Windows
 from pycoll.reduce import ReduceOp
 from transports.base import Backoff, Cap, Connection, Deadline
+from transports.cuda_driver import stream_idle
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class GpuContext:
         self._back_event: Any = None
         # made now: making them synchronizes the device, which no call may do
         self._gates, self._gates_mem = Gates.on_device(device)
+        # the words by which pycoll's stream waits for the caller's (see DeviceCall)
+        self._starts, self._starts_mem = Gates.on_device(device)
         #: calls return at once, the caller's stream waiting for a gate (see
         #: pycoll.gpu.jobs); off: a closed gate deadlocks with the loading of a
         #: CUDA module (CuPy's kernels at their first use) on any thread of any
@@ -159,6 +162,10 @@ class GpuContext:
     def gates(self) -> Gates:
         assert self._gates is not None, "the context is closed"
         return self._gates
+
+    def starts(self) -> Gates:
+        assert self._starts_mem is not None, "the context is closed"
+        return self._starts
 
     def copy_stream(self) -> int:
         """The stream of asynchronous calls' copies back and retire events (only
@@ -275,6 +282,7 @@ class GpuContext:
         self._stream = None
         self._copy = None
         self._gates_mem = None
+        self._starts_mem = None
 
 
 class HostJob(Job):
@@ -405,13 +413,20 @@ def resolve_stream(stream: Any, obj: Any, device: int, rank: int, what: str) -> 
 class DeviceCall(Job):
     """One device collective through the device algorithms (see :mod:`pycoll.gpu.jobs`).
 
-    On the caller's thread (here): the start event on the caller's stream, then
-    the wait for the gate and the retire event on that stream (a blocking call)
-    or on the copy stream (``async_op``).  On the progress thread (the
-    collective bodies below): pycoll's stream waits for the start event, the
+    On the caller's thread (here): the start word written on the caller's
+    stream, then the wait for the gate and the retire event on that stream (a
+    blocking call) or on the copy stream (``async_op``).  On the progress thread
+    (the collective bodies below): pycoll's stream waits for the start word, the
     algorithm runs on it, and the gate opens after its last work.  Ungated (see
-    :mod:`pycoll.gpu.jobs`), the caller's stream waits for an event recorded
-    after that work instead (a blocking call's host part runs before it returns).
+    :mod:`pycoll.gpu.jobs`), a blocking call's host part runs before it returns,
+    and then the caller's stream waits for the gate.
+
+    The two streams meet through words (``cuStreamWriteValue32`` and
+    ``cuStreamWaitValue32``), not events.  Where ranks share a GPU, a stream
+    blocked on an event while its collective waits for another process kept
+    the GPU for a whole time slice: on the H200 at n = 2, a 1 MiB direct
+    allreduce took 2.1-4.5 ms of GPU time with events between the streams
+    against 0.3 ms with words (``benchmarks/RESULTS.md``).
     """
 
     def __init__(
@@ -437,7 +452,10 @@ class DeviceCall(Job):
         self._backoff = backoff
         self.keep += [x.obj, None if out is None else out.obj]
         with cupy.cuda.Device(ctx.device):
-            self._start = self.event(user)
+            # nothing queued before the call: the buffers are final already, and a
+            # peer may read them without waiting for this rank's stream (Windows)
+            self.settled = stream_idle(user)
+            ctx.starts().open(user, self.seq)  # pycoll's stream waits for this (_run)
             if not self.gated:  # see _run
                 ctx.inflight.add(self)
                 return
@@ -479,6 +497,7 @@ class DeviceCall(Job):
             Deadline.after(ctx.timeout, idle=True),
             ctx.scratch(),
             ctx.shared_device,
+            self.settled,
         )
 
     def _run(self, body: Callable[[], Any]) -> Any:
@@ -486,15 +505,16 @@ class DeviceCall(Job):
         and open the gate after it (the progress thread's part)."""
         with self._cp.cuda.Device(self.ctx.device):
             s = self.ctx.stream()
-            self._rt.streamWaitEvent(s.ptr, self._start, 0)
+            self.ctx.starts().wait(s.ptr, self.seq)
             with s:
                 result = body()
             if self.gated:
                 self.open_after(s.ptr)
-            else:  # the caller's stream waits for an event after our work
+            else:  # the caller's stream waits for our work: the gate's word
                 end = self.event(s.ptr)
                 if not self.async_op:
-                    self._rt.streamWaitEvent(self.user, end, 0)
+                    self.open_after(s.ptr)
+                    self.gates.wait(self.user, self.seq)
                 self.retire = end
                 self.opened = True
         return result

@@ -299,6 +299,49 @@ def test_failure_on_the_progress_thread(comms, monkeypatch):
         WORLD.Barrier()
 
 
+def _ready_signals(c) -> tuple[int, int]:
+    """How this rank's cuda_ipc windows signaled their exposures: (host, stream)."""
+    wins = [conn._win for conn in c._gpu.dconns.values() if hasattr(conn, "_win")]
+    return sum(w.ready_by_host for w in wins), sum(w.ready_by_stream for w in wins)
+
+
+def test_direct_signals_ready_from_the_host_when_nothing_is_queued(comms):
+    """A window's "ready" word is stored by the host when nothing was queued on
+    the caller's stream before the call (so the peer's stream needs no time
+    slice of this rank's context), and written by the stream after the work
+    queued there otherwise; the result is right both ways."""
+    if SIZE == 1:
+        pytest.skip("no peers")
+    c = comms["direct"]
+    _route(c, "direct")
+    s = cp.cuda.Stream(non_blocking=True)
+    n = 1 << 20
+    total = SIZE * (SIZE + 1) / 2
+    with s:
+        x = cp.full(n, float(RANK + 1), cp.float32)
+    s.synchronize()
+    WORLD.Barrier()
+    h0, d0 = _ready_signals(c)
+    with s:
+        y = c.allreduce(x, algorithm="direct", stream=s) * 1
+    s.synchronize()
+    h1, d1 = _ready_signals(c)
+    _check(y, total, "idle stream")
+    WORLD.Barrier()
+    _spin(s, 50.0)
+    _fill(x, float(RANK + 1), s)  # written only after the spin
+    with s:
+        y = c.allreduce(x, algorithm="direct", stream=s) * 1
+    s.synchronize()
+    h2, d2 = _ready_signals(c)
+    _check(y, total, "busy stream")
+    # on a shared GPU only the followers expose; on separate GPUs every rank does
+    if RANK != 0 or not c._gpu.shared_device:
+        assert h1 > h0 and d1 == d0, f"rank {RANK}: idle: host {h1 - h0}, stream {d1 - d0}"
+        assert d2 > d1 and h2 == h1, f"rank {RANK}: busy: host {h2 - h1}, stream {d2 - d1}"
+    WORLD.Barrier()
+
+
 def test_buffers_live_until_their_work_is_done(comms):
     """An asynchronous call's input dropped at once, and its memory asked for again
     on the same stream (CuPy's pool hands it back) and overwritten while the

@@ -10,11 +10,14 @@ Offsets in bytes::
     1024   per side: "closed" flag
     4096   direction 0 (lo -> hi) control: head, tail (own cache lines), piece lengths
     6144   direction 1 (hi -> lo) control
-    8192   side 0's windows: exposed and released counts, one descriptor per window slot
+    8192   side 0's windows: exposed and released counts, the "ready" word, one
+           descriptor per window slot
     12288  side 1's windows
 
-Each side's device allocation holds its ring, then :data:`_FLAG_BYTES` of device
-words for the windows ("exposed" at +0, "released" at +128).
+Both sides map the whole segment for their device too (``cudaHostRegister``), so
+that the peer's stream can wait on a side's "ready" word, which that side's host
+or stream writes.  Each side's device allocation holds its ring, then
+:data:`_FLAG_BYTES` of device words for the windows ("released" at +128).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from transports.cuda_driver import runtime
 NAME = "cuda_ipc"
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
-_VERSION = 3
+_VERSION = 4  # 4: the exposure's "ready" word is in the segment
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
 # per side (0 = creator = lower rank): pid, ready flag, ipc handle, raw pointer
 _SIDE_OFF = (256, 512)
@@ -37,17 +40,19 @@ _CLOSED_OFF = (1024, 1152)
 _CTRL0 = 4096
 _CTRL_SIZE = 2048
 # one-sided windows, per side (written by that side): the host's exposed and
-# released counts, then one descriptor per window slot
+# released counts, the exposures whose buffers are ready on the device (written
+# by the host or by the stream, see windows._Window.expose), then one
+# descriptor per window slot
 _WIN_OFF = (8192, 12288)
 _WIN_SLOTS = 4
-_W_EXPOSED, _W_RELEASED, _W_DESC = 0, 128, 1024
+_W_EXPOSED, _W_RELEASED, _W_READY, _W_DESC = 0, 128, 256, 1024
 _W_DESC_BYTES = 512
 _W_MAX_SPANS = 4
 _W_SPAN = struct.Struct("<64sQQQ")  # handle, offset in the allocation, nbytes, raw pointer
 _SEG_BYTES = 16384
 _MAX_SLOTS = (_CTRL_SIZE - 256) // 8
-_FLAG_BYTES = 256  # device words after the ring: "exposed" at +0, "released" at +128
-_F_EXPOSED, _F_RELEASED = 0, 128
+_FLAG_BYTES = 256  # device words after the ring: "released" at +128
+_F_RELEASED = 128
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 
 

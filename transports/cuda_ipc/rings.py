@@ -136,7 +136,7 @@ class CudaIpcConnection(Connection):
         self._sink_stream = 0
         self._own_stream = 0
         with on_device(device):
-            # the ring, then the window flags (see _Window) in the same allocation
+            # the ring, then the window words (see _Window) in the same allocation
             self._ring = int(rt.malloc(self.nslots * self.slot_bytes + _FLAG_BYTES))
             rt.memset(self._ring + self.nslots * self.slot_bytes, 0, _FLAG_BYTES)
             try:
@@ -146,7 +146,13 @@ class CudaIpcConnection(Connection):
                 self._ring = 0
                 raise
         _SIDE.pack_into(mm, _SIDE_OFF[self._side], os.getpid(), handle, self._ring)
-        self._win = _Window(self, mm)
+        try:
+            self._win = _Window(self, mm)
+        except BaseException:
+            with on_device(device):
+                rt.free(self._ring)
+            self._ring = 0
+            raise
         _atomic.Counter(mm, _SIDE_OFF[self._side] + 8).store(1)
         # sender state
         self._issued = 0  # slots whose copy was enqueued
@@ -317,9 +323,15 @@ class CudaIpcConnection(Connection):
                 req._done = True
 
     # ------------------------------------------------------------------ one-sided
-    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+    def expose(
+        self,
+        spans: Sequence[DeviceSpan],
+        stream: int,
+        deadline: Deadline,
+        settled: bool = False,
+    ) -> None:
         self._check_open()
-        self._win.expose(spans, stream, deadline)
+        self._win.expose(spans, stream, deadline, settled)
 
     def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
         self._check_open()
