@@ -456,11 +456,8 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
         c = hi - lo
         G.claim(s, dl, bo)
         mine = v[r]
-        if c == k:
-            mine[...] = x
-        else:
-            for b in range(n):
-                mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
+        for b in others:  # our own block is the envelope's
+            mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
         G.post(s)
         for j in others:
             G.wait((j,), s, dl, bo)
