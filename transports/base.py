@@ -575,20 +575,10 @@ class Connection(abc.ABC):
     # and writes our buffers itself, ordered by device events, and the host never
     # waits for the device.
 
-    def expose(
-        self,
-        spans: Sequence[DeviceSpan],
-        stream: int,
-        deadline: Deadline,
-        settled: bool = False,
-    ) -> None:
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         """Let the peer read and write ``spans`` once the work queued on ``stream`` is
         done.  Exposures are matched in order with the peer's :meth:`open_window`;
-        a span stays exposed until the peer's matching :meth:`release`.
-
-        ``settled``: the caller knows that no queued work writes the spans any
-        more, so the peer may use them at once; the transport may then signal
-        from the host rather than from ``stream``."""
+        a span stays exposed until the peer's matching :meth:`release`."""
         raise self._not_one_sided()
 
     def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:

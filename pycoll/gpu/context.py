@@ -414,7 +414,8 @@ class DeviceCall(Job):
     """One device collective through the device algorithms (see :mod:`pycoll.gpu.jobs`).
 
     On the caller's thread (here): the start word written on the caller's
-    stream, then the wait for the gate and the retire event on that stream (a
+    stream (none where that stream is idle and no earlier call is in flight),
+    then the wait for the gate and the retire event on that stream (a
     blocking call) or on the copy stream (``async_op``).  On the progress thread
     (the collective bodies below): pycoll's stream waits for the start word, the
     algorithm runs on it, and the gate opens after its last work.  Ungated (see
@@ -452,10 +453,14 @@ class DeviceCall(Job):
         self._backoff = backoff
         self.keep += [x.obj, None if out is None else out.obj]
         with cupy.cuda.Device(ctx.device):
-            # nothing queued before the call: the buffers are final already, and a
-            # peer may read them without waiting for this rank's stream (Windows)
-            self.settled = stream_idle(user)
-            ctx.starts().open(user, self.seq)  # pycoll's stream waits for this (_run)
+            # Nothing queued before the call, on the caller's stream or by an earlier
+            # call: pycoll's stream has nothing to wait for, and stays idle until the
+            # collective's own work (a window exposed then is signaled by the host,
+            # transports/cuda_ipc/windows.py).  Else it waits for the start word.
+            ctx.inflight.reap()
+            self.hop = bool(len(ctx.inflight)) or not stream_idle(user)
+            if self.hop:
+                ctx.starts().open(user, self.seq)
             if not self.gated:  # see _run
                 ctx.inflight.add(self)
                 return
@@ -497,7 +502,6 @@ class DeviceCall(Job):
             Deadline.after(ctx.timeout, idle=True),
             ctx.scratch(),
             ctx.shared_device,
-            self.settled,
         )
 
     def _run(self, body: Callable[[], Any]) -> Any:
@@ -505,7 +509,8 @@ class DeviceCall(Job):
         and open the gate after it (the progress thread's part)."""
         with self._cp.cuda.Device(self.ctx.device):
             s = self.ctx.stream()
-            self.ctx.starts().wait(s.ptr, self.seq)
+            if self.hop:
+                self.ctx.starts().wait(s.ptr, self.seq)
             with s:
                 result = body()
             if self.gated:

@@ -66,9 +66,6 @@ class Windows:
         deadline: when a host-side handshake gives up.
         scratch: shareable device memory for buffers that cannot be exposed as
             they are (see :class:`Scratch`).
-        settled: no queued work writes the caller's buffers any more (its stream
-            was idle at the call), so a peer may use them as soon as they are
-            exposed (see :meth:`transports.base.Connection.expose`).
     """
 
     def __init__(
@@ -80,7 +77,6 @@ class Windows:
         deadline: Deadline,
         scratch: Scratch,
         shared_device: bool = False,
-        settled: bool = False,
     ) -> None:
         import cupy
 
@@ -94,7 +90,6 @@ class Windows:
         self.deadline = deadline
         self._scratch = scratch
         self.shared_device = shared_device
-        self.settled = settled
         self._copy_back: list[tuple[int, int, int]] = []  # (dst, src, nbytes) after the end
 
     @property
@@ -109,7 +104,6 @@ class Windows:
         returns the arrays to use locally: each one itself, or, when its memory
         cannot be shared, a scratch copy that is copied back at the end."""
         spans, local = [], []
-        settled = self.settled
         for i, a in enumerate(arrays):
             ptr, n, dev = int(a.data.ptr), int(a.nbytes), int(a.device.id)
             use = a
@@ -120,11 +114,10 @@ class Windows:
                     self._copy_back.append((ptr, tmp, n))
                 ptr = tmp
                 use = self._as_array(ptr, n, a.dtype, dev)
-                settled = False  # the copy is queued
             spans.append(DeviceSpan(ptr, n, dev, self._sptr))
             local.append(use)
         for p in peers:
-            self.conns[p].expose(spans, self._sptr, self.deadline, settled=settled)
+            self.conns[p].expose(spans, self._sptr, self.deadline)
         return local
 
     def _as_array(self, ptr: int, nbytes: int, dtype: Any, device: int) -> Any:

@@ -323,15 +323,9 @@ class CudaIpcConnection(Connection):
                 req._done = True
 
     # ------------------------------------------------------------------ one-sided
-    def expose(
-        self,
-        spans: Sequence[DeviceSpan],
-        stream: int,
-        deadline: Deadline,
-        settled: bool = False,
-    ) -> None:
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         self._check_open()
-        self._win.expose(spans, stream, deadline, settled)
+        self._win.expose(spans, stream, deadline)
 
     def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
         self._check_open()

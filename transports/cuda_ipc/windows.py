@@ -65,8 +65,9 @@ class _Window:
     * "ready" (in the segment, which both sides map for their device): the
       peer's stream waits until it reaches ``k`` (``cuStreamWaitValue32``)
       before it touches exposure ``k``.  If our stream has nothing left to run
-      when we expose, the buffers are final and our host stores ``k`` at once;
-      otherwise our stream writes it after its queued work
+      when we expose (its work, and what it waited for, is done), the buffers
+      are final and our host stores ``k`` at once; otherwise our stream writes
+      it after its queued work
       (``cuStreamWriteValue32``).  The host store matters where the ranks share
       a GPU: a word that only our stream can write makes the peer's stream wait
       for a time slice of our context (on the H200 at n = 2, 2.1-2.4 ms of GPU
@@ -154,13 +155,7 @@ class _Window:
         return base
 
     # ------------------------------------------------------------------ protocol
-    def expose(
-        self,
-        spans: Sequence[DeviceSpan],
-        stream: int,
-        deadline: Deadline,
-        settled: bool = False,
-    ) -> None:
+    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         if len(spans) > _W_MAX_SPANS:
             raise ValueError(f"cuda_ipc: at most {_W_MAX_SPANS} spans per window")
         seq = self.exposed + 1
@@ -173,9 +168,9 @@ class _Window:
             _W_SPAN.pack_into(
                 self._mm, off + 8 + i * _W_SPAN.size, handle, offset, sp.nbytes, sp.ptr
             )
-        # the host may store "ready" once the buffers are final and no stream write
-        # of an older count is still queued (the word must only grow)
-        if (settled or stream_idle(stream)) and self._marked_done():
+        # an idle stream: the buffers are final, and no stream write of an older
+        # count is still queued (the word must only grow), so the host stores it
+        if stream_idle(stream) and self._marked_done():
             self._ready_me.store(seq)
             self.ready_by_host += 1
         else:
