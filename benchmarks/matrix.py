@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--warm", type=int, default=3, help="untimed calls before each block (3)")
     ap.add_argument("--transport", default=None, help="pycoll transports, e.g. shm")
+    ap.add_argument(
+        "--persistent",
+        action="store_true",
+        help="time pycoll's prepared calls (comm.prepare) against MPI's plain calls and "
+        "MPI 4's persistent ones (Allreduce_init, ...)",
+    )
     ap.add_argument("--json", default=None, help="write the matrix and every block here")
     a = ap.parse_args(argv)
     try:
@@ -173,9 +179,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     transport = "+".join(sorted({k for ks in w.allgather(kinds) for k in ks}))
     runner = Runner(args, w, comm, np)
     systems = [System("pycoll", "auto"), System("mpi")]
+    ours_label = "pycoll:auto"
+    if args.persistent:
+        systems = [
+            System("pycoll-prepared"),
+            System("pycoll", "auto"),
+            System("mpi"),
+            System("mpi-persistent"),
+        ]
+        ours_label = "pycoll-prepared"
     meta = host_meta()
     say(
-        f"# matrix: pycoll auto against MPI, n = {n}, transport {transport}, float32, "
+        f"# matrix: pycoll {'prepared calls' if args.persistent else 'auto'} against MPI"
+        f"{' (plain and persistent calls)' if args.persistent else ''}, n = {n}, "
+        f"transport {transport}, float32, "
         f"{args.rounds} rounds of one block of about {args.block_time * 1e3:g} ms per "
         "system, a new order each round"
     )
@@ -219,7 +236,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             # a cross-memory copy's rate depends on the other side's kind of page
             frac = hugepage_fraction(bufs.send, bufs.recv)
             fracs = w.allgather(frac)
-            ours, theirs = secs["pycoll:auto"], secs["mpi"]
+            ours, theirs = secs[ours_label], secs["mpi"]
+            persistent = plain = None
+            if args.persistent:
+                persistent = statistics.median(secs["mpi-persistent"]) * 1e6
+                plain = statistics.median(secs["pycoll:auto"]) * 1e6
+                runner.free_persistent()
             per_round = [m / o for m, o in zip(theirs, ours, strict=True)]
             t_ours, t_mpi = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
             ratio = t_mpi / t_ours
@@ -228,9 +250,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             p10, p90 = np.percentile(per_round, [10, 90])
             what = ", ".join(f"{a} {c}" if c else a for a, c in ran.items())
             huge = "/".join("-" if f is None else f"{f:.2f}" for f in fracs)
+            extra = (
+                ""
+                if persistent is None
+                else f"  mpi-persistent {persistent:.2f} us, pycoll plain {plain:.2f} us"
+            )
             say(
                 f" {coll:>15} {nbytes:>10} {t_ours:>11.2f} {t_mpi:>10.2f} {ratio:>7.3f} "
-                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {huge:>14}  {what}"
+                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {huge:>14}  {what}{extra}"
             )
             cells.append(
                 {
@@ -246,6 +273,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "calls": {lab: k for lab, (_, k) in calls.items()},
                     "auto_ran": ran,
                     "hugepage_frac": fracs,
+                    "mpi_persistent_us": persistent,
+                    "pycoll_plain_us": plain,
                 }
             )
             for lab, ts in secs.items():
@@ -255,7 +284,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "collective": coll,
                             "size": nbytes,
                             "nranks": n,
-                            "system": "pycoll" if lab.startswith("pycoll") else lab,
+                            "system": lab
+                            if lab.startswith("pycoll-") or not lab.startswith("pycoll")
+                            else "pycoll",
                             "round": rnd,
                             "calls": calls[lab][1],
                             "time_us": t * 1e6,
@@ -269,6 +300,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     by = {(c["collective"], c["size_asked"]): c["ratio"] for c in cells}
     for coll in args.collectives:
         say(f" {coll:>15}" + "".join(_cell(by.get((coll, s))) for s in args.sizes))
+    if args.persistent:
+        say(f"# MPI persistent time / pycoll prepared time, n = {n}")
+        byp = {
+            (c["collective"], c["size_asked"]): c["mpi_persistent_us"] / c["pycoll_us"]
+            for c in cells
+        }
+        for coll in args.collectives:
+            say(f" {coll:>15}" + "".join(_cell(byp.get((coll, s))) for s in args.sizes))
     ahead = sum(c["ratio"] > 1 for c in cells)
     say(f"# pycoll ahead in {ahead} of {len(cells)} cells")
     say(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")

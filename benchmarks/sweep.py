@@ -442,6 +442,12 @@ class Runner:
         self.dist: Any = None
         self.nccl_group: Any = None
         self.pycoll_group: Any = None  # torch.distributed over pycoll (torch-pycoll)
+        self._persistent: list[Any] = []  # MPI persistent requests, freed by free_persistent
+
+    def free_persistent(self) -> None:
+        for req in self._persistent:
+            req.Free()
+        self._persistent.clear()
 
     # ------------------------------------------------------------ pycoll
     def pycoll(self, algo: str, case: Case, bufs: Buffers) -> Prepared:
@@ -636,7 +642,53 @@ class Runner:
             return self.pycoll(system.algorithm, case, bufs)
         if system.kind == "mpi":
             return self.mpi_baseline(case, bufs)
+        if system.kind in ("pycoll-prepared", "mpi-persistent"):
+            return self.persistent(system.kind, case, bufs)
         return self.torch_baseline(system.kind, case, bufs)
+
+    # ------------------------------------------------------------ persistent calls
+    def persistent(self, kind: str, case: Case, bufs: Buffers) -> Prepared:
+        """Out-of-place calls made once and run again: pycoll's ``comm.prepare``
+        (``pycoll-prepared``) or MPI 4's persistent collectives
+        (``mpi-persistent``: ``Allreduce_init`` and the others, Start and Wait)."""
+        c, root, s, r = case.collective, case.root, bufs.send, bufs.recv
+        if case.inplace or c in EXCHANGES or self.xp is not np:
+            raise Skip("persistent calls: out of place, on host arrays, the five collectives")
+        load = _default_load(case, bufs, self.rank)
+        output = lambda: s if c == "broadcast" else r
+        if kind == "pycoll-prepared":
+            if c == "broadcast":
+                h = self.comm.prepare(c, s, root=root)
+            elif c == "allgather":
+                h = self.comm.prepare(c, s, r)
+            else:
+                h = self.comm.prepare(c, s, r, op=case.op, root=root)
+            return Prepared(h, load, output)
+        from mpi4py import MPI
+
+        if case.op != "sum":
+            raise Skip("mpi-persistent: op sum only")
+        w = self.mpi
+        try:
+            if c == "allreduce":
+                req = w.Allreduce_init(s, r, op=MPI.SUM)
+            elif c == "allgather":
+                req = w.Allgather_init(s, r)
+            elif c == "broadcast":
+                req = w.Bcast_init(s, root=root)
+            elif c == "reduce_scatter":
+                req = w.Reduce_scatter_block_init(s, r, op=MPI.SUM)
+            else:
+                req = w.Reduce_init(s, r, op=MPI.SUM, root=root)
+        except (AttributeError, NotImplementedError) as exc:
+            raise Skip(f"this MPI has no persistent collectives ({exc})") from exc
+        self._persistent.append(req)
+
+        def call() -> None:
+            req.Start()
+            req.Wait()
+
+        return Prepared(call, load, output)
 
 
 # --------------------------------------------------------------------------- timing

@@ -31,7 +31,7 @@ from pycoll.collectives import (
     SCATTER,
 )
 from pycoll.config import Config, setup_logging
-from pycoll.dispatch import Dispatch
+from pycoll.dispatch import Dispatch, Prepared
 from pycoll.engine import Engine
 from pycoll.errors import CommunicatorClosedError, InvalidArgumentError
 from pycoll.p2p import PeerCalls
@@ -41,6 +41,23 @@ from pycoll.rendezvous import Bootstrap
 from pycoll.requests import DeviceRequest, Request
 
 __all__ = ["Communicator", "DeviceRequest", "Request"]
+
+
+#: What :meth:`Communicator.prepare` makes, by name (the calls the replay cache plans)
+_PREPARABLE = {
+    c.name: c
+    for c in (
+        ALLREDUCE,
+        ALLGATHER,
+        BROADCAST,
+        REDUCE_SCATTER,
+        REDUCE,
+        ALLTOALL,
+        GATHER,
+        SCATTER,
+        BARRIER,
+    )
+}
 
 
 class Communicator:
@@ -78,6 +95,7 @@ class Communicator:
         # buffers go through pinned host memory.
         dispatch = Dispatch(eng, self._policy, self._gpu, device=root)
         self._call, self._call_v = dispatch.call, dispatch.call_v
+        self._dispatch = dispatch
         self._peers = PeerCalls(eng)
 
     # ------------------------------------------------------------------ public
@@ -231,6 +249,62 @@ class Communicator:
             The output on the root, None elsewhere (or a Request).
         """
         return self._call(REDUCE, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+
+    def prepare(
+        self,
+        collective: str,
+        sendbuf: Any = None,
+        recvbuf: Any = None,
+        *,
+        op: str | ReduceOp = "sum",
+        root: int = 0,
+        algorithm: str = "auto",
+    ) -> Prepared:
+        """A blocking call of ``collective`` on these arrays, made once and run by
+        calling it, as MPI 4's persistent collectives are (``MPI_Allreduce_init``):
+        ``h = comm.prepare("allreduce", grad)``, then ``h()`` each step does what
+        ``comm.allreduce(grad)`` does, for less time a call.  The arrays are
+        bound; their contents are read afresh each call.  The first call is an
+        ordinary one (checked then); see :class:`pycoll.dispatch.Prepared`.
+
+        Args:
+            collective: "allreduce", "allgather", "broadcast" (``sendbuf`` is
+                its buffer), "reduce_scatter", "reduce", "alltoall", "gather",
+                "scatter" or "barrier" (no arrays).
+            sendbuf, recvbuf, op, root, algorithm: as for that collective.
+
+        Raises:
+            InvalidArgumentError: an unknown collective, or ``op``, ``root`` or
+                ``recvbuf`` given to one that takes none.
+        """
+        coll = _PREPARABLE.get(collective) if isinstance(collective, str) else None
+        if coll is None:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: prepare: collective={collective!r} is not one of "
+                f"{', '.join(_PREPARABLE)}"
+            )
+        if coll is BROADCAST and recvbuf is not None:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: prepare: broadcast works in place on sendbuf; "
+                "recvbuf must be None"
+            )
+        rooted = coll in (BROADCAST, REDUCE, GATHER, SCATTER)
+        if not coll.reduces and op != "sum":
+            raise InvalidArgumentError(
+                f"rank {self.rank}: prepare: {collective} takes no op (got op={op!r})"
+            )
+        if not rooted and root != 0:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: prepare: {collective} takes no root (got root={root!r})"
+            )
+        return self._dispatch.prepare(
+            coll,
+            sendbuf,
+            recvbuf,
+            op if coll.reduces else None,
+            root,
+            "auto" if coll is BARRIER else algorithm,
+        )
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier (one step on the group

@@ -2,6 +2,7 @@
 
 1. **Fast entry.** A blocking call on arrays the replay cache knows runs its
    plan or its kind (:mod:`pycoll.plans`); the plan's key is made here once.
+   A :class:`Prepared` call holds its plan and skips even that lookup.
 2. **Slow path.** Otherwise the collective checks the call into a
    :class:`~pycoll.collectives.base.Spec` (raising before any byte moves), the
    policy picks the algorithm (:mod:`pycoll.policy`), and the call runs:
@@ -80,6 +81,12 @@ class Dispatch:
                 if kd is not None:
                     return self._replay(kd, sendbuf, recvbuf)
         return self._checked(coll, k, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+
+    def prepare(
+        self, coll: Collective, sendbuf: Any, recvbuf: Any, op: Any, root: Any, algorithm: Any
+    ) -> Prepared:
+        """A :class:`Prepared` call of ``coll`` on these arrays."""
+        return Prepared(self, coll, sendbuf, recvbuf, op, root, algorithm)
 
     def call_v(
         self,
@@ -232,3 +239,71 @@ class Dispatch:
         run = dc.runner(spec, algo)
         call = self._record(spec, algo)
         return eng.submit_device(dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj)
+
+
+class Prepared:
+    """One blocking collective call on fixed arrays, made once and run by calling
+    it, as MPI 4's persistent collectives (``MPI_Allreduce_init``) are:
+    ``h = comm.prepare("allreduce", x)`` then ``h()`` does what
+    ``comm.allreduce(x)`` does, arrays' contents read afresh each time.
+
+    The first call is an ordinary one (checked, planned); later ones run the
+    plan it left in the replay cache straight away, skipping the public method
+    and the cache lookup (:meth:`Dispatch.call`), while that plan is good: the
+    cache was not cleared since (a close or a failure clears it), no
+    asynchronous call is in flight, the arrays still look as they did, and
+    the same thread calls.  Otherwise it is an ordinary call again, which also
+    raises what such a call raises.  Calls without a plan (device buffers,
+    torch tensors beyond what plans hold, a barrier, a scatter's receiving
+    ranks) are always ordinary ones.
+    """
+
+    __slots__ = ("_args", "_dispatch", "_epoch", "_key", "_o", "_plan", "_x", "collective")
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        coll: Collective,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any,
+        root: Any,
+        algorithm: Any,
+    ) -> None:
+        self._dispatch = dispatch
+        self._args = (coll, sendbuf, recvbuf, op, root, algorithm)
+        try:  # Dispatch.call's key of the call's plan
+            self._key: tuple[Any, ...] | None = (
+                coll,
+                id(sendbuf),
+                id(recvbuf),
+                op,
+                root,
+                algorithm,
+            )
+            hash(self._key)
+        except TypeError:  # an unhashable op or algorithm: the call says why
+            self._key = None
+        self._plan: Any = None
+        self._epoch = -1
+        self._x, self._o = sendbuf, recvbuf
+        self.collective: str = coll.name
+
+    def __call__(self) -> Any:
+        d = self._dispatch
+        p = self._plan
+        if (
+            p is not None
+            and self._epoch == d.engine.plans.epoch
+            and not d._fam.inflight
+            and p.fits(self._x, self._o)
+            and get_ident() == p.tid
+        ):
+            return d._replay(p, self._x, self._o)
+        coll, x, o, op, root, algorithm = self._args
+        result = d.call(coll, x, o, op, root, algorithm, False, None)
+        k = self._key
+        if k is not None:
+            self._plan = d._plans.get(k) or d._weak.get(k)
+            self._epoch = d.engine.plans.epoch
+        return result

@@ -213,9 +213,13 @@ class Plans:
         self.steps: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._make_step = make_step
         self._seen = seen
+        #: how many times everything was forgotten: a plan held elsewhere (a
+        #: :class:`pycoll.dispatch.Prepared`) is good while this has not moved
+        self.epoch = 0
 
     def clear(self) -> None:
         """Forget everything (on close, and on a failure: steps hold views of segments)."""
+        self.epoch += 1
         self.plans.clear()
         self.weak_plans.clear()
         self.steps.clear()

@@ -559,3 +559,25 @@ def test_matrix_at_tiny_sizes(tmp_path: Path) -> None:
         # each rank's share of huge pages (None where smaps cannot tell)
         fr = c["hugepage_frac"]
         assert len(fr) == 2 and all(f is None or 0 <= f <= 1 for f in fr), fr
+
+
+@pytest.mark.timeout(120)
+def test_matrix_persistent_times_prepared_calls_against_both_mpi_forms(tmp_path: Path) -> None:
+    """``--persistent``: pycoll's prepared calls against MPI's plain and persistent
+    calls, each checked against NumPy (no wrong element), with both tables."""
+    out_json = tmp_path / "m.json"
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "matrix.py"), "--sizes", "8,1K", "--rounds", "2",
+        "--block-time", "0.002", "--collectives", "allreduce,broadcast",
+        "--persistent", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert "# MPI persistent time / pycoll prepared time" in proc.stdout, proc.stdout
+    doc = json.loads(out_json.read_text())
+    assert len(doc["matrix"]) == 4 and len(doc["records"]) == 4 * 4 * 2
+    systems = {r["system"] for r in doc["records"]}
+    assert systems == {"pycoll-prepared", "pycoll", "mpi", "mpi-persistent"}, systems
+    for c in doc["matrix"]:
+        assert c["wrong"] == 0 and c["pycoll_us"] > 0 and c["mpi_persistent_us"] > 0
+        assert c["pycoll_plain_us"] > 0
