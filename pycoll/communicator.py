@@ -43,20 +43,10 @@ from pycoll.requests import DeviceRequest, Request
 __all__ = ["Communicator", "DeviceRequest", "Request"]
 
 
-#: What :meth:`Communicator.prepare` makes, by name (the calls the replay cache plans)
+#: What :meth:`Communicator.prepare` makes, by name: every collective but the
+#: v-variants, whose counts go another way (:meth:`pycoll.dispatch.Dispatch.call_v`)
 _PREPARABLE = {
-    c.name: c
-    for c in (
-        ALLREDUCE,
-        ALLGATHER,
-        BROADCAST,
-        REDUCE_SCATTER,
-        REDUCE,
-        ALLTOALL,
-        GATHER,
-        SCATTER,
-        BARRIER,
-    )
+    name: c for name, c in COLLECTIVES.items() if c not in (ALLGATHERV, ALLTOALLV, REDUCE_SCATTERV)
 }
 
 
