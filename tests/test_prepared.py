@@ -10,6 +10,7 @@ at ``prepare``.
 
 from __future__ import annotations
 
+from _thread import get_ident
 from typing import Any
 
 import numpy as np
@@ -166,3 +167,41 @@ def test_prepare_refuses_bad_arguments() -> None:
             name = kw.pop("collective")
             with pytest.raises(pycoll.InvalidArgumentError, match=match):
                 c.prepare(name, x, **kw)
+
+
+def test_mismatched_prepared_runs_raise_and_return_nothing_wrong() -> None:
+    """Each rank holds the plans of two prepared calls (an allreduce and an
+    allgather, run by both ranks alike first); then rank 0 runs one and rank 1
+    the other, both by their held plans.  At least one raises
+    CollectiveMismatchError; a rank that returns holds what its own call means,
+    and its next collective raises."""
+    with communicators(2, timeout=6.0, check=False, tune=False) as comms:
+
+        def body(c: pycoll.Communicator) -> str:
+            r = c.rank
+            x, out = np.full(8, r + 1, np.float32), np.empty(16, np.float32)
+            pair = (c.prepare("allreduce", x, out[:8]), c.prepare("allgather", x, out))
+            for _ in range(2):  # the first run makes each plan, the second takes it
+                for h in pair:
+                    h()
+            h = pair[r]  # rank 0: the allreduce, rank 1: the allgather
+            p = h._plan
+            # this run takes the held plan (same thread, cache not cleared)
+            assert p is not None and p.tid == get_ident()
+            assert h._epoch == c._engine.plans.epoch
+            out.fill(77)  # poisoned
+            try:
+                h()
+            except pycoll.PycollError as exc:
+                return type(exc).__name__
+            want = np.full(8, 3) if r == 0 else np.repeat([1, 2], 8)
+            np.testing.assert_array_equal(out[: want.size], want)
+            try:
+                c.allreduce(np.ones(4, np.float32))
+            except pycoll.PycollError as exc:
+                return "next:" + type(exc).__name__
+            return "returned twice"
+
+        kinds = _on_all(comms, body)
+    assert "returned twice" not in kinds, kinds
+    assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
