@@ -17,6 +17,7 @@ from pycoll import algorithms
 from pycoll.algorithms import cost
 from pycoll.config import SLICED_COPY_BYTES, Config
 from pycoll.errors import InvalidArgumentError
+from pycoll.plans import make_room
 from pycoll.reduce import ReduceOp
 from pycoll.tune import Tuner, tunable
 
@@ -225,7 +226,6 @@ class Policy:
                 and not self.via_host(what, "auto", nbytes)
                 and self.device(coll, "auto", self.algorithm(what, "auto", nbytes)) == "direct"
             )
-            if len(self._early) > 4096:
-                self._early.clear()
+            make_room(self._early, 4096)
             self._early[what, nbytes] = known
         return known
