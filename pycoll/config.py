@@ -201,9 +201,11 @@ class Config:
         tune: let ``auto`` time its close contenders while it runs and keep the
             fastest, where they give identical results (``PYCOLL_TUNE``; see
             :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
-        compiled: run small direct steps through the compiled ``pycoll._step``
-            where the install built it (``PYCOLL_COMPILED``); off, or without it,
-            the same steps run in Python (docs/algorithms.md, "The compiled step").
+        compiled: run small direct steps through the compiled ``pycoll._step``,
+            and replayed small point-to-point calls over shm through
+            ``transports._ring``, where the install built them
+            (``PYCOLL_COMPILED``); off, or without them, the same steps run in
+            Python (docs/algorithms.md, "The compiled step").
 
     Every field is checked when a Config is made, so an override of
     :func:`pycoll.init` is held to the rules its environment variable is, and a

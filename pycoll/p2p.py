@@ -46,7 +46,15 @@ from pycoll.errors import CollectiveMismatchError, CollectiveTimeout, InvalidArg
 from pycoll.guard import Call
 from pycoll.plans import make_room
 from pycoll.reduce import DTYPES
-from transports.base import Backoff, Connection, Deadline, Request, idle_round, wait_all
+from transports.base import (
+    Backoff,
+    Cap,
+    Connection,
+    Deadline,
+    Request,
+    idle_round,
+    wait_all,
+)
 
 _HDR = struct.Struct("<IIqQI12x")  # magic, context, tag, count, dtype id (32 bytes)
 _MAGIC = 0x50325031  # "P2P1"
@@ -547,6 +555,14 @@ AGAIN_MAX_BYTES = 256 << 10
 AGAIN_MAX = 32
 
 
+#: A quick receive (:meth:`PeerCalls._quick`) waits this many rounds of the CPU's
+#: pause for its message before it takes the usual way, which backs off; none
+#: where ranks outnumber cores.  A ping-pong's message arrives within a call's
+#: time on the other rank (a few microseconds); 4096 rounds are about 50 us on
+#: the 2-core VM.
+QUICK_SPINS = 4096
+
+
 class _Again:
     """A validated blocking send or receive, run again on the same array, peer
     and tag without its checks, while the array keeps its shape, strides, dtype
@@ -555,14 +571,54 @@ class _Again:
     the second checked call in a row on that array makes it (:meth:`PeerCalls._remember`).
 
     A ping-pong's call costs a third as much this way (benchmarks/RESULTS.md,
-    "Point-to-point and alltoall against MPI and Gloo")."""
+    "Point-to-point and alltoall against MPI and Gloo").
 
-    __slots__ = ("a", "buf", "call", "dtype", "mv", "peer", "run", "shape", "strides")
+    An eager message to or from another rank over a connection with
+    :attr:`~transports.base.Cap.QUICK` can go quicker still (:meth:`PeerCalls._quick`):
+    ``conn`` is that connection, ``head`` the message's header (the same each
+    time), ``size`` its eager size and ``fp`` its transport tag's upper half;
+    otherwise (or with ``quick`` off: ``PYCOLL_COMPILED=0``) ``conn`` is None."""
 
-    def __init__(self, a: np.ndarray, op: Op, call: Call, run: Callable[[Op], None]) -> None:
+    __slots__ = (
+        "a",
+        "buf",
+        "call",
+        "conn",
+        "dtype",
+        "fp",
+        "head",
+        "local",
+        "mv",
+        "peer",
+        "run",
+        "shape",
+        "size",
+        "strides",
+    )
+
+    def __init__(
+        self,
+        a: np.ndarray,
+        op: Op,
+        call: Call,
+        run: Callable[[Op], None],
+        p2p: PointToPoint,
+        local: int,
+        quick: bool,
+    ) -> None:
         self.a, self.shape, self.strides, self.dtype = a, a.shape, a.strides, a.dtype
         self.buf, self.peer, self.call, self.run = op.buf, op.peer, call, run
         self.mv = op.data()
+        self.local = local  # the peer as the communicator's rank
+        self.conn: Connection | None = None
+        b, peer = op.buf, op.peer
+        if quick and peer is not None and peer != p2p.rank and b.nbytes <= EAGER_MAX:
+            conn = p2p.conns[peer]
+            if Cap.QUICK in conn.caps:
+                self.conn = conn
+                self.size = _eager_size(b.nbytes)
+                self.fp = _EAGER_FP_OF[self.size] << 32
+                self.head = _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
 
     def fits(self, a: np.ndarray, send: bool) -> bool:
         return (
@@ -638,6 +694,8 @@ class PeerCalls:
         if again_key:
             again = self._again.get((send, id(buf), peer, tag))
             if again is not None and again.fits(buf, send) and not self.engine.fam.inflight:
+                if again.conn is not None and self._quick(again, send):
+                    return None if send else buf
                 op = Op(send, self.engine.ctx, again.peer, int(tag), again.buf, self.engine.members)
                 op.mv = again.mv
                 self.engine.execute(lambda: again.run(op), again.call, 0, numbered=False)
@@ -668,11 +726,50 @@ class PeerCalls:
         if seen is not None and seen() is buf:
             del self._seen[key]
             make_room(self._again, AGAIN_MAX)
-            call = self._record(what, op.buf, self._local_peer(op))
-            self._again[key] = _Again(buf, op, call, self._alone)
+            local = self._local_peer(op)
+            call = self._record(what, op.buf, local)
+            quick = self.engine.config.compiled
+            self._again[key] = _Again(buf, op, call, self._alone, self.p2p, local, quick)
             return
         make_room(self._seen, AGAIN_MAX)
         self._seen[key] = weakref.ref(buf)
+
+    def _quick(self, a: _Again, send: bool) -> bool:
+        """Replayed call ``a`` (an eager message, see :class:`_Again`) in one
+        transport step, when nothing else is under way: no failure, nothing
+        posted or unexpected, no other thread in a call.  False: nothing
+        happened (the message did not fit the ring, or the one arriving is
+        not ``a``'s or not there yet): the caller takes the usual way, which
+        waits, backs off, matches and raises as a first call does."""
+        eng = self.engine
+        fam = eng.fam
+        p2p = self.p2p
+        if eng.closed or fam.closed or fam.failed is not None or p2p.live:
+            return False
+        if not eng.enter(False):
+            return False  # (the usual way raises ConcurrentCallError)
+        try:
+            peer = a.peer
+            assert a.conn is not None and peer is not None
+            if send:
+                n = p2p.sent.get(peer, 0)
+                if not a.conn.put_now(a.head, a.mv, a.size, a.fp | (n & _M32)):
+                    return False
+                p2p.sent[peer] = n + 1
+            else:
+                if p2p.unexpected:
+                    return False
+                n = p2p.taken.get(peer, 0)
+                spins = 0 if eng.crowded else QUICK_SPINS
+                if a.conn.take_now(a.head, a.mv, a.size, a.fp | (n & _M32), spins) <= 0:
+                    return False
+                p2p.taken[peer] = n + 1
+                self.last_source = a.local
+            t = monotonic()
+            eng.recent.append([eng.seq, a.call, t, t, "ok"])
+        finally:
+            eng.leave()
+        return True
 
     def _post(self, ops: list[Op], what: str, complete: bool = False) -> None:
         p2p = self.p2p

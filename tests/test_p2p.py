@@ -12,6 +12,7 @@ import pytest
 
 import pycoll
 from tests.inproc import communicators, run_ranks
+from transports import shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,6 +230,114 @@ def test_same_arrays_again_replay_and_still_check(transports):
             assert c.allreduce(np.ones(1))[0] == 2  # in step, and usable
 
         run_ranks(2, body)
+
+
+def _count_quick(c: pycoll.Communicator, peer: int) -> dict[str, list[object]]:
+    """Record what the connection to ``peer``'s put_now and take_now return."""
+    conn = c._peers.p2p.conns[c._peers.engine.members[peer]]
+    seen: dict[str, list[object]] = {"put": [], "take": []}
+    put, take = conn.put_now, conn.take_now
+
+    def put_now(*a: object) -> bool:
+        seen["put"].append(got := put(*a))
+        return got
+
+    def take_now(*a: object) -> int:
+        seen["take"].append(got := take(*a))
+        return got
+
+    conn.put_now, conn.take_now = put_now, take_now
+    return seen
+
+
+@pytest.mark.skipif(not shm._ring, reason="transports._ring was not built")
+def test_replayed_eager_messages_go_the_quick_way_and_fall_back_when_another_comes():
+    """On shm, a replayed blocking call of an eager message moves it in one
+    compiled step (ShmConnection.put_now, take_now): fresh data each time.  A
+    message that is not the replayed receive's (another tag, count or dtype,
+    a sub-communicator's) is left for the usual way, which matches or refuses
+    it as on a first call, and writes nothing wrong."""
+    with communicators(2, timeout=20) as comms:
+
+        def body(r: int) -> dict[str, list[object]]:
+            c = comms[r]
+            seen = _count_quick(c, 1 - r)
+            sub = c.dup()
+            x = np.empty(5, np.int16)
+            y = np.empty(5, np.int16)
+            for i in range(30):
+                x[:] = np.arange(5) + 10 * i + r
+                y[:] = -1
+                late = i % 3 == 0  # now and then the message is there before its receive
+                if r == 0:
+                    c.send(x, 1, tag=3)
+                    if i == 10:  # another tag first: unexpected, then taken by its own recv
+                        c.send(np.full(5, 77, np.int16), 1, tag=4)
+                    if i == 20:  # the same tag on a sub-communicator first
+                        sub.send(np.full(5, 55, np.int16), 1, tag=3)
+                    if late:
+                        time.sleep(0.002)
+                    c.recv(y, 1, tag=3)
+                else:
+                    if i == 11:
+                        z = np.full(5, -1, np.int16)
+                        assert (c.recv(z, 0, tag=4) == 77).all()
+                    if i == 21:
+                        z = np.full(5, -1, np.int16)
+                        assert (sub.recv(z, 0, tag=3) == 55).all()
+                    if late:
+                        time.sleep(0.002)
+                    c.recv(y, 0, tag=3)
+                    c.send(x, 0, tag=3)
+                assert (y == np.arange(5) + 10 * i + 1 - r).all(), (i, y)
+            # the replayed receive meets another count, then another dtype, under its tag
+            if r == 0:
+                c.send(np.arange(6, dtype=np.int16), 1, tag=3)
+                c.send(np.arange(5, dtype=np.uint16), 1, tag=3)
+                c.send(x, 1, tag=3)
+            else:
+                for theirs in ("6 x int16", "5 x uint16"):
+                    y[:] = -1
+                    with pytest.raises(pycoll.CollectiveMismatchError, match=theirs):
+                        c.recv(y, 0, tag=3)
+                    assert (y == -1).all()
+                c.recv(y, 0, tag=3)
+                assert (y == np.arange(5) + 290).all()
+            assert c.allreduce(np.ones(1))[0] == 2  # in step, and usable
+            sub.close()
+            return seen
+
+        seen = run_ranks(2, body)
+    for r in range(2):
+        assert seen[r]["put"].count(True) >= 25, seen[r]
+        assert seen[r]["take"].count(1) >= 1, seen[r]  # (threads: only what is there)
+    assert -1 in seen[1]["take"], seen[1]  # the other messages were left for the usual way
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_only_shm_with_the_compiled_ring_replays_the_quick_way(transports, compiled):
+    """The quick way needs a connection with Cap.QUICK (shm, transports._ring
+    built) and PYCOLL_COMPILED on; a message over 32 KiB (not eager) never takes it."""
+    with communicators(2, compiled=compiled, **_cfg(transports)) as comms:
+
+        def body(r: int) -> list[bool]:
+            c = comms[r]
+            small, big = np.full(3, r, np.int64), np.full(5000, r, np.int64)
+            for a in (small, big):
+                for _ in range(3):
+                    if r == 0:
+                        c.send(a, 1)
+                    else:
+                        c.recv(a, 0)
+                assert (a == 0).all()
+            return [
+                c._peers._again[(r == 0, id(a), 1 - r, 0)].conn is not None for a in (small, big)
+            ]
+
+        got = run_ranks(2, body)
+    quick = compiled and transports == ("shm",) and shm._ring is not None
+    assert got == [[quick, False]] * 2, got
 
 
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])

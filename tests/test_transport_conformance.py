@@ -368,3 +368,50 @@ def test_probe_with_a_receive_pending_is_none(name: str) -> None:
         wait_all([s, r], Deadline.after(30))
         assert np.array_equal(got, x)
         assert b.probe() is None
+
+
+def test_put_now_and_take_now_are_the_same_messages_as_isend_and_irecv(name: str) -> None:
+    """With Cap.QUICK, put_now's message is isend's to an irecv and the reverse;
+    take_now takes only the message it describes (size, tag, first bytes),
+    leaving any other where it was; a full ring or a queued send makes put_now
+    send nothing.  Without the cap both never move a byte."""
+    with _pair(name, slot_bytes=1 << 12, nslots=2) as (a, b):
+        head = b"HEAD" * 8
+        body = np.arange(40, dtype=np.uint8)
+        got = np.full(40, 0xA5, np.uint8)
+        if Cap.QUICK not in a.caps:
+            assert not a.put_now(head, body, 256, 1)
+            assert b.take_now(head, got, 256, 1, 100) == 0
+            assert b.probe() is None if Cap.PROBE in b.caps else True
+            return
+        assert b.take_now(head, got, 256, 1, 100) == 0  # nothing there yet
+        assert a.put_now(head, body, 256, 1)
+        whole = np.full(256, 0xA5, np.uint8)
+        wait_all([b.irecv_into(memoryview(whole), tag=1)], Deadline.after(30))
+        assert bytes(whole[:32]) == head and np.array_equal(whole[32:72], body)
+        sent = np.frombuffer(head + bytes(range(100)), np.uint8)
+        pad = np.concatenate([sent, np.zeros(256 - sent.size, np.uint8)])
+        wait_all([a.isend(memoryview(pad), tag=2)], Deadline.after(30))
+        got100 = np.full(100, 0xA5, np.uint8)
+        assert b.take_now(head, got100, 256, 2, 1000) == 1
+        assert bytes(got100) == bytes(range(100))
+        # another message is left where it is: another tag, size or head
+        assert a.put_now(b"X" * 32, body, 256, 3)
+        for h, n, t in ((head, 256, 4), (head, 512, 3), (b"Y" * 32, 256, 3)):
+            assert b.take_now(h, got, n, t, 1000) == -1
+        assert (got == 0xA5).all() and b.probe() == 3
+        assert b.take_now(b"X" * 32, got, 256, 3, 1000) == 1 and np.array_equal(got, body)
+        # a full ring (two slots) and a queued send: put_now sends nothing
+        assert a.put_now(head, body, 256, 5) and a.put_now(head, body, 256, 6)
+        assert not a.put_now(head, body, 256, 7)
+        for t in (5, 6):
+            assert b.take_now(head, got, 256, t, 1000) == 1
+        big = np.zeros(3 << 12, np.uint8)
+        req = a.isend(memoryview(big), tag=8)  # more than the ring: part of it queued
+        assert not a.put_now(head, body, 256, 9)
+        out = np.empty_like(big)
+        wait_all([req, b.irecv_into(memoryview(out), tag=8)], Deadline.after(30))
+        assert a.put_now(head, body, 256, 9) and b.take_now(head, got, 256, 9, 1000) == 1
+        with pytest.raises(ValueError):  # more bytes than the message holds
+            a.put_now(head, np.zeros(300, np.uint8), 256, 10)
+        assert b.take_now(head, got, 256, 10, 0) == 0  # (nothing was sent)

@@ -446,6 +446,9 @@ class Cap(enum.Flag):
     SAME_DEVICE = enum.auto()
     #: :meth:`Connection.probe` tells the tag of the next message without taking it.
     PROBE = enum.auto()
+    #: :meth:`Connection.put_now`/:meth:`Connection.take_now` can move a small
+    #: message in one step (on a connection without it they never do).
+    QUICK = enum.auto()
 
 
 class Connection(abc.ABC):
@@ -480,6 +483,29 @@ class Connection(abc.ABC):
         :meth:`isend`.
         """
         return self.isend(data, tag)
+
+    def put_now(self, head: Any, body: Any, nbytes: int, tag: int) -> bool:
+        """Send a small message of ``nbytes`` (the bytes of ``head``, those of
+        ``body``, then padding) at once, if this connection can without queueing
+        it: nothing is queued before it and there is room.  True: it is sent,
+        and both buffers are free again; False: nothing was sent (use
+        :meth:`isend`).  The receiver sees the message :meth:`isend` would have
+        sent.  A step for a caller's fast path, where it is cheaper than a
+        request (:attr:`Cap.QUICK`: shm's compiled ring step); this default never
+        sends.
+        """
+        return False
+
+    def take_now(self, head: Any, out: Any, nbytes: int, tag: int, spins: int) -> int:
+        """Receive the next message at once, if it is the one expected: ``nbytes``
+        in all, tagged ``tag``, its first bytes those of ``head``, no receive
+        posted before it.  Waits at most ``spins`` rounds for it to arrive.
+        1: it was taken, the bytes after ``head`` copied into ``out`` (its
+        length); 0: nothing arrived; -1: the next message is another one.  On 0
+        and -1 nothing changed: receive as usual (:meth:`probe`, :meth:`irecv`).
+        This default never takes one (0).
+        """
+        return 0
 
     @abc.abstractmethod
     def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:

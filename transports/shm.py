@@ -78,6 +78,12 @@ from transports.base import (
 
 log = logging.getLogger(__name__)
 
+_ring: Any
+try:  # the compiled ring step (transports/_ring.c), built by pip install where a C
+    from transports import _ring  # compiler is found; without it put_now and take_now
+except ImportError:  # pragma: no cover - never take the fast way (Connection's defaults)
+    _ring = None
+
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C73686D  # "pcollshm"
 _VERSION = 4
@@ -361,6 +367,19 @@ class _Direction:
         self.base = _DATA0 + d * nslots * self.stride
         self.data = np.frombuffer(mm, dtype=np.uint8)
 
+    def ring(self) -> tuple[int, ...]:
+        """The addresses and sizes :mod:`transports._ring` works on."""
+        at = self.data.__array_interface__["data"][0]
+        return (
+            at + self.base,
+            self.stride,
+            at + self.meta_off,
+            self.head.address,
+            self.tail.address,
+            self.nslots,
+            self.slot_bytes,
+        )
+
 
 class ShmConnection(Connection):
     transport = "shm"
@@ -386,6 +405,7 @@ class ShmConnection(Connection):
         self._creator = creator
         self._side = 0 if creator else 1
         self._peer_pid = peer_pid
+        self._in_process = peer_pid == os.getpid()
         _, nslots, slot_bytes = _HDR.unpack_from(mm, 8)
         out_d, in_d = (0, 1) if creator else (1, 0)
         self._out = _Direction(mm, out_d, nslots, slot_bytes)
@@ -406,6 +426,11 @@ class ShmConnection(Connection):
         self._peer_reads_us = False
         self._acks: deque[_ShmSend] = deque()
         self._temp: Any = None
+        self._ring_out: tuple[int, ...] | None = None
+        self._ring_in: tuple[int, ...] | None = None
+        if _ring is not None:
+            self._ring_out, self._ring_in = self._out.ring(), self._in.ring()
+            self.caps = ShmConnection.caps | Cap.QUICK
         # shared send buffers (send_buffer): ours, and the peer's as mapped here
         self._sbuf: Any = None
         self._sbuf_mm: mmap.mmap | None = None
@@ -472,6 +497,29 @@ class ShmConnection(Connection):
         self._mm[start : start + n] = piece
         _META.pack_into(self._mm, out.meta_off + _META.size * slot, n, o, 0, tag)
         out.head.store(head + 1)  # release: the slot and its metadata are written
+
+    def put_now(self, head: Any, body: Any, nbytes: int, tag: int) -> bool:
+        """:meth:`Connection.put_now`: into the next free slot, with nothing queued,
+        in one compiled step (what :meth:`_put_small` does for one buffer)."""
+        if self._closed or self._sends or self._ring_out is None:
+            return False  # (closed: the usual send raises)
+        if _ring.put(self._ring_out, self._sent, head, body, nbytes, tag):
+            self._sent += 1
+            return True
+        return False
+
+    def take_now(self, head: Any, out: Any, nbytes: int, tag: int, spins: int) -> int:
+        """:meth:`Connection.take_now`: the oldest unread slot, with no receive
+        queued, in one compiled step (what :meth:`_take_small` does, with its
+        head compared)."""
+        if self._closed or self._recvs or self._ring_in is None:
+            return 0
+        if self._in_process:  # ranks as threads: the peer cannot store while take
+            spins = 0  # holds the GIL
+        got: int = _ring.take(self._ring_in, self._recvd, head, out, nbytes, tag, spins)
+        if got > 0:
+            self._recvd += 1
+        return got
 
     def irecv(self, nbytes: int, sink: Sink, tag: int = 0) -> Request:
         return self._irecv(nbytes, sink, None, tag)

@@ -220,6 +220,50 @@ def test_point_to_point(comms):
     c.barrier()
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.complex128], ids=str)
+def test_replayed_ping_pong_between_processes(comms, dtype):
+    """Blocking calls replayed on the same arrays (shm: the compiled ring step,
+    ShmConnection.put_now and take_now, with a spin between processes): pairs
+    of ranks ping-pong fresh random data of 1 element to a whole eager message,
+    then the receiving rank gets another tag first, and a message of another
+    count, which it refuses having written nothing."""
+    c = comms[0]
+    p = RANK ^ 1
+    if p >= SIZE:
+        c.barrier()
+        return
+    dt = np.dtype(dtype)
+    for count in (1, 13, (32768 - 32) // dt.itemsize):
+        x = np.empty(count, dt)
+        y = np.empty(count, dt)
+        for i in range(50):
+            x[:] = data(RANK, count, dt, "sum", i)
+            poison(y)
+            if RANK < p:
+                c.send(x, p, tag=count)
+                c.recv(y, p, tag=count)
+            else:
+                c.recv(y, p, tag=count)
+                c.send(x, p, tag=count)
+            np.testing.assert_array_equal(y, data(p, count, dt, "sum", i), err_msg=f"{i=}")
+        if RANK < p:
+            c.send(np.full(count, 1, dt), p, tag=99)
+            c.send(x, p, tag=count)
+            c.send(np.zeros(count + 1, dt), p, tag=count)
+        else:
+            poison(y)
+            c.recv(y, p, tag=count)  # the tag-99 message waits, unexpected
+            np.testing.assert_array_equal(y, data(p, count, dt, "sum", 49))
+            z = np.empty(count, dt)
+            assert (c.recv(z, p, tag=99) == 1).all()
+            poison(y)
+            before = y.copy()
+            with pytest.raises(pycoll.CollectiveMismatchError, match=f"{count + 1} x"):
+                c.recv(y, p, tag=count)
+            np.testing.assert_array_equal(y.view(np.uint8), before.view(np.uint8))
+    c.barrier()
+
+
 def test_collectives_complete_earlier_point_to_point(comms):
     """A pending irecv completes before the next collective starts, as in NCCL."""
     c = comms[0]

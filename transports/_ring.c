@@ -1,0 +1,191 @@
+/* transports._ring: a small message into and out of a shared-memory ring, compiled.
+
+   transports/shm.py keeps a ring of slots per direction of a pair (its module
+   docstring gives the layout and the protocol: the sender owns head, the
+   receiver owns tail, each slot has four words of metadata).  A blocking
+   point-to-point call of a few bytes spends most of its time in Python
+   putting one message into a slot or taking one out; these two functions do
+   that whole step in one call (ShmConnection.put_now and take_now, the only
+   callers, pass the addresses of the segment they map).  Everything else
+   (queued messages, large ones, descriptors, mismatches, waits that back off,
+   timeouts, a peer that died) stays in Python: a function here that cannot
+   finish its step leaves the ring untouched and says so.  Each holds the GIL
+   throughout (take's spin is bounded), so no other thread can close and unmap
+   the segment while one runs.
+
+   put(ring, sent, head, body, nbytes, tag) -> bool
+       ring: (base, stride, meta, head_addr, tail_addr, nslots, slot_bytes) of
+       the outbound direction; sent: the messages published so far (the
+       sender's copy of head).  When slot sent % nslots is free: copy the
+       bytes of head and then of body into it (nbytes in all, the rest
+       padding left as it is), write its metadata (nbytes, offset 0, no
+       descriptor, tag), store head = sent + 1 (release) and return True.
+       False: the ring is full, or nbytes does not fit a slot.
+
+   take(ring, recvd, head, out, nbytes, tag, spins) -> int
+       ring: the inbound direction, as above; recvd: the messages taken so far.
+       Wait at most spins rounds for message recvd (acquire load of head).  If
+       it is a single slot of nbytes at offset 0, tagged tag, whose first bytes
+       equal those of head: copy the len(out) bytes after them into out,
+       store tail = recvd + 1 (release) and return 1.  0: nothing arrived;
+       -1: the next message is another one (left where it is).
+*/
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RELAX() __builtin_ia32_pause()
+#else
+#define RELAX() ((void)0)
+#endif
+
+typedef struct {
+    char *base;
+    unsigned long long stride, nslots, slot_bytes;
+    uint64_t *meta, *head, *tail;
+} ring_t;
+
+static int
+ring_of(PyObject *t, ring_t *r)
+{
+    unsigned long long v[7];
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7) {
+        PyErr_SetString(PyExc_TypeError, "ring must be a tuple of 7 integers");
+        return -1;
+    }
+    for (int k = 0; k < 7; k++) {
+        v[k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, k));
+        if (v[k] == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+    }
+    r->base = (char *)(uintptr_t)v[0];
+    r->stride = v[1];
+    r->meta = (uint64_t *)(uintptr_t)v[2];
+    r->head = (uint64_t *)(uintptr_t)v[3];
+    r->tail = (uint64_t *)(uintptr_t)v[4];
+    r->nslots = v[5];
+    r->slot_bytes = v[6];
+    if (r->nslots == 0) {
+        PyErr_SetString(PyExc_ValueError, "ring has no slots");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ring_t r;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "put takes 6 arguments");
+        return NULL;
+    }
+    if (ring_of(args[0], &r))
+        return NULL;
+    unsigned long long sent = PyLong_AsUnsignedLongLong(args[1]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    unsigned long long tag = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (nbytes <= 0 || (unsigned long long)nbytes > r.slot_bytes ||
+        sent - __atomic_load_n(r.tail, __ATOMIC_ACQUIRE) >= r.nslots)
+        Py_RETURN_FALSE;
+    Py_buffer h, b;
+    if (PyObject_GetBuffer(args[2], &h, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[3], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&h);
+        return NULL;
+    }
+    if (h.len + b.len > nbytes) {
+        PyBuffer_Release(&h);
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "put: %zd + %zd bytes for a %zd-byte message", h.len,
+                     b.len, nbytes);
+        return NULL;
+    }
+    unsigned long long slot = sent % r.nslots;
+    char *dst = r.base + slot * r.stride;
+    memcpy(dst, h.buf, (size_t)h.len);
+    memcpy(dst + h.len, b.buf, (size_t)b.len);
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&b);
+    uint64_t *m = r.meta + 4 * slot;
+    m[0] = (uint64_t)nbytes;
+    m[1] = 0;
+    m[2] = 0;
+    m[3] = (uint64_t)tag;
+    __atomic_store_n(r.head, (uint64_t)(sent + 1), __ATOMIC_RELEASE);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ring_t r;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "take takes 7 arguments");
+        return NULL;
+    }
+    if (ring_of(args[0], &r))
+        return NULL;
+    unsigned long long recvd = PyLong_AsUnsignedLongLong(args[1]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    unsigned long long tag = PyLong_AsUnsignedLongLong(args[5]);
+    long spins = PyLong_AsLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    while (__atomic_load_n(r.head, __ATOMIC_ACQUIRE) <= recvd) {
+        if (spins-- <= 0)
+            return PyLong_FromLong(0);
+        RELAX();
+    }
+    unsigned long long slot = recvd % r.nslots;
+    const uint64_t *m = r.meta + 4 * slot;
+    if (m[0] != (uint64_t)nbytes || m[1] != 0 || m[2] != 0 || m[3] != (uint64_t)tag)
+        return PyLong_FromLong(-1);
+    Py_buffer h, o;
+    if (PyObject_GetBuffer(args[2], &h, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[3], &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&h);
+        return NULL;
+    }
+    long got = -1;
+    const char *src = r.base + slot * r.stride;
+    if (h.len + o.len > nbytes) {
+        PyErr_Format(PyExc_ValueError, "take: %zd + %zd bytes from a %zd-byte message", h.len,
+                     o.len, nbytes);
+        got = -2;
+    } else if (memcmp(src, h.buf, (size_t)h.len) == 0) {
+        memcpy(o.buf, src + h.len, (size_t)o.len);
+        __atomic_store_n(r.tail, (uint64_t)(recvd + 1), __ATOMIC_RELEASE);
+        got = 1;
+    }
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&o);
+    return got == -2 ? NULL : PyLong_FromLong(got);
+}
+
+static PyMethodDef methods[] = {
+    {"put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
+     "Put a small message into the next free slot of a ring; False: none free."},
+    {"take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
+     "Take the next message of a ring if it is the one expected (1), else 0 or -1."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "transports._ring",
+    "A small message into and out of a shared-memory ring, compiled (see _ring.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__ring(void)
+{
+    return PyModule_Create(&module);
+}

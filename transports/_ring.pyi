@@ -1,0 +1,6 @@
+from typing import Any
+
+def put(ring: tuple[int, ...], sent: int, head: Any, body: Any, nbytes: int, tag: int) -> bool: ...
+def take(
+    ring: tuple[int, ...], recvd: int, head: Any, out: Any, nbytes: int, tag: int, spins: int
+) -> int: ...
