@@ -415,3 +415,104 @@ def test_put_now_and_take_now_are_the_same_messages_as_isend_and_irecv(name: str
         with pytest.raises(ValueError):  # more bytes than the message holds
             a.put_now(head, np.zeros(300, np.uint8), 256, 10)
         assert b.take_now(head, got, 256, 10, 0) == 0  # (nothing was sent)
+
+
+def _helps(name: str, a: Connection, b: Connection) -> None:
+    """Skip unless ``a`` copies large messages from both ends (shm with
+    cross-memory copies and the compiled claim); then one receive each way, at
+    which each side finds it can read the other's memory."""
+    if name != "shm" or not getattr(a, "_helps", False):
+        pytest.skip(
+            "copies from both ends are shm's, with cross-memory copies and transports._ring"
+        )
+    some = np.ones(1 << 16, np.uint8)  # (beyond the small messages' short way)
+    _exchange(a, b, some, some)
+
+
+def test_large_messages_read_in_place_are_copied_from_both_ends(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back-to-back messages of isend_copied read in place, of odd sizes from
+    1 MiB: each arrives whole, the sender writing some pieces and the receiver
+    reading the others (here the sender progresses while the receiver reads
+    its first piece of each, and takes every piece left); a sender that never
+    progresses leaves them all to the receiver, which completes alone; isend's
+    messages are the receiver's to copy alone."""
+    from transports import _cma, shm
+
+    writes: list[int] = []
+    reads: list[int] = []
+    write, read = _cma.write, _cma.read
+    with _pair(name, slot_bytes=1 << 16, nslots=4) as (a, b):
+        _helps(name, a, b)
+
+        def counted_write(pid: int, remote: int, local: int, nbytes: int) -> None:
+            writes.append(nbytes)
+            write(pid, remote, local, nbytes)
+
+        def counted_read(pid: int, remote: int, local: int, nbytes: int) -> None:
+            reads.append(nbytes)
+            read(pid, remote, local, nbytes)
+            if sender_helps and b._recvs and b._recvs[0].help:  # type: ignore[attr-defined]
+                a._progress_sends()  # type: ignore[attr-defined]
+
+        monkeypatch.setattr(_cma, "write", counted_write)
+        monkeypatch.setattr(_cma, "read", counted_read)
+        rng = np.random.default_rng(5)
+        sender_helps = True
+        monkeypatch.setattr(shm, "COPIED_CMA_MIN_BYTES", shm.HELP_MIN_BYTES)
+        sizes = [shm.HELP_MIN_BYTES, (3 << 20) + 7, (5 << 20) + 4093, (1 << 20) + 1]
+        msgs = [rng.integers(0, 256, k, dtype=np.uint8) for k in sizes]
+        outs = [np.zeros_like(m) for m in msgs]
+        sends = [a.isend_copied(memoryview(m), tag=i) for i, m in enumerate(msgs)]
+        recvs = [b.irecv_into(memoryview(o), tag=i) for i, o in enumerate(outs)]
+        wait_all(recvs + sends, Deadline.after(30))
+        for m, o in zip(msgs, outs, strict=True):
+            assert np.array_equal(m, o)
+        assert len(reads) == len(sizes)  # one piece each, the sender wrote the rest
+        assert sum(reads) + sum(writes) == sum(sizes)
+        writes.clear()
+        reads.clear()
+        sender_helps = False
+        x = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+        out = np.zeros_like(x)
+        send = a.isend_copied(memoryview(x), tag=9)
+        assert not send.test()  # the descriptor is out; the sender now stays away
+        wait_all([b.irecv_into(memoryview(out), tag=9)], Deadline.after(30))
+        assert np.array_equal(out, x) and not writes and sum(reads) == x.size
+        wait_all([send], Deadline.after(30))
+        reads.clear()
+        sender_helps = True
+        wait_all([a.isend(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30))
+        assert np.array_equal(out, x) and not writes and reads == [x.size]
+
+
+def test_a_copy_from_both_ends_whose_sender_closes_with_a_piece_taken_raises(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender took a piece and closed without writing it: the receive
+    raises PeerClosedError rather than wait for it or end as if whole."""
+    from transports import _cma, _ring, shm
+
+    with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
+        _helps(name, a, b)
+        x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
+        send = a.isend_copied(memoryview(x))
+        assert not send.test()
+        read = _cma.read
+
+        def first_read(*args: int) -> None:  # the receiver's first piece: the sender
+            if args[3] < shm.HELP_PIECE:  # (the probe of cross-memory reads)
+                return read(*args)
+            monkeypatch.setattr(_cma, "read", read)  # takes the next, then closes
+            ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+            assert _ring.claim(a._help_out[0].address, ident, 8) == 1  # type: ignore[attr-defined]
+            a.close()
+            return read(*args)
+
+        monkeypatch.setattr(_cma, "read", first_read)
+        out = np.zeros_like(x)
+        recv = b.irecv_into(memoryview(out))
+        with pytest.raises(PeerClosedError):
+            wait_all([recv], Deadline.after(10))
+        assert recv.help is not None  # type: ignore[attr-defined]  # waited for piece 1

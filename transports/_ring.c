@@ -1,4 +1,5 @@
-/* transports._ring: a small message into and out of a shared-memory ring, compiled.
+/* transports._ring: a small message into and out of a shared-memory ring, compiled;
+   and the two atomic steps of a large message copied from both ends at once.
 
    transports/shm.py keeps a ring of slots per direction of a pair (its module
    docstring gives the layout and the protocol: the sender owns head, the
@@ -29,6 +30,16 @@
        equal those of head: copy the len(out) bytes after them into out,
        store tail = recvd + 1 (release) and return 1.  0: nothing arrived;
        -1: the next message is another one (left where it is).
+
+   claim(addr, id, count) -> int
+       The 64-bit word at addr holds a shared copy's id (upper 32 bits) and
+       the index of its next unclaimed piece (lower 32).  If the id is id's
+       lower 32 bits and an index below count is left, take it (a
+       compare-and-swap, so two processes never take the same piece) and
+       return it; else -1 (another copy's word, or every piece taken).
+
+   add(addr, value) -> int
+       Atomically add value to the 64-bit word at addr; the new value.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -170,11 +181,52 @@ ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return got == -2 ? NULL : PyLong_FromLong(got);
 }
 
+static PyObject *
+ring_claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "claim takes 3 arguments");
+        return NULL;
+    }
+    unsigned long long at = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long id = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long count = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t *w = (uint64_t *)(uintptr_t)at;
+    uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((v >> 32) != (id & 0xFFFFFFFFu) || (v & 0xFFFFFFFFu) >= count)
+            return PyLong_FromLong(-1);
+        if (__atomic_compare_exchange_n(w, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return PyLong_FromUnsignedLongLong(v & 0xFFFFFFFFu);
+    }
+}
+
+static PyObject *
+ring_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add takes 2 arguments");
+        return NULL;
+    }
+    unsigned long long at = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t got = __atomic_add_fetch((uint64_t *)(uintptr_t)at, (uint64_t)v, __ATOMIC_ACQ_REL);
+    return PyLong_FromUnsignedLongLong(got);
+}
+
 static PyMethodDef methods[] = {
     {"put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "Put a small message into the next free slot of a ring; False: none free."},
     {"take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
      "Take the next message of a ring if it is the one expected (1), else 0 or -1."},
+    {"claim", (PyCFunction)(void (*)(void))ring_claim, METH_FASTCALL,
+     "Claim the next piece of a shared copy (its index), or -1."},
+    {"add", (PyCFunction)(void (*)(void))ring_add, METH_FASTCALL,
+     "Atomically add to a 64-bit word; the new value."},
     {NULL, NULL, 0, NULL},
 };
 
