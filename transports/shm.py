@@ -120,11 +120,13 @@ _HELP_OFF = (1536, 1792)
 #: by cross-memory copy), each taking the next piece not yet taken.  A 4 MiB
 #: point-to-point message on huge pages took 285-610 us a way from one end and
 #: 221-335 from both (MPI: 240-532, in the same runs; 16 MiB: 1029-1723, 851-1289
-#: and 861-1477).  Collectives' messages (``isend``) do not: a rank that sends
+#: and 861-1477).  Pieces of 1 MiB: 4 MiB on 2 MiB-aligned huge pages took 256 us
+#: a way in 1 MiB pieces, 268 in 512 KiB, 297 in 256 KiB, 279 in 2 MiB (16 MiB:
+#: 1114, 1188, 1283, 1072).  Collectives' messages (``isend``) do not: a rank that sends
 #: in a ring also receives, and at n = 4 on two cores a ring allgather of 8 MiB
 #: took 7.8 ms so, instead of 6.8.
 HELP_MIN_BYTES = 1 << 20
-HELP_PIECE = 256 << 10
+HELP_PIECE = 1 << 20
 _M32 = 0xFFFFFFFF
 # piece length, offset within the slot, (for a direct-read descriptor) the
 # address of the bytes in the sender's memory, else 0, and the message's tag
