@@ -9,6 +9,7 @@ Zero counts appear in every v-variant.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -261,6 +262,51 @@ def test_replayed_ping_pong_between_processes(comms, dtype):
             with pytest.raises(pycoll.CollectiveMismatchError, match=f"{count + 1} x"):
                 c.recv(y, p, tag=count)
             np.testing.assert_array_equal(y.view(np.uint8), before.view(np.uint8))
+    c.barrier()
+
+
+def test_large_messages_between_processes(comms):
+    """Point-to-point messages of 4-9 MiB (shm: read in place and copied from
+    both ends, the sender writing pieces into the receiver's buffer) between
+    pairs of processes: ping-pong, both ways at once in a group, a send whose
+    receive is posted late and one whose sender does other work first; fresh
+    data each time, poisoned outputs."""
+    c = comms[0]
+    p = RANK ^ 1
+    if p >= SIZE:
+        c.barrier()
+        return
+    for i, count in enumerate(((1 << 20) + 3, (9 << 18) + 1, 2 << 20)):
+        mine = data(RANK, count, np.dtype(np.float32), "sum", i)
+        theirs = data(p, count, np.dtype(np.float32), "sum", i)
+        got = poison(np.empty(count, np.float32))
+        for _ in range(3):  # ping-pong (replayed blocking calls after the first)
+            poison(got)
+            if RANK < p:
+                c.send(mine, p, tag=i)
+                c.recv(got, p, tag=i)
+            else:
+                c.recv(got, p, tag=i)
+                c.send(mine, p, tag=i)
+            np.testing.assert_array_equal(got, theirs)
+        poison(got)
+        with c.group():  # both ways at once
+            c.send(mine, p, tag=i)
+            c.recv(got, p, tag=i)
+        np.testing.assert_array_equal(got, theirs)
+        poison(got)
+        if RANK < p:  # the receive is posted late; then the sender is away a while
+            c.send(mine, p, tag=i)
+            req = c.send(mine, p, tag=i + 100, async_op=True)
+            time.sleep(0.01)
+            assert req.wait(60) is None
+        else:
+            time.sleep(0.01)
+            c.recv(got, p, tag=i)
+            np.testing.assert_array_equal(got, theirs)
+            poison(got)
+            c.recv(got, p, tag=i + 100)
+            np.testing.assert_array_equal(got, theirs)
     c.barrier()
 
 
