@@ -90,6 +90,29 @@ def test_killed_rank_is_reported_fast(tmp_path, transport):
     assert any(res[r]["peer"] == 1 for r in (0, 2)), res
 
 
+@pytest.mark.timeout(180)
+def test_killed_rank_mid_point_to_point_is_reported_fast_and_nothing_wrong_lands(tmp_path):
+    """Rank 1 dies while the two ping-pong 8 MiB messages (shm copies them from
+    both ends): rank 0 raises PeerAbortedError within seconds, and every
+    message it received before was whole."""
+    res: dict[int, dict] = {}
+    for attempt in range(4):  # (hydra now and then takes the survivor down too)
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        try:
+            res = run("kill-p2p", 2, d, SCENARIO_VICTIM="1")
+        except AssertionError:
+            continue
+        if 0 in res:
+            break
+    assert 1 not in res, "the victim survived"
+    o = res[0]
+    assert o["error"] == "PeerAbortedError", o
+    assert o["elapsed"] < 15, o
+    assert o["wrong"] == 0 and o["right"] > 0, o
+    assert_clean(o)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 @pytest.mark.parametrize("transport", ["shm", "direct", "rdma"])  # rdma: the soft provider

@@ -122,6 +122,45 @@ def kill(transport: str, algorithm: str = "auto") -> None:
     os._exit(0)  # a dead rank would make MPI_Finalize wait
 
 
+def kill_p2p() -> None:
+    """Two ranks ping-pong 8 MiB messages over shm (read in place, copied from
+    both ends: the sender writes pieces into the receiver's buffer) until the
+    victim dies; every message the survivor got before is checked."""
+    before = fds()
+    comm = pycoll.init(timeout=60, transports=("shm",))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    x = np.full(2 << 20, RANK + 1, np.float32)
+    got = np.empty_like(x)
+    peer = 1 - RANK
+    WORLD.Barrier()
+    if RANK == VICTIM:
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    err = None
+    wrong = right = 0
+    try:
+        for _ in range(100000):
+            got[:] = 0
+            if RANK == 0:
+                comm.send(x, peer)
+                comm.recv(got, peer)
+            else:
+                comm.recv(got, peer)
+                comm.send(x, peer)
+            if (got == peer + 1).all():
+                right += 1
+            else:
+                wrong += 1
+    except pycoll.PycollError as exc:
+        err = exc
+    res = outcome(err, start)
+    res.update(wrong=wrong, right=right)
+    comm.close()
+    res.update(leaks(before))
+    report(**res)
+    os._exit(0)
+
+
 def exit_early(transport: str, algorithm: str, how: str) -> None:
     """Rank 1 leaves mid-job without close() (an exception or sys.exit); the others,
     blocked in a collective with it, must hear of it at once, not after the timeout."""
@@ -335,6 +374,7 @@ def progress(transport: str, mib: int) -> None:
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
     "kill-rdma": lambda: kill("rdma", "ring"),
+    "kill-p2p": kill_p2p,
     "exit-shm-raise": lambda: exit_early("shm", "ring", "raise"),
     "exit-shm-exit": lambda: exit_early("shm", "ring", "exit"),
     "exit-direct-raise": lambda: exit_early("shm", "direct", "raise"),
