@@ -506,7 +506,7 @@ def test_a_copy_from_both_ends_whose_sender_closes_with_a_piece_taken_raises(
                 return read(*args)
             monkeypatch.setattr(_cma, "read", read)  # takes the next, then closes
             ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
-            assert _ring.claim(a._help_out[0].address, ident, 8) == 1  # type: ignore[attr-defined]
+            assert _ring.claim(a._mm, a._help_at[1], ident, 8) == 1  # type: ignore[attr-defined]
             a.close()
             return read(*args)
 
@@ -516,3 +516,41 @@ def test_a_copy_from_both_ends_whose_sender_closes_with_a_piece_taken_raises(
         with pytest.raises(PeerClosedError):
             wait_all([recv], Deadline.after(10))
         assert recv.help is not None  # type: ignore[attr-defined]  # waited for piece 1
+
+
+def test_a_receiver_that_closes_mid_copy_takes_the_pieces_left_and_keeps_its_buffer(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receive whose connection closes during a copy from both ends takes
+    every piece not yet taken (the sender can write no more), waits a while
+    for the one the sender holds, and then keeps the buffer for good rather
+    than let that piece land in reused memory."""
+    from transports import _cma, _ring, shm
+
+    monkeypatch.setattr(shm, "HELP_CLOSE_SECONDS", 0.2)
+    monkeypatch.setattr(shm, "_KEPT", [])
+    with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
+        _helps(name, a, b)
+        x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
+        send = a.isend_copied(memoryview(x))
+        assert not send.test()
+        ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+        read = _cma.read
+
+        def first_read(*args: int) -> None:  # the sender takes piece 1 and never writes it
+            if args[3] >= shm.HELP_PIECE:
+                monkeypatch.setattr(_cma, "read", read)
+                assert _ring.claim(a._mm, a._help_at[1], ident, 4) == 1  # type: ignore[attr-defined]
+                raise OSError(5, "stop here")  # (the receive fails with piece 0 taken)
+            return read(*args)
+
+        monkeypatch.setattr(_cma, "read", first_read)
+        out = np.zeros_like(x)
+        recv = b.irecv_into(memoryview(out))
+        with pytest.raises(TransportError):
+            wait_all([recv], Deadline.after(10))
+        start = time.monotonic()
+        b.close()
+        assert 0.15 < time.monotonic() - start < 5
+        assert len(shm._KEPT) == 1 and np.shares_memory(shm._KEPT[0], out)
+        assert _ring.claim(a._mm, a._help_at[1], ident, 4) == -1  # nothing left to take

@@ -7,16 +7,20 @@
    point-to-point call of a few bytes spends most of its time in Python
    putting one message into a slot or taking one out; these two functions do
    that whole step in one call (ShmConnection.put_now and take_now, the only
-   callers, pass the addresses of the segment they map).  Everything else
+   callers, pass the segment they map).  Everything else
    (queued messages, large ones, descriptors, mismatches, waits that back off,
    timeouts, a peer that died) stays in Python: a function here that cannot
    finish its step leaves the ring untouched and says so.  Each holds the GIL
-   throughout (take's spin is bounded), so no other thread can close and unmap
-   the segment while one runs.
+   throughout (take's spin is bounded) and the mapping's export, so no other
+   thread can close and unmap the segment while one runs.
+
+   Every function takes the segment's mapping (an mmap) and offsets into it,
+   and exports the mapping while it runs: a mapping already closed raises
+   ValueError and nothing is touched.
 
    put(ring, sent, head, body, nbytes, tag) -> bool
-       ring: (base, stride, meta, head_addr, tail_addr, nslots, slot_bytes) of
-       the outbound direction; sent: the messages published so far (the
+       ring: (mapping, base, stride, meta, head_word, tail_word, nslots,
+       slot_bytes), offsets into the mapping, of the outbound direction; sent: the messages published so far (the
        sender's copy of head).  When slot sent % nslots is free: copy the
        bytes of head and then of body into it (nbytes in all, the rest
        padding left as it is), write its metadata (nbytes, offset 0, no
@@ -31,15 +35,15 @@
        store tail = recvd + 1 (release) and return 1.  0: nothing arrived;
        -1: the next message is another one (left where it is).
 
-   claim(addr, id, count) -> int
-       The 64-bit word at addr holds a shared copy's id (upper 32 bits) and
+   claim(mapping, offset, id, count) -> int
+       The 64-bit word at offset holds a shared copy's id (upper 32 bits) and
        the index of its next unclaimed piece (lower 32).  If the id is id's
        lower 32 bits and an index below count is left, take it (a
        compare-and-swap, so two processes never take the same piece) and
        return it; else -1 (another copy's word, or every piece taken).
 
-   add(addr, value) -> int
-       Atomically add value to the 64-bit word at addr; the new value.
+   add(mapping, offset, value) -> int
+       Atomically add value to the 64-bit word at offset; the new value.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -54,35 +58,68 @@
 #endif
 
 typedef struct {
+    Py_buffer seg; /* the mapping, exported while a function runs */
     char *base;
     unsigned long long stride, nslots, slot_bytes;
     uint64_t *meta, *head, *tail;
 } ring_t;
 
+/* The address of the 64-bit word at offset off of the exported mapping seg, or
+   NULL with an exception set when it lies outside it. */
+static uint64_t *
+word_at(Py_buffer *seg, PyObject *off_obj)
+{
+    unsigned long long off = PyLong_AsUnsignedLongLong(off_obj);
+    if (off == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (off % 8 || off + 8 > (unsigned long long)seg->len) {
+        PyErr_Format(PyExc_ValueError, "offset %llu is not a word of the mapping", off);
+        return NULL;
+    }
+    return (uint64_t *)((char *)seg->buf + off);
+}
+
+/* Export the mapping (a closed one raises ValueError: nothing is touched) */
+static int
+export(PyObject *mm, Py_buffer *seg)
+{
+    return PyObject_GetBuffer(mm, seg, PyBUF_WRITABLE);
+}
+
 static int
 ring_of(PyObject *t, ring_t *r)
 {
     unsigned long long v[7];
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7) {
-        PyErr_SetString(PyExc_TypeError, "ring must be a tuple of 7 integers");
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
+        PyErr_SetString(PyExc_TypeError, "ring must be (mapping, 7 integers)");
         return -1;
     }
     for (int k = 0; k < 7; k++) {
-        v[k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, k));
+        v[k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, k + 1));
         if (v[k] == (unsigned long long)-1 && PyErr_Occurred())
             return -1;
     }
-    r->base = (char *)(uintptr_t)v[0];
     r->stride = v[1];
-    r->meta = (uint64_t *)(uintptr_t)v[2];
-    r->head = (uint64_t *)(uintptr_t)v[3];
-    r->tail = (uint64_t *)(uintptr_t)v[4];
     r->nslots = v[5];
     r->slot_bytes = v[6];
     if (r->nslots == 0) {
         PyErr_SetString(PyExc_ValueError, "ring has no slots");
         return -1;
     }
+    if (export(PyTuple_GET_ITEM(t, 0), &r->seg) < 0)
+        return -1;
+    unsigned long long len = (unsigned long long)r->seg.len;
+    if (v[0] + r->nslots * r->stride > len || r->slot_bytes > r->stride ||
+        v[2] + 32 * r->nslots > len || v[3] + 8 > len || v[4] + 8 > len) {
+        PyBuffer_Release(&r->seg);
+        PyErr_SetString(PyExc_ValueError, "ring lies outside its mapping");
+        return -1;
+    }
+    char *at = (char *)r->seg.buf;
+    r->base = at + v[0];
+    r->meta = (uint64_t *)(at + v[2]);
+    r->head = (uint64_t *)(at + v[3]);
+    r->tail = (uint64_t *)(at + v[4]);
     return 0;
 }
 
@@ -94,43 +131,50 @@ ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put takes 6 arguments");
         return NULL;
     }
-    if (ring_of(args[0], &r))
-        return NULL;
     unsigned long long sent = PyLong_AsUnsignedLongLong(args[1]);
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
     unsigned long long tag = PyLong_AsUnsignedLongLong(args[5]);
     if (PyErr_Occurred())
         return NULL;
-    if (nbytes <= 0 || (unsigned long long)nbytes > r.slot_bytes ||
-        sent - __atomic_load_n(r.tail, __ATOMIC_ACQUIRE) >= r.nslots)
-        Py_RETURN_FALSE;
-    Py_buffer h, b;
-    if (PyObject_GetBuffer(args[2], &h, PyBUF_C_CONTIGUOUS) < 0)
+    if (ring_of(args[0], &r))
         return NULL;
-    if (PyObject_GetBuffer(args[3], &b, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&h);
-        return NULL;
-    }
-    if (h.len + b.len > nbytes) {
+    PyObject *ok = Py_False;
+    if (nbytes > 0 && (unsigned long long)nbytes <= r.slot_bytes &&
+        sent - __atomic_load_n(r.tail, __ATOMIC_ACQUIRE) < r.nslots) {
+        Py_buffer h, b;
+        if (PyObject_GetBuffer(args[2], &h, PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+        if (PyObject_GetBuffer(args[3], &b, PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&h);
+            goto fail;
+        }
+        if (h.len + b.len > nbytes) {
+            PyErr_Format(PyExc_ValueError, "put: %zd + %zd bytes for a %zd-byte message",
+                         h.len, b.len, nbytes);
+            PyBuffer_Release(&h);
+            PyBuffer_Release(&b);
+            goto fail;
+        }
+        unsigned long long slot = sent % r.nslots;
+        char *dst = r.base + slot * r.stride;
+        memcpy(dst, h.buf, (size_t)h.len);
+        memcpy(dst + h.len, b.buf, (size_t)b.len);
         PyBuffer_Release(&h);
         PyBuffer_Release(&b);
-        PyErr_Format(PyExc_ValueError, "put: %zd + %zd bytes for a %zd-byte message", h.len,
-                     b.len, nbytes);
-        return NULL;
+        uint64_t *m = r.meta + 4 * slot;
+        m[0] = (uint64_t)nbytes;
+        m[1] = 0;
+        m[2] = 0;
+        m[3] = (uint64_t)tag;
+        __atomic_store_n(r.head, (uint64_t)(sent + 1), __ATOMIC_RELEASE);
+        ok = Py_True;
     }
-    unsigned long long slot = sent % r.nslots;
-    char *dst = r.base + slot * r.stride;
-    memcpy(dst, h.buf, (size_t)h.len);
-    memcpy(dst + h.len, b.buf, (size_t)b.len);
-    PyBuffer_Release(&h);
-    PyBuffer_Release(&b);
-    uint64_t *m = r.meta + 4 * slot;
-    m[0] = (uint64_t)nbytes;
-    m[1] = 0;
-    m[2] = 0;
-    m[3] = (uint64_t)tag;
-    __atomic_store_n(r.head, (uint64_t)(sent + 1), __ATOMIC_RELEASE);
-    Py_RETURN_TRUE;
+    PyBuffer_Release(&r.seg);
+    Py_INCREF(ok);
+    return ok;
+fail:
+    PyBuffer_Release(&r.seg);
+    return NULL;
 }
 
 static PyObject *
@@ -141,80 +185,109 @@ ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "take takes 7 arguments");
         return NULL;
     }
-    if (ring_of(args[0], &r))
-        return NULL;
     unsigned long long recvd = PyLong_AsUnsignedLongLong(args[1]);
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
     unsigned long long tag = PyLong_AsUnsignedLongLong(args[5]);
     long spins = PyLong_AsLong(args[6]);
     if (PyErr_Occurred())
         return NULL;
+    if (ring_of(args[0], &r))
+        return NULL;
+    long got = 0;
     while (__atomic_load_n(r.head, __ATOMIC_ACQUIRE) <= recvd) {
         if (spins-- <= 0)
-            return PyLong_FromLong(0);
+            goto done;
         RELAX();
     }
     unsigned long long slot = recvd % r.nslots;
     const uint64_t *m = r.meta + 4 * slot;
-    if (m[0] != (uint64_t)nbytes || m[1] != 0 || m[2] != 0 || m[3] != (uint64_t)tag)
-        return PyLong_FromLong(-1);
+    got = -1;
+    if (m[0] != (uint64_t)nbytes || m[1] != 0 || m[2] != 0 || m[3] != (uint64_t)tag ||
+        (unsigned long long)nbytes > r.slot_bytes)
+        goto done;
     Py_buffer h, o;
     if (PyObject_GetBuffer(args[2], &h, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
+        goto fail;
     if (PyObject_GetBuffer(args[3], &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&h);
-        return NULL;
+        goto fail;
     }
-    long got = -1;
     const char *src = r.base + slot * r.stride;
     if (h.len + o.len > nbytes) {
         PyErr_Format(PyExc_ValueError, "take: %zd + %zd bytes from a %zd-byte message", h.len,
                      o.len, nbytes);
-        got = -2;
-    } else if (memcmp(src, h.buf, (size_t)h.len) == 0) {
+        PyBuffer_Release(&h);
+        PyBuffer_Release(&o);
+        goto fail;
+    }
+    if (memcmp(src, h.buf, (size_t)h.len) == 0) {
         memcpy(o.buf, src + h.len, (size_t)o.len);
         __atomic_store_n(r.tail, (uint64_t)(recvd + 1), __ATOMIC_RELEASE);
         got = 1;
     }
     PyBuffer_Release(&h);
     PyBuffer_Release(&o);
-    return got == -2 ? NULL : PyLong_FromLong(got);
+done:
+    PyBuffer_Release(&r.seg);
+    return PyLong_FromLong(got);
+fail:
+    PyBuffer_Release(&r.seg);
+    return NULL;
 }
 
 static PyObject *
 ring_claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "claim takes 3 arguments");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "claim takes 4 arguments");
         return NULL;
     }
-    unsigned long long at = PyLong_AsUnsignedLongLong(args[0]);
-    unsigned long long id = PyLong_AsUnsignedLongLong(args[1]);
-    unsigned long long count = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long id = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long count = PyLong_AsUnsignedLongLong(args[3]);
     if (PyErr_Occurred())
         return NULL;
-    uint64_t *w = (uint64_t *)(uintptr_t)at;
+    Py_buffer seg;
+    if (export(args[0], &seg) < 0)
+        return NULL;
+    uint64_t *w = word_at(&seg, args[1]);
+    long long got = -1;
+    if (w == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
     uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
     for (;;) {
         if ((v >> 32) != (id & 0xFFFFFFFFu) || (v & 0xFFFFFFFFu) >= count)
-            return PyLong_FromLong(-1);
-        if (__atomic_compare_exchange_n(w, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            return PyLong_FromUnsignedLongLong(v & 0xFFFFFFFFu);
+            break;
+        if (__atomic_compare_exchange_n(w, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            got = (long long)(v & 0xFFFFFFFFu);
+            break;
+        }
     }
+    PyBuffer_Release(&seg);
+    return PyLong_FromLongLong(got);
 }
 
 static PyObject *
 ring_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add takes 3 arguments");
         return NULL;
     }
-    unsigned long long at = PyLong_AsUnsignedLongLong(args[0]);
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    uint64_t got = __atomic_add_fetch((uint64_t *)(uintptr_t)at, (uint64_t)v, __ATOMIC_ACQ_REL);
+    Py_buffer seg;
+    if (export(args[0], &seg) < 0)
+        return NULL;
+    uint64_t *w = word_at(&seg, args[1]);
+    if (w == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    uint64_t got = __atomic_add_fetch(w, (uint64_t)v, __ATOMIC_ACQ_REL);
+    PyBuffer_Release(&seg);
     return PyLong_FromUnsignedLongLong(got);
 }
 

@@ -60,6 +60,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 from collections import deque
 from typing import Any
 
@@ -126,6 +127,11 @@ _HELP_OFF = (1536, 1792)
 #: in a ring also receives, and at n = 4 on two cores a ring allgather of 8 MiB
 #: took 7.8 ms so, instead of 6.8.
 HELP_MIN_BYTES = 1 << 20
+#: At close, how long a receive waits for the pieces its sender took (see
+#: :meth:`ShmConnection._end_help`); the buffers of those that never came are
+#: kept in :data:`_KEPT` until the process exits.
+HELP_CLOSE_SECONDS = 1.0
+_KEPT: list[Any] = []
 HELP_PIECE = 1 << 20
 _M32 = 0xFFFFFFFF
 # piece length, offset within the slot, (for a direct-read descriptor) the
@@ -375,6 +381,7 @@ class _Direction:
 
     __slots__ = (
         "base",
+        "ctrl",
         "data",
         "head",
         "meta_off",
@@ -386,7 +393,7 @@ class _Direction:
     )
 
     def __init__(self, mm: mmap.mmap, d: int, nslots: int, slot_bytes: int) -> None:
-        ctrl = _CTRL0 + d * _CTRL_SIZE
+        self.ctrl = ctrl = _CTRL0 + d * _CTRL_SIZE
         self.head = _atomic.Counter(mm, ctrl)
         self.tail = _atomic.Counter(mm, ctrl + 128)
         self.meta_off = ctrl + 256
@@ -397,15 +404,15 @@ class _Direction:
         self.base = _DATA0 + d * nslots * self.stride
         self.data = np.frombuffer(mm, dtype=np.uint8)
 
-    def ring(self) -> tuple[int, ...]:
-        """The addresses and sizes :mod:`transports._ring` works on."""
-        at = self.data.__array_interface__["data"][0]
+    def ring(self, mm: mmap.mmap) -> tuple[Any, ...]:
+        """The mapping and the offsets :mod:`transports._ring` works on."""
         return (
-            at + self.base,
+            mm,
+            self.base,
             self.stride,
-            at + self.meta_off,
-            self.head.address,
-            self.tail.address,
+            self.meta_off,
+            self.ctrl,
+            self.ctrl + 128,
             self.nslots,
             self.slot_bytes,
         )
@@ -457,14 +464,15 @@ class ShmConnection(Connection):
         # both ends of a large copy (_help_recv, _help_send): the words of each
         # direction, and whether this process can take part (the compiled claim)
         self._helps = _ring is not None and bool(self._cma_min)
+        self._help_at = (_HELP_OFF[in_d], _HELP_OFF[out_d])  # claim; done at +64, dest +128
         self._help_in = [_atomic.Counter(mm, _HELP_OFF[in_d] + k) for k in (0, 64, 128)]
         self._help_out = [_atomic.Counter(mm, _HELP_OFF[out_d] + k) for k in (0, 64, 128)]
         self._acks: deque[_ShmSend] = deque()
         self._temp: Any = None
-        self._ring_out: tuple[int, ...] | None = None
-        self._ring_in: tuple[int, ...] | None = None
+        self._ring_out: tuple[Any, ...] | None = None
+        self._ring_in: tuple[Any, ...] | None = None
         if _ring is not None:
-            self._ring_out, self._ring_in = self._out.ring(), self._in.ring()
+            self._ring_out, self._ring_in = self._out.ring(mm), self._in.ring(mm)
             self.caps = ShmConnection.caps | Cap.QUICK
         # shared send buffers (send_buffer): ours, and the peer's as mapped here
         self._sbuf: Any = None
@@ -858,18 +866,19 @@ class ShmConnection(Connection):
         take pieces until none is left; the sender takes others meanwhile
         (:meth:`_help_send`).  False: some of its pieces are still being written."""
         claim, done, dest = self._help_in
+        at = self._help_at[0]
         pieces = -(-n // HELP_PIECE)
+        req.help = (ident, pieces)  # (before the sender may write: see close)
         dest.store(to)
         done.store(ident << 32)
         claim.store(ident << 32)  # release: the address and the count are there first
-        req.help = (ident, pieces)
-        while (k := _ring.claim(claim.address, ident, pieces)) >= 0:
+        while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
             off = k * HELP_PIECE
             try:
                 _cma.read(self._peer_pid, addr + off, to + off, min(HELP_PIECE, n - off))
             except OSError as exc:
                 raise self._cma_error("read", n, exc) from exc
-            _ring.add(done.address, 1)
+            _ring.add(self._mm, at + 64, 1)
         return self._helped(req)
 
     def _helped(self, req: _ShmRecv) -> bool:
@@ -885,11 +894,12 @@ class ShmConnection(Connection):
         """While the receiver copies large message ``req`` in place: write the
         pieces it has not taken into its buffer (:meth:`_help_recv`), if it
         asked for that copy."""
-        claim, done, dest = self._help_out
+        dest = self._help_out[2]
+        at = self._help_at[1]
         ident = req.need_tail & _M32
         n = req.src.size
         pieces = -(-n // HELP_PIECE)
-        while (k := _ring.claim(claim.address, ident, pieces)) >= 0:
+        while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
             off = k * HELP_PIECE
             try:
                 _cma.write(
@@ -897,7 +907,33 @@ class ShmConnection(Connection):
                 )
             except OSError as exc:
                 raise self._cma_error("write", n, exc) from exc
-            _ring.add(done.address, 1)
+            _ring.add(self._mm, at + 64, 1)
+
+    def _end_help(self) -> None:
+        """At close, before this side lets go of a receive's buffer: no further
+        piece of a copy from both ends may land in it.  Take every piece left,
+        then wait for those the sender took (while it lives, at most
+        :data:`HELP_CLOSE_SECONDS`); past that, keep the buffer for good rather
+        than let a late piece land in memory reused for something else."""
+        req = self._recvs[0] if self._recvs else None
+        if req is None or req.help is None:
+            return
+        ident, pieces = req.help
+        at = self._help_at[0]
+        written = pieces
+        while _ring.claim(self._mm, at, ident, pieces) >= 0:
+            written -= 1  # (taken here: never written)
+        end = time.monotonic() + HELP_CLOSE_SECONDS
+        while self._help_in[1].load() < (ident << 32) | written:
+            if _segment.process_gone(self._peer_pid) or time.monotonic() > end:
+                if not _segment.process_gone(self._peer_pid):
+                    _KEPT.append(req.dest)
+                    log.warning(
+                        "shm: peer %d may still write into a receive's buffer; it is kept",
+                        self.peer,
+                    )
+                return
+            time.sleep(1e-4)
 
     # ------------------------------------------------------------------ health
     def check_peer(self) -> None:
@@ -941,6 +977,7 @@ class ShmConnection(Connection):
             self._closed_me.store(_segment.closed_word(self._cause))
         except ValueError:
             pass
+        self._end_help()
         for c in (self._out.head, self._out.tail, self._in.head, self._in.tail):
             c.release_buffer()
         for c in (self._closed_peer, self._closed_me, self._cma_me, self._cma_peer):
