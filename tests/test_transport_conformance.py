@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -487,30 +488,41 @@ def test_large_messages_read_in_place_are_copied_from_both_ends(
         assert np.array_equal(out, x) and not writes and reads == [x.size]
 
 
+def _at_first_piece(monkeypatch: pytest.MonkeyPatch, then: Any) -> None:
+    """Call ``then()`` at the receiver's first read of a piece of a copy from both
+    ends (once, before the read itself)."""
+    from transports import _cma, shm
+
+    read = _cma.read
+
+    def first_read(pid: int, remote: int, local: int, nbytes: int) -> None:
+        if nbytes >= shm.HELP_PIECE:  # (not the probe of cross-memory reads)
+            monkeypatch.setattr(_cma, "read", read)
+            then()
+        read(pid, remote, local, nbytes)
+
+    monkeypatch.setattr(_cma, "read", first_read)
+
+
 def test_a_copy_from_both_ends_whose_sender_closes_with_a_piece_taken_raises(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sender took a piece and closed without writing it: the receive
     raises PeerClosedError rather than wait for it or end as if whole."""
-    from transports import _cma, _ring, shm
+    from transports import _ring, shm
 
     with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
         _helps(name, a, b)
         x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
         send = a.isend_copied(memoryview(x))
         assert not send.test()
-        read = _cma.read
+        ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
 
-        def first_read(*args: int) -> None:  # the receiver's first piece: the sender
-            if args[3] < shm.HELP_PIECE:  # (the probe of cross-memory reads)
-                return read(*args)
-            monkeypatch.setattr(_cma, "read", read)  # takes the next, then closes
-            ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+        def sender_takes_one() -> None:  # the sender takes the next piece, then closes
             assert _ring.claim(a._mm, a._help_at[1], ident, 8) == 1  # type: ignore[attr-defined]
             a.close()
-            return read(*args)
 
-        monkeypatch.setattr(_cma, "read", first_read)
+        _at_first_piece(monkeypatch, sender_takes_one)
         out = np.zeros_like(x)
         recv = b.irecv_into(memoryview(out))
         with pytest.raises(PeerClosedError):
@@ -525,7 +537,7 @@ def test_a_receiver_that_closes_mid_copy_takes_the_pieces_left_and_keeps_its_buf
     every piece not yet taken (the sender can write no more), waits a while
     for the one the sender holds, and then keeps the buffer for good rather
     than let that piece land in reused memory."""
-    from transports import _cma, _ring, shm
+    from transports import _ring, shm
 
     monkeypatch.setattr(shm, "HELP_CLOSE_SECONDS", 0.2)
     monkeypatch.setattr(shm, "_KEPT", [])
@@ -535,16 +547,12 @@ def test_a_receiver_that_closes_mid_copy_takes_the_pieces_left_and_keeps_its_buf
         send = a.isend_copied(memoryview(x))
         assert not send.test()
         ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
-        read = _cma.read
 
-        def first_read(*args: int) -> None:  # the sender takes piece 1 and never writes it
-            if args[3] >= shm.HELP_PIECE:
-                monkeypatch.setattr(_cma, "read", read)
-                assert _ring.claim(a._mm, a._help_at[1], ident, 4) == 1  # type: ignore[attr-defined]
-                raise OSError(5, "stop here")  # (the receive fails with piece 0 taken)
-            return read(*args)
+        def sender_takes_one() -> None:  # the sender takes piece 1 and never writes it
+            assert _ring.claim(a._mm, a._help_at[1], ident, 4) == 1  # type: ignore[attr-defined]
+            raise OSError(5, "stop here")  # (the receive fails with piece 0 taken)
 
-        monkeypatch.setattr(_cma, "read", first_read)
+        _at_first_piece(monkeypatch, sender_takes_one)
         out = np.zeros_like(x)
         recv = b.irecv_into(memoryview(out))
         with pytest.raises(TransportError):

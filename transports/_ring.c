@@ -86,6 +86,19 @@ export(PyObject *mm, Py_buffer *seg)
     return PyObject_GetBuffer(mm, seg, PyBUF_WRITABLE);
 }
 
+/* Export mapping mm into seg and find its word at offset off; NULL (seg not
+   held) with an exception set when the mapping is closed or off is not in it. */
+static uint64_t *
+exported_word(PyObject *mm, PyObject *off, Py_buffer *seg)
+{
+    if (export(mm, seg) < 0)
+        return NULL;
+    uint64_t *w = word_at(seg, off);
+    if (w == NULL)
+        PyBuffer_Release(seg);
+    return w;
+}
+
 static int
 ring_of(PyObject *t, ring_t *r)
 {
@@ -247,14 +260,10 @@ ring_claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred())
         return NULL;
     Py_buffer seg;
-    if (export(args[0], &seg) < 0)
+    uint64_t *w = exported_word(args[0], args[1], &seg);
+    if (w == NULL)
         return NULL;
-    uint64_t *w = word_at(&seg, args[1]);
     long long got = -1;
-    if (w == NULL) {
-        PyBuffer_Release(&seg);
-        return NULL;
-    }
     uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
     for (;;) {
         if ((v >> 32) != (id & 0xFFFFFFFFu) || (v & 0xFFFFFFFFu) >= count)
@@ -279,13 +288,9 @@ ring_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred())
         return NULL;
     Py_buffer seg;
-    if (export(args[0], &seg) < 0)
+    uint64_t *w = exported_word(args[0], args[1], &seg);
+    if (w == NULL)
         return NULL;
-    uint64_t *w = word_at(&seg, args[1]);
-    if (w == NULL) {
-        PyBuffer_Release(&seg);
-        return NULL;
-    }
     uint64_t got = __atomic_add_fetch(w, (uint64_t)v, __ATOMIC_ACQ_REL);
     PyBuffer_Release(&seg);
     return PyLong_FromUnsignedLongLong(got);

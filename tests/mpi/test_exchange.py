@@ -221,6 +221,17 @@ def test_point_to_point(comms):
     c.barrier()
 
 
+def _ping_pong(c: pycoll.Communicator, p: int, x: np.ndarray, y: np.ndarray, tag: int) -> None:
+    """One round trip with rank ``p``, the lower rank sending first: ``x`` goes,
+    ``y`` gets p's."""
+    if RANK < p:
+        c.send(x, p, tag=tag)
+        c.recv(y, p, tag=tag)
+    else:
+        c.recv(y, p, tag=tag)
+        c.send(x, p, tag=tag)
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.complex128], ids=str)
 def test_replayed_ping_pong_between_processes(comms, dtype):
     """Blocking calls replayed on the same arrays (shm: the compiled ring step,
@@ -240,12 +251,7 @@ def test_replayed_ping_pong_between_processes(comms, dtype):
         for i in range(50):
             x[:] = data(RANK, count, dt, "sum", i)
             poison(y)
-            if RANK < p:
-                c.send(x, p, tag=count)
-                c.recv(y, p, tag=count)
-            else:
-                c.recv(y, p, tag=count)
-                c.send(x, p, tag=count)
+            _ping_pong(c, p, x, y, count)
             np.testing.assert_array_equal(y, data(p, count, dt, "sum", i), err_msg=f"{i=}")
         if RANK < p:
             c.send(np.full(count, 1, dt), p, tag=99)
@@ -282,12 +288,7 @@ def test_large_messages_between_processes(comms):
         got = poison(np.empty(count, np.float32))
         for _ in range(3):  # ping-pong (replayed blocking calls after the first)
             poison(got)
-            if RANK < p:
-                c.send(mine, p, tag=i)
-                c.recv(got, p, tag=i)
-            else:
-                c.recv(got, p, tag=i)
-                c.send(mine, p, tag=i)
+            _ping_pong(c, p, mine, got, i)
             np.testing.assert_array_equal(got, theirs)
         poison(got)
         with c.group():  # both ways at once
