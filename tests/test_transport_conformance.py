@@ -488,6 +488,20 @@ def test_large_messages_read_in_place_are_copied_from_both_ends(
         assert np.array_equal(out, x) and not writes and reads == [x.size]
 
 
+@contextmanager
+def _copy_posted(name: str) -> Iterator[tuple[Connection, Connection, np.ndarray, int]]:
+    """A pair whose first connection has posted a message of isend_copied that
+    is copied from both ends: (sender, receiver, the message, the copy's id)."""
+    from transports import shm
+
+    with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
+        _helps(name, a, b)
+        x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
+        send = a.isend_copied(memoryview(x))
+        assert not send.test()
+        yield a, b, x, send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+
+
 def _at_first_piece(monkeypatch: pytest.MonkeyPatch, then: Any) -> None:
     """Call ``then()`` at the receiver's first read of a piece of a copy from both
     ends (once, before the read itself)."""
@@ -509,14 +523,9 @@ def test_a_copy_from_both_ends_whose_sender_closes_with_a_piece_taken_raises(
 ) -> None:
     """The sender took a piece and closed without writing it: the receive
     raises PeerClosedError rather than wait for it or end as if whole."""
-    from transports import _ring, shm
+    from transports import _ring
 
-    with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
-        _helps(name, a, b)
-        x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
-        send = a.isend_copied(memoryview(x))
-        assert not send.test()
-        ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+    with _copy_posted(name) as (a, b, x, ident):
 
         def sender_takes_one() -> None:  # the sender takes the next piece, then closes
             assert _ring.claim(a._mm, a._help_at[1], ident, 8) == 1  # type: ignore[attr-defined]
@@ -541,12 +550,7 @@ def test_a_receiver_that_closes_mid_copy_takes_the_pieces_left_and_keeps_its_buf
 
     monkeypatch.setattr(shm, "HELP_CLOSE_SECONDS", 0.2)
     monkeypatch.setattr(shm, "_KEPT", [])
-    with _pair(name, slot_bytes=1 << 16, nslots=2) as (a, b):
-        _helps(name, a, b)
-        x = np.ones(shm.COPIED_CMA_MIN_BYTES, np.uint8)
-        send = a.isend_copied(memoryview(x))
-        assert not send.test()
-        ident = send.need_tail & 0xFFFFFFFF  # type: ignore[attr-defined]
+    with _copy_posted(name) as (a, b, x, ident):
 
         def sender_takes_one() -> None:  # the sender takes piece 1 and never writes it
             assert _ring.claim(a._mm, a._help_at[1], ident, 4) == 1  # type: ignore[attr-defined]
