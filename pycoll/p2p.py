@@ -558,9 +558,9 @@ AGAIN_MAX = 32
 #: A quick receive (:meth:`PeerCalls._quick`) waits this many rounds of the CPU's
 #: pause for its message before it takes the usual way, which backs off; none
 #: where ranks outnumber cores.  A ping-pong's message arrives within a call's
-#: time on the other rank (a few microseconds); 4096 rounds are about 50 us on
-#: the 2-core VM.
-QUICK_SPINS = 4096
+#: time on the other rank (a few microseconds); 2048 rounds are about 55 us on
+#: the 2-core VM (27 ns a round), for which take holds the GIL.
+QUICK_SPINS = 2048
 
 
 class _Again:
