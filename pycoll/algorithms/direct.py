@@ -434,15 +434,16 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
 
 @register("alltoall", "direct")
 def alltoall(L: Links, x: Any, out: Any) -> None:
-    """By address (with cross-memory copies, above a slot): each rank writes its
-    block j into rank j's output, at its own place there, as allgather does;
-    else round by round through the slots, each slot holding a piece of every
-    block, from which every peer takes its own."""
+    """By address (with cross-memory copies, from :data:`ALLTOALL_BY_ADDRESS_MIN`
+    and above a slot): each rank writes its block j into rank j's output, at
+    its own place there, as allgather does; else round by round through the
+    slots, each slot holding a piece of every block, from which every peer
+    takes its own."""
     G = _group(L)
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     k = x.size // n
-    if G.cma and x.nbytes > G.slot_bytes:
+    if G.cma and x.nbytes > max(G.slot_bytes, ALLTOALL_BY_ADDRESS_MIN - 1):
         s = _post_buffer(L, G, out)
         at = r * k * x.itemsize
         for j in _others(n, r):
@@ -463,6 +464,17 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
             G.wait((j,), s, dl, bo)
             out[j * k + lo : j * k + hi] = v[j][r * c : (r + 1) * c]
         G.done(s)
+
+
+#: alltoall goes by address (each rank's cross-memory writes into its peers'
+#: outputs) from this many bytes, and above one slot; below, through the slots
+#: (two memcpys a block).  NumPy puts arrays from 4 MiB on huge pages, where a
+#: cross-memory copy costs 2.6-3.5x less than on the 4 KiB pages below that; on
+#: the 2-core VM at 1-2 MiB, MPI's time over pycoll's went from 0.58-0.80 by
+#: address to 0.66-1.10 through the slots at n = 2, 0.70-0.76 to 0.85-1.02 at
+#: n = 4, and stayed within the noise at n = 3 (benchmarks/RESULTS.md, "Where
+#: alltoall's time goes").
+ALLTOALL_BY_ADDRESS_MIN = 4 << 20
 
 
 @register("barrier", "direct")

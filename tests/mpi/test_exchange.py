@@ -70,6 +70,25 @@ def test_alltoall(comms, algo, dtype):
         assert np.array_equal(new.reshape(-1).view(np.uint8), want.view(np.uint8))
 
 
+def test_alltoall_by_address_and_through_the_slots_around_the_threshold(comms):
+    """alltoall of just under and just over direct's by-address threshold (4
+    MiB: slots below, cross-memory writes from there), odd blocks, against
+    NumPy, output poisoned."""
+    from pycoll.algorithms.direct import ALLTOALL_BY_ADDRESS_MIN
+
+    c = comms[0]
+    dt = np.dtype(np.float32)
+    for total in (ALLTOALL_BY_ADDRESS_MIN - 4 * SIZE, ALLTOALL_BY_ADDRESS_MIN + 4 * SIZE):
+        k = total // dt.itemsize // SIZE
+        x = data(RANK, SIZE * k, dt, "sum", k)
+        out = poison(np.empty(SIZE * k, dt))
+        assert c.alltoall(x, out, algorithm="direct" if SIZE > 1 else "auto") is out
+        want = np.concatenate(
+            [data(j, SIZE * k, dt, "sum", k)[RANK * k : (RANK + 1) * k] for j in range(SIZE)]
+        )
+        np.testing.assert_array_equal(out, want)
+
+
 def test_alltoall_async_and_odd_inputs(comms):
     c = comms[0]
     x = np.arange(SIZE * 3, dtype=np.int64) + 1000 * RANK
