@@ -740,7 +740,9 @@ class PeerCalls:
         posted or unexpected, no other thread in a call.  False: nothing
         happened (the message did not fit the ring, or the one arriving is
         not ``a``'s or not there yet): the caller takes the usual way, which
-        waits, backs off, matches and raises as a first call does."""
+        waits, backs off, matches and raises as a first call does.  Another
+        thread's call that came in meanwhile fails this one too, as it does a
+        call the usual way (:meth:`Engine._overlapped`)."""
         eng = self.engine
         fam = eng.fam
         p2p = self.p2p
@@ -766,9 +768,12 @@ class PeerCalls:
                 p2p.taken[peer] = n + 1
                 self.last_source = a.local
             t = monotonic()
-            eng.recent.append([eng.seq, a.call, t, t, "ok"])
+            rec = [eng.seq, a.call, t, t, "ok"]
+            eng.recent.append(rec)
         finally:
             eng.leave()
+        if fam.failed is not None:  # another thread's call came in meanwhile
+            eng._overlapped(rec)
         return True
 
     def _post(self, ops: list[Op], what: str, complete: bool = False) -> None:

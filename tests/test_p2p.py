@@ -5,6 +5,7 @@ shift of a group over every transport."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -312,6 +313,52 @@ def test_replayed_eager_messages_go_the_quick_way_and_fall_back_when_another_com
         assert seen[r]["put"].count(True) >= 25, seen[r]
         assert seen[r]["take"].count(1) >= 1, seen[r]  # (threads: only what is there)
     assert -1 in seen[1]["take"], seen[1]  # the other messages were left for the usual way
+
+
+@pytest.mark.skipif(not shm._ring, reason="transports._ring was not built")
+def test_a_thread_that_calls_during_a_quick_send_fails_both_calls():
+    """Another thread's send while a replayed send is in its compiled step:
+    both raise ConcurrentCallError, as on the usual way, and the communicator
+    is unusable after; the peer gets the one message that went, whole."""
+    with communicators(2, timeout=20) as comms:
+
+        def body(r: int) -> list[str]:
+            c = comms[r]
+            x = np.arange(4, dtype=np.int32)
+            if r == 1:
+                got = np.full(4, -1, np.int32)
+                for _ in range(3):
+                    got[:] = -1
+                    c.recv(got, 0)
+                    assert (got == x).all()
+                return []
+            c.send(x, 1)
+            c.send(x, 1)  # (the second checked call makes the replay)
+            conn = c._peers.p2p.conns[c._peers.engine.members[1]]
+            put = conn.put_now
+            seen: list[str] = []
+
+            def intrude() -> None:
+                try:
+                    c.send(np.zeros(2, np.int64), 1, tag=9)
+                except pycoll.PycollError as exc:
+                    seen.append(type(exc).__name__)
+
+            def put_now(*args: object) -> bool:
+                t = threading.Thread(target=intrude)
+                t.start()
+                t.join()
+                return put(*args)
+
+            conn.put_now = put_now
+            with pytest.raises(pycoll.ConcurrentCallError):
+                c.send(x, 1)  # goes, but another call ran meanwhile
+            conn.put_now = put
+            with pytest.raises(pycoll.PycollError):
+                c.send(x, 1)
+            return seen
+
+        assert run_ranks(2, body)[0] == ["ConcurrentCallError"]
 
 
 @pytest.mark.parametrize("compiled", [True, False])
