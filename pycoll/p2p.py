@@ -160,6 +160,11 @@ class Op:
             mv = self.mv = _bytes(self.buf.flat)
         return mv
 
+    def header(self) -> tuple[int, int, int, int, int]:
+        """The fields of this op's message header (:data:`_HDR`)."""
+        b = self.buf
+        return (_MAGIC, self.ctx, self.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+
     def accepts(self, m: Message) -> bool:
         return (
             m.ctx == self.ctx
@@ -229,7 +234,7 @@ class PointToPoint:
         conn = self.conns[peer]
         n = self.sent.get(peer, 0)
         self.sent[peer] = n + 1
-        fields = (_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+        fields = op.header()
         nbytes = b.nbytes
         if nbytes <= EAGER_MAX:  # one message: header, payload, padding
             size = _eager_size(nbytes)
@@ -467,16 +472,9 @@ class PointToPoint:
         when it is the one ``op`` receives, of its count and dtype: copied into
         op's buffer and done.  Otherwise nothing changes and it returns False."""
         msg = self._eager_in[size]
-        magic, ctx, tag, count, dtype = _HDR.unpack_from(msg)
-        b = op.buf
-        if not (
-            magic == _MAGIC
-            and ctx == op.ctx
-            and tag == op.tag
-            and count == b.count
-            and dtype == _DTYPE_IDS.get(b.dtype, 0)
-        ):
+        if _HDR.unpack_from(msg) != op.header():
             return False  # (:meth:`_header` routes or refuses it)
+        b = op.buf
         peer = op.peer
         assert peer is not None
         self.taken[peer] = n + 1
@@ -618,7 +616,7 @@ class _Again:
                 self.conn = conn
                 self.size = _eager_size(b.nbytes)
                 self.fp = _EAGER_FP_OF[self.size] << 32
-                self.head = _HDR.pack(_MAGIC, op.ctx, op.tag, b.count, _DTYPE_IDS.get(b.dtype, 0))
+                self.head = _HDR.pack(*op.header())
 
     def fits(self, a: np.ndarray, send: bool) -> bool:
         return (
