@@ -62,6 +62,7 @@ import secrets
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -465,8 +466,9 @@ class ShmConnection(Connection):
         # direction, and whether this process can take part (the compiled claim)
         self._helps = _ring is not None and bool(self._cma_min)
         self._help_at = (_HELP_OFF[in_d], _HELP_OFF[out_d])  # claim; done at +64, dest +128
+        # ours as the receiver (claim, done, dest), and the receiver's dest as sender
         self._help_in = [_atomic.Counter(mm, _HELP_OFF[in_d] + k) for k in (0, 64, 128)]
-        self._help_out = [_atomic.Counter(mm, _HELP_OFF[out_d] + k) for k in (0, 64, 128)]
+        self._help_dest = _atomic.Counter(mm, _HELP_OFF[out_d] + 128)
         self._acks: deque[_ShmSend] = deque()
         self._temp: Any = None
         self._ring_out: tuple[Any, ...] | None = None
@@ -866,20 +868,35 @@ class ShmConnection(Connection):
         take pieces until none is left; the sender takes others meanwhile
         (:meth:`_help_send`).  False: some of its pieces are still being written."""
         claim, done, dest = self._help_in
-        at = self._help_at[0]
         pieces = -(-n // HELP_PIECE)
         req.help = (ident, pieces)  # (before the sender may write: see close)
         dest.store(to)
         done.store(ident << 32)
         claim.store(ident << 32)  # release: the address and the count are there first
+        pid = self._peer_pid
+        self._copy_pieces(
+            self._help_at[0],
+            ident,
+            n,
+            "read",
+            lambda off, m: _cma.read(pid, addr + off, to + off, m),
+        )
+        return self._helped(req)
+
+    def _copy_pieces(
+        self, at: int, ident: int, n: int, what: str, copy: Callable[[int, int], None]
+    ) -> None:
+        """This side's part of copy ``ident`` of ``n`` bytes (its words at offset
+        ``at``): take the next piece until none is left, ``copy(offset, length)``
+        it and count it done.  Both ends run this, each with its own copy."""
+        pieces = -(-n // HELP_PIECE)
         while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
             off = k * HELP_PIECE
             try:
-                _cma.read(self._peer_pid, addr + off, to + off, min(HELP_PIECE, n - off))
+                copy(off, min(HELP_PIECE, n - off))
             except OSError as exc:
-                raise self._cma_error("read", n, exc) from exc
+                raise self._cma_error(what, n, exc) from exc
             _ring.add(self._mm, at + 64, 1)
-        return self._helped(req)
 
     def _helped(self, req: _ShmRecv) -> bool:
         """Whether every piece of ``req``'s copy from both ends is written."""
@@ -894,20 +911,14 @@ class ShmConnection(Connection):
         """While the receiver copies large message ``req`` in place: write the
         pieces it has not taken into its buffer (:meth:`_help_recv`), if it
         asked for that copy."""
-        dest = self._help_out[2]
-        at = self._help_at[1]
-        ident = req.need_tail & _M32
-        n = req.src.size
-        pieces = -(-n // HELP_PIECE)
-        while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
-            off = k * HELP_PIECE
-            try:
-                _cma.write(
-                    self._peer_pid, dest.load() + off, req.addr + off, min(HELP_PIECE, n - off)
-                )
-            except OSError as exc:
-                raise self._cma_error("write", n, exc) from exc
-            _ring.add(self._mm, at + 64, 1)
+        dest, pid, src = self._help_dest, self._peer_pid, req.addr
+        self._copy_pieces(
+            self._help_at[1],
+            req.need_tail & _M32,
+            req.src.size,
+            "write",  # (the address is read after each claim, which orders it)
+            lambda off, m: _cma.write(pid, dest.load() + off, src + off, m),
+        )
 
     def _end_help(self) -> None:
         """At close, before this side lets go of a receive's buffer: no further
@@ -925,8 +936,9 @@ class ShmConnection(Connection):
             written -= 1  # (taken here: never written)
         end = time.monotonic() + HELP_CLOSE_SECONDS
         while self._help_in[1].load() < (ident << 32) | written:
-            if _segment.process_gone(self._peer_pid) or time.monotonic() > end:
-                if not _segment.process_gone(self._peer_pid):
+            gone = _segment.process_gone(self._peer_pid)
+            if gone or time.monotonic() > end:
+                if not gone:
                     _KEPT.append(req.dest)
                     log.warning(
                         "shm: peer %d may still write into a receive's buffer; it is kept",
@@ -982,7 +994,7 @@ class ShmConnection(Connection):
             c.release_buffer()
         for c in (self._closed_peer, self._closed_me, self._cma_me, self._cma_peer):
             c.release_buffer()
-        for c in (*self._help_in, *self._help_out):
+        for c in (*self._help_in, self._help_dest):
             c.release_buffer()
         self._temp = None
         self._out.data = self._in.data = None  # type: ignore[assignment]
