@@ -443,7 +443,7 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     k = x.size // n
-    if G.cma and x.nbytes > max(G.slot_bytes, ALLTOALL_BY_ADDRESS_MIN - 1):
+    if G.cma and x.nbytes > G.slot_bytes and x.nbytes >= ALLTOALL_BY_ADDRESS_MIN:
         s = _post_buffer(L, G, out)
         at = r * k * x.itemsize
         for j in _others(n, r):
