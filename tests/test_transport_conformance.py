@@ -566,3 +566,27 @@ def test_a_receiver_that_closes_mid_copy_takes_the_pieces_left_and_keeps_its_buf
         assert 0.15 < time.monotonic() - start < 5
         assert len(shm._KEPT) == 1 and np.shares_memory(shm._KEPT[0], out)
         assert _ring.claim(a._mm, a._help_at[1], ident, 4) == -1  # nothing left to take
+
+
+def test_a_copy_from_both_ends_whose_sender_stops_with_a_piece_taken_times_out(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender took a piece and stopped (alive, open, never writing it):
+    the receive raises TransportTimeout at its deadline, naming the peer,
+    rather than wait on or end as if whole."""
+    from transports import _ring
+    from transports.base import TransportTimeout
+
+    with _copy_posted(name) as (a, b, x, ident):
+
+        def sender_takes_one() -> None:
+            assert _ring.claim(a._mm, a._help_at[1], ident, 4) == 1  # type: ignore[attr-defined]
+
+        _at_first_piece(monkeypatch, sender_takes_one)
+        out = np.zeros_like(x)
+        recv = b.irecv_into(memoryview(out))
+        start = time.monotonic()
+        with pytest.raises(TransportTimeout, match=r"\[0\]"):
+            wait_all([recv], Deadline.after(0.5))
+        assert time.monotonic() - start < 5
+        assert recv.help is not None  # type: ignore[attr-defined]
