@@ -435,20 +435,25 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
 @register("alltoall", "direct")
 def alltoall(L: Links, x: Any, out: Any) -> None:
     """By address (with cross-memory copies, from :data:`ALLTOALL_BY_ADDRESS_MIN`
-    and above a slot): each rank writes its block j into rank j's output, at
-    its own place there, as allgather does; else round by round through the
-    slots, each slot holding a piece of every block, from which every peer
-    takes its own."""
+    and above a slot): each rank reads its block out of every peer's input;
+    else round by round through the slots, each slot holding a piece of every
+    block, from which every peer takes its own.
+
+    Reads, not writes as allgather's: an input is as long as the output here,
+    so it is as likely to be on huge pages, and its lines are clean (nothing
+    wrote them during the call).  In alternating blocks on the 2-core machine
+    the reads took 0.60-0.87x the writes' time at 4-16 MiB, n = 2-4, in eight
+    cells of nine (benchmarks/RESULTS.md, "Where alltoall's time goes")."""
     G = _group(L)
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     k = x.size // n
     if G.cma and x.nbytes > G.slot_bytes and x.nbytes >= ALLTOALL_BY_ADDRESS_MIN:
-        s = _post_buffer(L, G, out)
+        s = _post_buffer(L, G, x)
         at = r * k * x.itemsize
         for j in _others(n, r):
             G.wait((j,), s, dl, bo)
-            G.write(j, s, at, x[j * k : (j + 1) * k])
+            G.read(j, s, at, out[j * k : (j + 1) * k])
         _finish(L, G, s)
         return
     others = _others(n, r)
@@ -466,8 +471,8 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
         G.done(s)
 
 
-#: alltoall goes by address (each rank's cross-memory writes into its peers'
-#: outputs) from this many bytes, and above one slot; below, through the slots
+#: alltoall goes by address (each rank's cross-memory reads out of its peers'
+#: inputs) from this many bytes, and above one slot; below, through the slots
 #: (two memcpys a block).  NumPy puts arrays from 4 MiB on huge pages, where a
 #: cross-memory copy costs 2.6-3.5x less than on the 4 KiB pages below that; on
 #: the 2-core VM at 1-2 MiB, MPI's time over pycoll's went from 0.58-0.80 by
