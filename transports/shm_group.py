@@ -87,11 +87,15 @@ TRANSPORT = "shm"
 SLOT_BYTES = 256 << 10
 #: Slots per rank (K): a rank may run this many steps ahead of the slowest peer.
 SLOTS = 8
-#: Steps a rank may post before it has consumed them (at most K; see ``post``).
-AHEAD = 4
+#: Steps a rank may post before it has consumed them (at most K; see ``post``):
+#: all K, so that an alltoall or allgather of up to K rounds through the slots
+#: writes them all before it reads any.  At n = 4 on two cores, an alltoall of
+#: 2 MiB (6 rounds) took MPI's time over pycoll's from 0.66-0.69 to 0.79-0.86
+#: when this went from 4 to 8 (benchmarks/RESULTS.md, "Where alltoall's time goes").
+AHEAD = 8
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 5
+_VERSION = 6
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
