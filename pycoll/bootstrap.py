@@ -123,6 +123,7 @@ AGREED = {
     "device_transports": "PYCOLL_DEVICE_TRANSPORT",
     "device_chunk_bytes": "PYCOLL_DEVICE_CHUNK_BYTES",
     "device_host_bytes": "PYCOLL_DEVICE_HOST_BYTES",
+    "device_async_host_bytes": "PYCOLL_DEVICE_ASYNC_HOST_BYTES",
 }
 
 

@@ -124,6 +124,13 @@ class Communicator:
             return False
         return self._policy.returns_early(coll, int(nbytes))
 
+    def async_via_host(self, collective: str, nbytes: int) -> bool:
+        """Whether the torch backend runs an asynchronous ``collective`` on CUDA
+        tensors of ``nbytes`` through pinned host mirrors instead of the device
+        path: where every rank shares one GPU, allreduces up to
+        ``PYCOLL_DEVICE_ASYNC_HOST_BYTES`` (docs/gpu.md, "The torch backend")."""
+        return self._policy.async_via_host(collective, int(nbytes))
+
     def allreduce(
         self,
         sendbuf: Any,

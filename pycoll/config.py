@@ -73,6 +73,15 @@ DEVICE_HOST_BYTES = {
     "allgather": 128 << 10,
 }
 
+#: Where every rank shares one GPU, the torch backend's asynchronous allreduces
+#: of CUDA tensors up to this many bytes go through pinned host mirrors (see
+#: :mod:`pycoll.torch_backend.mirrors`): ranks that share a GPU time-slice it,
+#: and the device path's waits for another process cost a slice each.  DDP's
+#: 25 MiB buckets of a 25M-parameter model at n = 2 on an H200 took a step of
+#: 7.8 ms through the host against 10.2 on the device (benchmarks/RESULTS.md,
+#: "Data-parallel training").
+DEVICE_ASYNC_HOST_BYTES = 64 << 20
+
 #: Below this many bytes, a pinned copy to a GPU that other processes share waits
 #: about one time slice per other process (benchmarks/RESULTS.md, "Small copies to
 #: the device": on the H200, 271-278 us at n = 2 and 555 us at n = 4 up to 24 KiB,
@@ -138,6 +147,7 @@ _SPELLINGS: dict[str, Callable[[str], object]] = {
     "device_transports": _device_transports,
     "device_chunk_bytes": _size,
     "device_host_bytes": _size,
+    "device_async_host_bytes": _size,
     "group_slot_bytes": _size,
     "tune": _switch,
     "compiled": _switch,
@@ -157,6 +167,7 @@ ENV = {
     "device_transports": "PYCOLL_DEVICE_TRANSPORT",
     "device_chunk_bytes": "PYCOLL_DEVICE_CHUNK_BYTES",
     "device_host_bytes": "PYCOLL_DEVICE_HOST_BYTES",
+    "device_async_host_bytes": "PYCOLL_DEVICE_ASYNC_HOST_BYTES",
     "group_slot_bytes": "PYCOLL_GROUP_SLOT_BYTES",
     "tune": "PYCOLL_TUNE",
     "compiled": "PYCOLL_COMPILED",
@@ -194,6 +205,11 @@ class Config:
             ``auto`` picks (``PYCOLL_DEVICE_HOST_BYTES``; 0: never).  None: per
             collective, :data:`DEVICE_HOST_BYTES`, the crossovers measured on an
             H200 shared by 2 and 4 ranks.
+        device_async_host_bytes: where every rank shares one GPU, the torch
+            backend's asynchronous allreduces of CUDA tensors of at most this many
+            bytes go through pinned host mirrors on the group's worker thread,
+            as Gloo's do (``PYCOLL_DEVICE_ASYNC_HOST_BYTES``; 0: never; see
+            :mod:`pycoll.torch_backend.mirrors`).
         group_slot_bytes: bytes of each rank's slots in the group segment that ranks
             on one host share (``PYCOLL_GROUP_SLOT_BYTES``), a multiple of
             :data:`GROUP_SLOT_ALIGN`; 0 turns the segment, and with it the
@@ -226,6 +242,7 @@ class Config:
     device_transports: tuple[str, ...] = DEVICE_TRANSPORTS
     device_chunk_bytes: int = 16 << 20  # 4 MiB reached 10 GB/s at 256 MiB on an H200, 16 MiB 35
     device_host_bytes: int | None = None
+    device_async_host_bytes: int = DEVICE_ASYNC_HOST_BYTES
     group_slot_bytes: int = GROUP_SLOT_BYTES
     tune: bool = True
     compiled: bool = True
@@ -310,6 +327,7 @@ class Config:
         size("chunk_bytes", 64)
         size("device_chunk_bytes", 64)
         size("device_host_bytes", 0, none=True)
+        size("device_async_host_bytes", 0)
         size("group_slot_bytes", 0)
         if self.group_slot_bytes % GROUP_SLOT_ALIGN:
             raise bad(

@@ -198,6 +198,21 @@ class Policy:
             back = nbytes
         return back >= SLICED_COPY_BYTES
 
+    def async_via_host(self, what: str, nbytes: int) -> bool:
+        """Whether the torch backend's asynchronous ``what`` on CUDA tensors of
+        ``nbytes`` goes through pinned host mirrors: every rank shares one GPU
+        and ``nbytes`` is at most :attr:`Config.device_async_host_bytes` (only
+        allreduce, DDP's call).  Every input is agreed by all ranks (the GPU
+        layout at init, the settings, the call's size), so all take one route."""
+        g = self.gpu
+        return (
+            what == "allreduce"
+            and g is not None
+            and g.shared_device
+            and self.size > 1
+            and 0 < self.config.device_async_host_bytes >= nbytes
+        )
+
     def device(self, coll: Any, requested: str, algo: str) -> str:
         """The algorithm for device buffers: ``direct`` (one-sided windows between
         every pair) when all pairs have them, the collective has them, and no

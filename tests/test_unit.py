@@ -580,6 +580,36 @@ def test_device_host_route_on_a_shared_gpu() -> None:
             c._policy.size, c._policy.gpu = 1, None  # as they were, for close()
 
 
+def test_async_allreduces_through_host_mirrors_on_a_shared_gpu() -> None:
+    """The torch backend's asynchronous allreduces on CUDA tensors go through pinned
+    host mirrors only where every rank shares one GPU, up to the limit (0: never),
+    and no other collective does; the limit is read from its variable."""
+    from types import SimpleNamespace
+
+    from tests.inproc import communicators
+
+    assert Config.from_env({"PYCOLL_DEVICE_ASYNC_HOST_BYTES": "2M"}).device_async_host_bytes == (
+        2 << 20
+    )
+    with pytest.raises(InvalidArgumentError, match="PYCOLL_DEVICE_ASYNC_HOST_BYTES"):
+        Config.from_env({"PYCOLL_DEVICE_ASYNC_HOST_BYTES": "-1"})
+    for limit in (None, 1 << 20, 0):
+        cfg = {} if limit is None else {"device_async_host_bytes": limit}
+        with communicators(1, **cfg) as (c,):
+            most = c.config.device_async_host_bytes
+            assert most == (64 << 20 if limit is None else limit)
+            via = c.async_via_host
+            assert not via("allreduce", 8)  # n = 1: no GPU context, no peers
+            c._policy.size = 2
+            for shared in (False, True):
+                c._policy.gpu = SimpleNamespace(shared_device=shared)  # type: ignore[assignment]
+                assert via("allreduce", 8) == (shared and most >= 8)
+                assert via("allreduce", most) == (shared and most > 0)
+                assert not via("allreduce", most + 1)
+                assert not via("broadcast", 8) and not via("reduce_scatter", 8)
+            c._policy.size, c._policy.gpu = 1, None  # as they were, for close()
+
+
 def test_pycoll_deprecation_warnings_fail_the_tests() -> None:
     """pyproject's filterwarnings: a DeprecationWarning raised from pycoll's or
     transports' code is an error under pytest; another library's is not."""

@@ -45,9 +45,20 @@ class Collectives(GroupBase):
                 flat = _flatten_dense_tensors([_there(t, stream) for t in ts])
                 parts.append((Staged(flat, rank, as_bytes=False, stream=stream), ts))
 
+        sizes = [sum(t.nbytes for t in ts) for ts in by_dtype.values()]
+        # where every rank shares the GPU: through pinned host mirrors (.mirrors)
+        mirrored = (
+            stream is not None
+            and not sync
+            and all(self._comm.async_via_host("allreduce", n) for n in sizes)
+        )
+
         def run() -> list[torch.Tensor]:
             for s, packed in parts:
-                self._comm.allreduce(s.array, op=op, stream=stream)
+                if mirrored:
+                    self._mirrors.allreduce(s.array, op)
+                else:
+                    self._comm.allreduce(s.array, op=op, stream=stream)
                 if packed is None:
                     s.finish()
                     continue
@@ -55,8 +66,7 @@ class Collectives(GroupBase):
                     t.detach().copy_(r)
             return tensors
 
-        sizes = [sum(t.nbytes for t in ts) for ts in by_dtype.values()]
-        here = self._here(stream, "allreduce", sizes, sync)
+        here = not mirrored and self._here(stream, "allreduce", sizes, sync)
         return self._enqueue("allreduce", run, stream, here, sync)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]

@@ -252,6 +252,55 @@ def test_a_dropped_tensor_is_not_reused_before_its_work_is_done(dev):
     torch.cuda.synchronize()
 
 
+def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch):
+    """Where every rank shares the GPU, asynchronous allreduces up to
+    PYCOLL_DEVICE_ASYNC_HOST_BYTES go through pinned host mirrors, as Gloo's do,
+    ordered on the group's stream after the caller's queued work and before
+    what ``Work.wait()`` orders after it; they match NumPy on every rank's
+    random data at odd sizes, for several dtypes and ops, also through a
+    mirror reused by the next call of its size.  A bad op for the dtype raises
+    at ``wait()`` on every rank, and the group goes on."""
+    pg = dist.distributed_c10d._get_default_group()
+    shared = pg.communicator.async_via_host("allreduce", 4)
+    assert shared == (SIZE > 1)  # every rank shares the one GPU here
+    seen: list[int] = []
+    real = pg._mirrors.allreduce
+
+    def spy(flat, op):
+        seen.append(flat.numel())
+        return real(flat, op)
+
+    monkeypatch.setattr(pg._mirrors, "allreduce", spy)
+    cases = [
+        (torch.float32, dist.ReduceOp.SUM, np.sum, 1),
+        (torch.float64, dist.ReduceOp.SUM, np.sum, 997),
+        (torch.bfloat16, dist.ReduceOp.SUM, np.sum, 4099),
+        (torch.int64, dist.ReduceOp.MAX, np.max, (1 << 18) + 3),
+        (torch.float16, dist.ReduceOp.MIN, np.min, 262147),
+        (torch.float32, dist.ReduceOp.SUM, np.sum, 1),  # the first mirror again
+        (torch.float32, dist.ReduceOp.AVG, np.mean, 3 << 20),
+    ]
+    for dtype, op, fn, count in cases:
+        xs = [np.random.default_rng(100 * r + count).integers(-8, 8, count) for r in range(SIZE)]
+        want = fn(np.stack(xs).astype(np.float64), axis=0)
+        src = torch.from_numpy(xs[RANK]).to(device=dev, dtype=dtype)
+        t = torch.full((count,), -99, dtype=dtype, device=dev)  # poisoned
+        torch.cuda.synchronize()
+        _spin(20.0)
+        t.copy_(src)  # written only after the spin
+        w = dist.all_reduce(t, op=op, async_op=True)
+        w.wait()
+        got = t.double() + 0  # on the current stream, after the wait
+        torch.cuda.synchronize()
+        assert np.allclose(got.cpu().numpy(), want, rtol=1e-6, atol=0), (dtype, op, count)
+    assert seen == ([c for *_, c in cases] if shared else []), seen
+    with pytest.raises(Exception, match="band"):
+        dist.all_reduce(torch.ones(5, device=dev), op=dist.ReduceOp.BAND, async_op=True).wait()
+    t = torch.full((3,), float(RANK + 1), device=dev)
+    dist.all_reduce(t, async_op=True).wait()
+    assert t.tolist() == [TOTAL] * 3, t
+
+
 def test_a_failure_reaches_the_caller(dev):
     """An input of a dtype pycoll does not reduce raises at the call, naming it."""
     with pytest.raises(pycoll.InvalidArgumentError, match="float8"):
