@@ -49,6 +49,7 @@ def test_parse_bytes_rejects(text: str) -> None:
         ("chunk_bytes", "PYCOLL_CHUNK_BYTES", "65536"),
         ("device_chunk_bytes", "PYCOLL_DEVICE_CHUNK_BYTES", "4M"),
         ("device_host_bytes", "PYCOLL_DEVICE_HOST_BYTES", "0"),
+        ("device_async_host_bytes", "PYCOLL_DEVICE_ASYNC_HOST_BYTES", "2M"),
         ("group_slot_bytes", "PYCOLL_GROUP_SLOT_BYTES", "64K"),
         ("timeout", "PYCOLL_TIMEOUT", "12.5"),
         ("check", "PYCOLL_CHECK", "on"),
