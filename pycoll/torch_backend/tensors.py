@@ -134,11 +134,21 @@ def numpy_view(flat: torch.Tensor, as_bytes: bool, rank: int) -> np.ndarray:
     # and FSDP frees and regrows its parameters' storage (resize_) between steps.
     # The capsule keeps the tensor alive as long as the array.
     if as_bytes:
-        return np.from_dlpack(flat.view(torch.uint8))
+        return _from_dlpack(flat.view(torch.uint8))
     if flat.dtype is torch.bfloat16:  # not a DLPack dtype NumPy knows
-        return np.from_dlpack(flat.view(torch.int16)).view(ml_dtypes.bfloat16)
+        return _from_dlpack(flat.view(torch.int16)).view(ml_dtypes.bfloat16)
     check_dtype(flat.dtype, rank)
-    return np.from_dlpack(flat)
+    return _from_dlpack(flat)
+
+
+def _from_dlpack(t: torch.Tensor) -> np.ndarray:
+    try:
+        return np.from_dlpack(t)
+    except (BufferError, RuntimeError, TypeError):
+        # Pinned memory: DLPack names it CUDA host memory, which NumPy may refuse.
+        # numpy() shares it too (and fixes the storage's size, which nobody
+        # resizes in pinned buffers).
+        return t.numpy()
 
 
 def op_name(op: Any) -> str:
