@@ -299,6 +299,9 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
     t = torch.full((3,), float(RANK + 1), device=dev)
     dist.all_reduce(t, async_op=True).wait()
     assert t.tolist() == [TOTAL] * 3, t
+    pinned = torch.full((4,), RANK + 1, dtype=torch.bfloat16).pin_memory()  # a user's, on the host
+    dist.all_reduce(pinned)
+    assert pinned.tolist() == [TOTAL] * 4, pinned
 
 
 def test_a_failure_reaches_the_caller(dev):
