@@ -76,11 +76,12 @@ DEVICE_HOST_BYTES = {
 #: Where every rank shares one GPU, the torch backend's asynchronous allreduces
 #: of CUDA tensors up to this many bytes go through pinned host mirrors (see
 #: :mod:`pycoll.torch_backend.mirrors`): ranks that share a GPU time-slice it,
-#: and the device path's waits for another process cost a slice each.  DDP's
-#: 25 MiB buckets of a 25M-parameter model at n = 2 on an H200 took a step of
-#: 7.8 ms through the host against 10.2 on the device (benchmarks/RESULTS.md,
-#: "Data-parallel training").
-DEVICE_ASYNC_HOST_BYTES = 64 << 20
+#: and the device path's waits for another process cost a slice each.  On an
+#: H200 shared by 2 and 4 ranks, DDP's 1 MiB buckets took a step of 6.45 and
+#: 7.41 ms through the mirrors against 6.00 and 11.64 on the device, and 25 MiB
+#: buckets (a 25M-parameter model, n = 2) 41.1 ms against 10.2
+#: (benchmarks/RESULTS.md, "Data-parallel training").
+DEVICE_ASYNC_HOST_BYTES = 4 << 20
 
 #: Below this many bytes, a pinned copy to a GPU that other processes share waits
 #: about one time slice per other process (benchmarks/RESULTS.md, "Small copies to

@@ -278,8 +278,11 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
         (torch.int64, dist.ReduceOp.MAX, np.max, (1 << 18) + 3),
         (torch.float16, dist.ReduceOp.MIN, np.min, 262147),
         (torch.float32, dist.ReduceOp.SUM, np.sum, 1),  # the first mirror again
-        (torch.float32, dist.ReduceOp.AVG, np.mean, 3 << 20),
+        (torch.float32, dist.ReduceOp.AVG, np.mean, (1 << 20) - 5),  # just under 4 MiB
+        (torch.float32, dist.ReduceOp.SUM, np.sum, 3 << 20),  # over the limit: on the device
     ]
+    limit = pg.communicator.config.device_async_host_bytes
+    assert 4 * ((1 << 20) - 5) <= limit < 4 * (3 << 20)
     for dtype, op, fn, count in cases:
         xs = [np.random.default_rng(100 * r + count).integers(-8, 8, count) for r in range(SIZE)]
         want = fn(np.stack(xs).astype(np.float64), axis=0)
@@ -293,7 +296,8 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
         got = t.double() + 0  # on the current stream, after the wait
         torch.cuda.synchronize()
         assert np.allclose(got.cpu().numpy(), want, rtol=1e-6, atol=0), (dtype, op, count)
-    assert seen == ([c for *_, c in cases] if shared else []), seen
+    want_seen = [c for dt, *_, c in cases if shared and c * dt.itemsize <= limit]
+    assert seen == want_seen, seen
     with pytest.raises(Exception, match="band"):
         dist.all_reduce(torch.ones(5, device=dev), op=dist.ReduceOp.BAND, async_op=True).wait()
     t = torch.full((3,), float(RANK + 1), device=dev)
