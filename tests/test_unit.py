@@ -610,6 +610,29 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu() -> None:
             c._policy.size, c._policy.gpu = 1, None  # as they were, for close()
 
 
+def test_a_wait_for_queued_device_work_is_bounded() -> None:
+    """The poll that waits for work queued on a stream (a device collective's
+    copy to the host, the torch backend's mirrors) returns once it is done and
+    raises the caller's error once the timeout has passed, never hanging."""
+    import time
+
+    from pycoll.errors import CollectiveTimeout
+    from pycoll.gpu.jobs import poll
+
+    polls = []
+
+    def later() -> bool:
+        polls.append(1)
+        return len(polls) > 50
+
+    poll(later, 5.0, lambda: CollectiveTimeout("unused"))
+    assert len(polls) == 51
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="stuck stream"):
+        poll(lambda: False, 0.05, lambda: CollectiveTimeout("rank 0: stuck stream", rank=0))
+    assert 0.05 <= time.monotonic() - start < 2
+
+
 def test_pycoll_deprecation_warnings_fail_the_tests() -> None:
     """pyproject's filterwarnings: a DeprecationWarning raised from pycoll's or
     transports' code is an error under pytest; another library's is not."""

@@ -21,7 +21,6 @@ Stream semantics (the mechanics are in :mod:`pycoll.gpu.jobs`):
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -34,7 +33,7 @@ from pycoll.collectives.base import Spec
 from pycoll.errors import CollectiveTimeout, InvalidArgumentError
 from pycoll.gpu import reduce as dreduce
 from pycoll.gpu import windows
-from pycoll.gpu.jobs import Gates, Inflight, Job
+from pycoll.gpu.jobs import Gates, Inflight, Job, poll
 from pycoll.gpu.links import DeviceLinks
 from pycoll.gpu.staging import Pinned, piece_bytes
 from pycoll.gpu.windows import Scratch, Windows
@@ -358,17 +357,15 @@ class HostJob(Job):
         with cupy.cuda.Device(ctx.device):
             if not self.gated:
                 self._copy_in()
-            if rt.eventQuery(self.ready) == _NOT_READY:
-                at = time.monotonic() + ctx.timeout
-                bo = Backoff(spins=16, yields=64, max_sleep=100e-6)
-                while rt.eventQuery(self.ready) == _NOT_READY:
-                    if time.monotonic() >= at:
-                        raise CollectiveTimeout(
-                            f"rank {ctx.rank}: the work queued on the stream before a device "
-                            f"collective did not finish within {ctx.timeout:g} s (PYCOLL_TIMEOUT)",
-                            rank=ctx.rank,
-                        )
-                    bo.pause()
+            poll(
+                lambda: rt.eventQuery(self.ready) != _NOT_READY,
+                ctx.timeout,
+                lambda: CollectiveTimeout(
+                    f"rank {ctx.rank}: the work queued on the stream before a device "
+                    f"collective did not finish within {ctx.timeout:g} s (PYCOLL_TIMEOUT)",
+                    rank=ctx.rank,
+                ),
+            )
             body(self.hv, self.ov)
             if self.gated:
                 self.gates.open_now(self.seq)

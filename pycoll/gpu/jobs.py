@@ -64,6 +64,25 @@ _NOT_READY = 600  # cudaErrorNotReady
 _EVENT_FLAGS = 0x2  # cudaEventDisableTiming
 
 
+def poll(
+    ready: Callable[[], bool],
+    timeout: float,
+    fail: Callable[[], Exception],
+    max_sleep: float = 100e-6,
+) -> None:
+    """Until ``ready()`` (an event's query: the work queued on a stream before a
+    collective's host part), polling with back-off; after ``timeout`` seconds,
+    raise ``fail()``.  The host never blocks in the driver, so the wait is bounded."""
+    if ready():
+        return
+    at = time.monotonic() + timeout
+    bo = Backoff(spins=16, yields=64, max_sleep=max_sleep)
+    while not ready():
+        if time.monotonic() >= at:
+            raise fail()
+        bo.pause()
+
+
 class Gates:
     """The ring of gate words and the side stream that opens gates from the host.
 

@@ -27,15 +27,14 @@ group's stream, so the next copy into it is ordered after this copy out of it.
 from __future__ import annotations
 
 import logging
-from time import monotonic
 from typing import Any
 
 import numpy as np
 import torch
 
 from pycoll.errors import CollectiveTimeout
+from pycoll.gpu.jobs import poll
 from pycoll.torch_backend.tensors import numpy_view
-from transports.base import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +102,17 @@ class Mirrors:
     def _wait(self, copied: torch.cuda.Event) -> None:
         """Until the copy into the mirror is done: it follows the caller's work
         queued before the call (the gradients), so it may take a while."""
-        if copied.query():
-            return
-        end = monotonic() + self._timeout
-        bo = Backoff(spins=16, yields=64, max_sleep=50e-6)
-        while not copied.query():
-            if monotonic() > end:
-                raise CollectiveTimeout(
-                    f"pycoll backend, rank {self._rank}: the work queued on the stream "
-                    f"before an allreduce did not finish within {self._timeout:g} s "
-                    "(the group's timeout)",
-                    rank=self._rank,
-                )
-            bo.pause()
+        poll(
+            copied.query,
+            self._timeout,
+            lambda: CollectiveTimeout(
+                f"pycoll backend, rank {self._rank}: the work queued on the stream "
+                f"before an allreduce did not finish within {self._timeout:g} s "
+                "(the group's timeout)",
+                rank=self._rank,
+            ),
+            max_sleep=50e-6,
+        )
 
     def clear(self) -> None:
         """Drop the mirrors (the group is shutting down)."""

@@ -72,7 +72,7 @@ def test_alltoall(comms, algo, dtype):
 
 def test_alltoall_by_address_and_through_the_slots_around_the_threshold(comms):
     """alltoall of just under and just over direct's by-address threshold (4
-    MiB: slots below, cross-memory writes from there), odd blocks, against
+    MiB: slots below, cross-memory reads from there), odd blocks, against
     NumPy, output poisoned."""
     from pycoll.algorithms.direct import ALLTOALL_BY_ADDRESS_MIN
 
