@@ -150,6 +150,34 @@ def test_mismatched_calls_raise_and_return_nothing_wrong(
     _run_case(cfg, algo, lambda r: (first if r == 0 else rest)(r, 2))
 
 
+def _alltoall(k: int) -> Callable[[int, int], Call]:
+    def make(r: int, n: int) -> Call:
+        x = _data(r, n * k, np.float32)
+        out = _poison(n * k, np.float32)
+        ref = np.concatenate([_data(q, n * k, np.float32)[r * k : (r + 1) * k] for q in range(n)])
+        return (lambda c, a: c.alltoall(x, out, algorithm=a)), ref
+
+    return make
+
+
+#: alltoall blocks (float32 elements) through direct's slots in rounds written
+#: ahead (1 MiB a rank at n = 2), and by address (from 4 MiB a rank)
+ALLTOALL_BLOCKS = {"slot rounds": 1 << 17, "by address": (1 << 19) + 8}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("way", list(ALLTOALL_BLOCKS))
+def test_mismatched_direct_alltoalls_raise(way: str, n: int) -> None:
+    """alltoall through direct's slot rounds (all written before any is read) and
+    by address, against another count a block and against an allgather of the
+    same bytes on the last rank: the mismatch surfaces at once, and a rank that
+    returned holds what its own call means."""
+    k = ALLTOALL_BLOCKS[way]
+    cfg = {"transports": ("shm",)}
+    for other in (_alltoall(k + 1), _allgather(k)):
+        _run_case(cfg, "direct", lambda r, o=other: (o if r == n - 1 else _alltoall(k))(r, n), n=n)
+
+
 THREE = [p for p in PATHS if p[0] not in ("shm-tree", "tcp-auto")]
 
 
