@@ -1,28 +1,21 @@
-/* pycoll._step: the hot part of a small direct collective's step, compiled.
+/* pycoll._step: a small direct collective's step, compiled.
 
    A prepared step of pycoll.algorithms.direct (one slot of the group segment,
-   see transports/shm_group.py) copies its input into its slot, publishes the
-   step, waits for the peers' words and reduces their slots in rank order.  In
-   Python those five pieces cost about 2.7 us of an 8 B allreduce at n = 2 on
-   the 2-core machine; here one call does the first three, another the
-   reduction (docs/algorithms.md, "The compiled step").  Everything the
-   protocol decides stays in Python: which words, which slots, the chain of
-   fingerprints, claims, back-off, mismatches and timeouts.  These functions
-   only move bytes and words at the addresses they are given, so a caller that
-   gets an address wrong corrupts memory: pycoll.algorithms.direct is the only
-   caller, with addresses of the segment it maps.  Every function holds the GIL
-   throughout (its spins are bounded), so no other thread can close and unmap
-   the segment while one runs; a closed communicator never reaches them.
+   see transports/shm_group.py) takes the next step number and chain word,
+   claims its slot, copies its input in, publishes the step, waits for the
+   peers' words and reduces or copies their slots.  In Python that costs about
+   1.1 us of an 8 B allreduce at n = 2 on the 2-core machine; as one C call,
+   0.7 (docs/algorithms.md, "The compiled step").  Whatever has to wait or
+   decide stays in Python and is called back: a claim that must wait for a
+   slot, a wait that outlasts its spins (back-off, timeouts, liveness and
+   mismatches), a reduction this file does not do.  The step only moves bytes
+   and words at the addresses it was given, so a caller that gets an address
+   wrong corrupts memory: pycoll.algorithms.direct is the only caller, with
+   addresses of the segment it maps.  A step holds the GIL throughout but in
+   its callbacks (its spins are bounded), and a closed communicator drops its
+   steps, so none runs on an unmapped segment.
 
-   post_wait(x, slot, nbytes, done, done_value, posted, word, peers, spins) -> int
-       Copy buffer x, which must hold nbytes, into address slot (x None:
-       nothing), store
-       done_value at done and then word at posted (release stores: the slot's
-       bytes are visible first), then load the 64-bit words at the addresses of
-       the tuple peers (acquire loads) until each equals word, spinning at most
-       spins rounds in all.  Returns -1 when every peer posted word, else the
-       index in peers of the first that has not (the caller waits for it and
-       the rest the slow way).
+   Step(...): one prepared step, whole; below, where it is defined.
 
    reduce(op, kind, out, count, rows) -> bool
        out = ((rows[0] OP rows[1]) OP rows[2]) ... elementwise, rows a tuple of
@@ -31,22 +24,13 @@
        6 bxor; kind: the dtype, 'b' 'B' 'h' 'H' 'i' 'I' 'q' 'Q' (integers of
        1, 2, 4, 8 bytes, signed or not) or 'f' 'd' (float32, float64: sum and
        prod only, where IEEE arithmetic gives NumPy's bits).  Returns False,
-       touching nothing, for any other op and kind: the caller reduces.
-
-   store(addr, value)
-       A release store of a 64-bit word (a step's "done").
-
-   wait(peers, word, spins) -> int
-       post_wait's wait alone (a broadcast's reader, which posts nothing).
-
-   copy_blocks(out, block, sources) -> None
-       Copy block bytes from each address of the tuple sources into block j of
-       the writable buffer out (len(sources) blocks long); a source of 0 is
-       skipped (the rank's own block).
+       touching nothing, for any other op and kind: the caller reduces.  A
+       Step reduces the same way; this function is its unit tests' handle.
 */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -64,124 +48,6 @@ addr_of(PyObject *o, char **p)
         return -1;
     *p = (char *)(uintptr_t)v;
     return 0;
-}
-
-/* Wait for the 64-bit words at the addresses of the tuple peers to equal word
-   (acquire loads), at most spins rounds in all: -1, or the index of the first
-   peer whose word is not there. */
-static PyObject *
-spin(PyObject *peers, unsigned long long word, long spins)
-{
-    Py_ssize_t n = PyTuple_GET_SIZE(peers);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        char *at;
-        if (addr_of(PyTuple_GET_ITEM(peers, k), &at))
-            return NULL;
-        while (__atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE) != (uint64_t)word) {
-            if (spins-- <= 0)
-                return PyLong_FromSsize_t(k);
-            RELAX();
-        }
-    }
-    return PyLong_FromLong(-1);
-}
-
-static PyObject *
-step_post_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    char *slot, *done, *posted;
-    unsigned long long done_value, word;
-    Py_ssize_t nbytes;
-    long spins;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "post_wait takes 9 arguments");
-        return NULL;
-    }
-    if (addr_of(args[1], &slot) || addr_of(args[3], &done) || addr_of(args[5], &posted))
-        return NULL;
-    nbytes = PyLong_AsSsize_t(args[2]);
-    done_value = PyLong_AsUnsignedLongLong(args[4]);
-    word = PyLong_AsUnsignedLongLong(args[6]);
-    spins = PyLong_AsLong(args[8]);
-    if (PyErr_Occurred())
-        return NULL;
-    PyObject *peers = args[7];
-    if (!PyTuple_Check(peers)) {
-        PyErr_SetString(PyExc_TypeError, "peers must be a tuple of addresses");
-        return NULL;
-    }
-    if (args[0] != Py_None) {
-        Py_buffer x;
-        if (PyObject_GetBuffer(args[0], &x, PyBUF_C_CONTIGUOUS) < 0)
-            return NULL;
-        if (x.len != nbytes) {
-            PyBuffer_Release(&x);
-            PyErr_Format(PyExc_ValueError, "post_wait: %zd bytes for a %zd-byte step",
-                         x.len, nbytes);
-            return NULL;
-        }
-        memcpy(slot, x.buf, (size_t)nbytes);
-        PyBuffer_Release(&x);
-    }
-    __atomic_store_n((uint64_t *)done, (uint64_t)done_value, __ATOMIC_RELEASE);
-    __atomic_store_n((uint64_t *)posted, (uint64_t)word, __ATOMIC_RELEASE);
-    return spin(peers, word, spins);
-}
-
-static PyObject *
-step_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "wait takes 3 arguments");
-        return NULL;
-    }
-    unsigned long long word = PyLong_AsUnsignedLongLong(args[1]);
-    long spins = PyLong_AsLong(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (!PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "peers must be a tuple of addresses");
-        return NULL;
-    }
-    return spin(args[0], word, spins);
-}
-
-static PyObject *
-step_copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_blocks takes 3 arguments");
-        return NULL;
-    }
-    Py_ssize_t block = PyLong_AsSsize_t(args[1]);
-    if (block < 0 && PyErr_Occurred())
-        return NULL;
-    PyObject *srcs = args[2];
-    if (!PyTuple_Check(srcs)) {
-        PyErr_SetString(PyExc_TypeError, "sources must be a tuple of addresses");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(srcs);
-    Py_buffer o;
-    if (PyObject_GetBuffer(args[0], &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (o.len != n * block) {
-        PyBuffer_Release(&o);
-        PyErr_Format(PyExc_ValueError, "copy_blocks: a %zd-byte output for %zd blocks of %zd",
-                     o.len, n, block);
-        return NULL;
-    }
-    for (Py_ssize_t j = 0; j < n; j++) {
-        char *src;
-        if (addr_of(PyTuple_GET_ITEM(srcs, j), &src)) {
-            PyBuffer_Release(&o);
-            return NULL;
-        }
-        if (src)
-            memcpy((char *)o.buf + j * block, src, (size_t)block);
-    }
-    PyBuffer_Release(&o);
-    Py_RETURN_NONE;
 }
 
 #define LOOP(T, EXPR)                                                    \
@@ -302,34 +168,314 @@ step_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(ok);
 }
 
-static PyObject *
-step_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+
+/* ------------------------------------------------------------------ Step
+
+   Step(mode, group, claim, wait, reduce, K, mul, mask, fpw, spins, nbytes,
+        count, op, kind, slot, word, done, theirs, rows)
+
+   One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
+   it does what that module's Python closure of the same mode does, in one C
+   call while nothing has to wait.  Per call:
+
+     s = group.seq + 1; c = (group.chain * mul + fpw) & mask (64-bit words:
+     the chain lives in the bits of mask); both stored back on group;
+     i = s % K; w = c | s.
+     Unless mode is LEAF: when s - K > group._done_floor, claim(s) (Python: it
+     waits until the peers are done with step s - K).
+     Then by mode:
+       READ (allreduce, a reduce's root): copy x (nbytes) into slot[i], store
+         done = s - 1 and word[i] = w (release), wait for theirs[i] to hold w,
+         out = rows[i][0] OP rows[i][1] ... (count elements), done = s;
+       WRITE (a reduce off its root): copy in and post, done = s;
+       GATHER (allgather): copy in, post, wait, copy each nonzero rows[i][j]
+         (nbytes) to block j of out, done = s;
+       SCATTER (reduce_scatter): as READ, rows[i] being block r of each slot;
+       ROOT (a broadcast's root): copy in, post, done = s;
+       LEAF (a broadcast's leaves): wait for theirs[i], copy rows[i][0]
+         (nbytes) into x, done = s.
+     A wait spins at most spins rounds in all; a peer not there by then is
+     waited for by wait(late, i, w) (Python: the group's wait, which backs off,
+     times out and raises on a mismatch), late being its index in theirs[i].
+     A reduction C does not do (op or kind outside those of reduce above) is
+     reduce(i, out) (Python).
+
+   Exceptions from claim, wait and reduce propagate; the step's state on the
+   group is then what the Python closure would have left. */
+
+enum { READ, WRITE, GATHER, SCATTER, ROOT, LEAF };
+#define MAXK 64
+#define MAXN 64
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int mode, K, op, kind, m, nrows;
+    PyObject *group, *claim, *wait, *reduce;
+    uint64_t mul, mask, fpw;
+    long spins;
+    Py_ssize_t nbytes, count;
+    char *slot[MAXK], *word[MAXK], *done;
+    char **theirs; /* K x m */
+    char **rows;   /* K x nrows */
+} Step;
+
+static PyObject *s_seq, *s_chain, *s_floor;
+
+static void
+step_dealloc(Step *self)
 {
-    char *at;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "store takes 2 arguments");
+    Py_XDECREF(self->group);
+    Py_XDECREF(self->claim);
+    Py_XDECREF(self->wait);
+    Py_XDECREF(self->reduce);
+    PyMem_Free(self->theirs);
+    PyMem_Free(self->rows);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A tuple of K tuples of w addresses each, into out (K x w); -1 on error. */
+static int
+address_table(PyObject *t, int K, int *w, char ***out, const char *what)
+{
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != K) {
+        PyErr_Format(PyExc_TypeError, "Step: %s must be a tuple of %d tuples", what, K);
+        return -1;
+    }
+    Py_ssize_t width = -1;
+    for (int i = 0; i < K; i++) {
+        PyObject *row = PyTuple_GET_ITEM(t, i);
+        if (!PyTuple_Check(row) || (width >= 0 && PyTuple_GET_SIZE(row) != width)) {
+            PyErr_Format(PyExc_TypeError, "Step: %s must be tuples of one length", what);
+            return -1;
+        }
+        width = PyTuple_GET_SIZE(row);
+    }
+    if (width > MAXN) {
+        PyErr_Format(PyExc_ValueError, "Step: %s rows of more than %d", what, MAXN);
+        return -1;
+    }
+    *w = (int)width;
+    *out = PyMem_Calloc((size_t)K * (size_t)(width ? width : 1), sizeof(char *));
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < K; i++)
+        for (Py_ssize_t j = 0; j < width; j++)
+            if (addr_of(PyTuple_GET_ITEM(PyTuple_GET_ITEM(t, i), j), &(*out)[i * width + j]))
+                return -1;
+    return 0;
+}
+
+static PyObject *step_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
+
+static PyObject *
+step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    int mode, K, op, kind;
+    PyObject *group, *claim, *wait, *reduce, *slot, *word, *done, *theirs, *rows;
+    unsigned long long mul, mask, fpw;
+    long spins;
+    Py_ssize_t nbytes, count;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Step takes no keyword arguments");
         return NULL;
     }
-    if (addr_of(args[0], &at))
+    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOO:Step", &mode, &group, &claim, &wait,
+                          &reduce, &K, &mul, &mask, &fpw, &spins, &nbytes, &count, &op, &kind,
+                          &slot, &word, &done, &theirs, &rows))
         return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    if (mode < READ || mode > LEAF || K < 2 || K > MAXK || nbytes < 0 || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "Step: bad mode, K, nbytes or count");
         return NULL;
-    __atomic_store_n((uint64_t *)at, (uint64_t)v, __ATOMIC_RELEASE);
+    }
+    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != K || !PyTuple_Check(word) ||
+        PyTuple_GET_SIZE(word) != K) {
+        PyErr_SetString(PyExc_TypeError, "Step: slot and word must be tuples of K addresses");
+        return NULL;
+    }
+    Step *self = (Step *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = step_vectorcall;
+    self->mode = mode;
+    self->K = K;
+    self->op = op;
+    self->kind = kind;
+    self->mul = mul;
+    self->mask = mask;
+    self->fpw = fpw;
+    self->spins = spins;
+    self->nbytes = nbytes;
+    self->count = count;
+    Py_INCREF(group);
+    self->group = group;
+    Py_INCREF(claim);
+    self->claim = claim;
+    Py_INCREF(wait);
+    self->wait = wait;
+    Py_INCREF(reduce);
+    self->reduce = reduce;
+    for (int i = 0; i < K; i++)
+        if (addr_of(PyTuple_GET_ITEM(slot, i), &self->slot[i]) ||
+            addr_of(PyTuple_GET_ITEM(word, i), &self->word[i]))
+            goto fail;
+    if (addr_of(done, &self->done) ||
+        address_table(theirs, K, &self->m, &self->theirs, "theirs") ||
+        address_table(rows, K, &self->nrows, &self->rows, "rows"))
+        goto fail;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+/* The group's attribute name as a C integer; -1 and an exception on error. */
+static int
+get_u64(PyObject *o, PyObject *name, uint64_t *v)
+{
+    PyObject *a = PyObject_GetAttr(o, name);
+    if (a == NULL)
+        return -1;
+    *v = PyLong_AsUnsignedLongLong(a);
+    Py_DECREF(a);
+    return (*v == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+set_u64(PyObject *o, PyObject *name, uint64_t v)
+{
+    PyObject *a = PyLong_FromUnsignedLongLong(v);
+    if (a == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(o, name, a);
+    Py_DECREF(a);
+    return rc;
+}
+
+/* Python's wait(late, i, w) for the peers from index late of theirs[i]. */
+static int
+wait_slow(Step *self, Py_ssize_t late, int i, uint64_t w)
+{
+    PyObject *r = PyObject_CallFunction(self->wait, "niK", late, i, (unsigned long long)w);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static PyObject *
+step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Step *self = (Step *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a Step takes (x, out)");
+        return NULL;
+    }
+    PyObject *group = self->group;
+    uint64_t seq, chain;
+    if (get_u64(group, s_seq, &seq) || get_u64(group, s_chain, &chain))
+        return NULL;
+    uint64_t s = seq + 1;
+    uint64_t c = (chain * self->mul + self->fpw) & self->mask;
+    if (set_u64(group, s_seq, s) || set_u64(group, s_chain, c))
+        return NULL;
+    int K = self->K, mode = self->mode;
+    int i = (int)(s % (uint64_t)K);
+    uint64_t w = c | s;
+    if (mode != LEAF && s > (uint64_t)K) {
+        uint64_t floor;
+        if (get_u64(group, s_floor, &floor))
+            return NULL;
+        if (s - (uint64_t)K > floor) {
+            PyObject *r = PyObject_CallFunction(self->claim, "K", (unsigned long long)s);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+        }
+    }
+    if (mode != LEAF) { /* copy in and post */
+        Py_buffer x;
+        if (PyObject_GetBuffer(args[0], &x, PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        if (x.len != self->nbytes) {
+            PyErr_Format(PyExc_ValueError, "Step: %zd bytes for a %zd-byte step", x.len,
+                         self->nbytes);
+            PyBuffer_Release(&x);
+            return NULL;
+        }
+        memcpy(self->slot[i], x.buf, (size_t)x.len);
+        PyBuffer_Release(&x);
+        __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)self->word[i], w, __ATOMIC_RELEASE);
+    }
+    if (mode == WRITE || mode == ROOT) {
+        __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
+        Py_RETURN_NONE;
+    }
+    /* wait for the peers' words */
+    long spins = self->spins;
+    char **theirs = self->theirs + (Py_ssize_t)i * self->m;
+    for (int k = 0; k < self->m; k++) {
+        while (__atomic_load_n((uint64_t *)theirs[k], __ATOMIC_ACQUIRE) != w) {
+            if (spins-- <= 0) {
+                if (wait_slow(self, k, i, w))
+                    return NULL;
+                k = self->m; /* Python waited for the rest */
+                break;
+            }
+            RELAX();
+        }
+    }
+    char **rows = self->rows + (Py_ssize_t)i * self->nrows;
+    PyObject *dst = mode == LEAF ? args[0] : args[1];
+    Py_buffer o;
+    if (PyObject_GetBuffer(dst, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    int ok = 1;
+    if (mode == READ || mode == SCATTER) {
+        int w8 = width(self->kind);
+        if (o.len != self->count * w8 || !w8)
+            ok = 0;
+        else
+            ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows, self->count);
+    } else { /* GATHER, LEAF: blocks of nbytes */
+        if (o.len != self->nrows * self->nbytes) {
+            PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd",
+                         o.len, self->nrows, self->nbytes);
+            PyBuffer_Release(&o);
+            return NULL;
+        }
+        for (int j = 0; j < self->nrows; j++)
+            if (rows[j])
+                memcpy((char *)o.buf + j * self->nbytes, rows[j], (size_t)self->nbytes);
+    }
+    PyBuffer_Release(&o);
+    if (!ok) {
+        PyObject *r = PyObject_CallFunction(self->reduce, "iO", i, dst);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
 
+static PyTypeObject StepType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pycoll._step.Step",
+    .tp_basicsize = sizeof(Step),
+    .tp_dealloc = (destructor)step_dealloc,
+    .tp_vectorcall_offset = offsetof(Step, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "One prepared small direct step, whole (see _step.c).",
+    .tp_new = step_new,
+};
+
 static PyMethodDef methods[] = {
-    {"post_wait", (PyCFunction)(void (*)(void))step_post_wait, METH_FASTCALL,
-     "Copy in, publish a step, and wait briefly for the peers' words."},
     {"reduce", (PyCFunction)(void (*)(void))step_reduce, METH_FASTCALL,
      "Reduce rows at addresses into a buffer, in rank order; False: not here."},
-    {"store", (PyCFunction)(void (*)(void))step_store, METH_FASTCALL,
-     "A release store of a 64-bit word."},
-    {"wait", (PyCFunction)(void (*)(void))step_wait, METH_FASTCALL,
-     "Wait briefly for the peers' words."},
-    {"copy_blocks", (PyCFunction)(void (*)(void))step_copy_blocks, METH_FASTCALL,
-     "Copy blocks from addresses into consecutive blocks of a buffer."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -342,5 +488,19 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__step(void)
 {
-    return PyModule_Create(&module);
+    s_seq = PyUnicode_InternFromString("seq");
+    s_chain = PyUnicode_InternFromString("chain");
+    s_floor = PyUnicode_InternFromString("_done_floor");
+    if (s_seq == NULL || s_chain == NULL || s_floor == NULL || PyType_Ready(&StepType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&StepType);
+    if (PyModule_AddObject(m, "Step", (PyObject *)&StepType) < 0) {
+        Py_DECREF(&StepType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -1,17 +1,28 @@
 from typing import Any
 
-def post_wait(
-    x: Any,
-    slot: int,
-    nbytes: int,
-    done: int,
-    done_value: int,
-    posted: int,
-    word: int,
-    peers: tuple[int, ...],
-    spins: int,
-) -> int: ...
 def reduce(op: int, kind: int, out: Any, count: int, rows: tuple[int, ...]) -> bool: ...
-def store(addr: int, value: int) -> None: ...
-def wait(peers: tuple[int, ...], word: int, spins: int) -> int: ...
-def copy_blocks(out: Any, block: int, sources: tuple[int, ...]) -> None: ...
+
+class Step:
+    def __init__(
+        self,
+        mode: int,
+        group: Any,
+        claim: Any,
+        wait: Any,
+        reduce: Any,
+        K: int,
+        mul: int,
+        mask: int,
+        fpw: int,
+        spins: int,
+        nbytes: int,
+        count: int,
+        op: int,
+        kind: int,
+        slot: tuple[int, ...],
+        word: tuple[int, ...],
+        done: int,
+        theirs: tuple[tuple[int, ...], ...],
+        rows: tuple[tuple[int, ...], ...],
+    ) -> None: ...
+    def __call__(self, x: Any, out: Any) -> None: ...

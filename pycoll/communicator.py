@@ -84,7 +84,7 @@ class Communicator:
         # A sub-communicator's ranks are not the device connections': its device
         # buffers go through pinned host memory.
         dispatch = Dispatch(eng, self._policy, self._gpu, device=root)
-        self._call, self._call_v = dispatch.call, dispatch.call_v
+        self._call, self._call_v = dispatch.entry, dispatch.call_v
         self._dispatch = dispatch
         self._peers = PeerCalls(eng)
 

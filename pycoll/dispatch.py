@@ -52,6 +52,9 @@ class Dispatch:
         self._weak = engine.plans.weak_plans
         self._known_kind = engine.plans.known_kind
         self._replay = engine.replay
+        #: the public methods' entry: :meth:`call` behind the compiled entry
+        #: where it was built (:meth:`pycoll.engine.Engine.entry`)
+        self.entry = engine.entry(self.call)
 
     def call(
         self,
@@ -258,7 +261,17 @@ class Prepared:
     ranks) are always ordinary ones.
     """
 
-    __slots__ = ("_args", "_dispatch", "_epoch", "_key", "_o", "_plan", "_x", "collective")
+    __slots__ = (
+        "_args",
+        "_dispatch",
+        "_entry",
+        "_epoch",
+        "_key",
+        "_o",
+        "_plan",
+        "_x",
+        "collective",
+    )
 
     def __init__(
         self,
@@ -288,8 +301,14 @@ class Prepared:
         self._epoch = -1
         self._x, self._o = sendbuf, recvbuf
         self.collective: str = coll.name
+        # the compiled entry finds the plan faster than the checks below
+        self._entry = None if dispatch.entry == dispatch.call else dispatch.entry
 
     def __call__(self) -> Any:
+        e = self._entry
+        if e is not None:
+            coll, x, o, op, root, algorithm = self._args
+            return e(coll, x, o, op, root, algorithm, False, None)
         d = self._dispatch
         p = self._plan
         if (

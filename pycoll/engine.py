@@ -71,6 +71,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+replay_c: Any
+try:  # the compiled entry of replayed calls (pycoll/_replay.c), built where a C compiler is
+    from pycoll import _replay as replay_c
+except ImportError:  # pragma: no cover - an install without a compiler
+    replay_c = None
+
 WORKER = "pycoll-progress"  # the name of the worker (progress) thread
 _COLL_IDS = {c.name: c.ident for c in COLLECTIVES.values()}
 _COLL_NAMES = {v: k for k, v in _COLL_IDS.items()}
@@ -161,7 +167,12 @@ class Engine:
         self.recent: collections.deque[list[Any]] = collections.deque(maxlen=32)
         self.links_cache: dict[tuple[Any, ReduceOp | None], Links] = {}
         # through the attribute, so that a test may count the steps made
-        self.plans = Plans(lambda k: self.make_step(k), self.seen)
+        self.compiled_entry = replay_c is not None and config.compiled
+        self.plans = Plans(
+            lambda k: self.make_step(k),
+            self.seen,
+            replay_c.Fit if self.compiled_entry else None,
+        )
         self.status = StatusChannel(bootstrap) if bootstrap is not None else None
 
     # the family's, read by tests and the communicator
@@ -445,6 +456,29 @@ class Engine:
         if trace:
             log.log(TRACE, "done %s", Record(*rec))
         return result
+
+    def entry(self, slow: Callable[..., Any]) -> Callable[..., Any]:
+        """The public methods' entry: ``slow`` (:meth:`pycoll.dispatch.Dispatch.call`)
+        behind the compiled entry (:mod:`pycoll._replay`), which runs the plans
+        of NumPy arrays as :meth:`replay` would and hands it every other call;
+        ``slow`` itself without it (PYCOLL_COMPILED=0, or not built)."""
+        if not self.compiled_entry:
+            return slow
+        return replay_c.Entry(  # type: ignore[no-any-return]
+            slow,
+            self.plans.plans,
+            self.fam,
+            self,
+            self.p2p,
+            self.enter,
+            self.leave,
+            self.recent.append,
+            log.isEnabledFor,
+            TRACE,
+            self.fail,
+            self._overlapped,
+            np.ndarray,
+        )
 
     def replay(self, p: Plan | Kind, sendbuf: Any, recvbuf: Any) -> Any:
         """Run a plan or a kind of call (the fast path): what :meth:`execute` does,

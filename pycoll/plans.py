@@ -63,6 +63,7 @@ class Plan:
 
     __slots__ = (
         "call",
+        "fit",
         "go",
         "o",
         "odtype",
@@ -98,6 +99,8 @@ class Plan:
         self.call = call
         self.go: Callable[[], Any] = _unset
         self.res: Any = None
+        #: the compiled entry's view of the plan (:mod:`pycoll._replay`), or None
+        self.fit: Any = None
 
     def fits(self, x: Any, o: Any) -> bool:
         """Whether the arrays still look as they did when the plan was made."""
@@ -200,13 +203,17 @@ class Plans:
     Args:
         make_step: makes the step of a key of :meth:`step` (the engine's).
         seen: records a call's fingerprint, to name it in a mismatch.
+        fit_type: :class:`pycoll._replay.Fit`, to give each plan of NumPy
+            arrays that it holds a view for the compiled entry; None: none.
     """
 
     def __init__(
         self,
         make_step: Callable[[tuple[Any, ...]], Callable[..., None]],
         seen: Callable[[Call], None],
+        fit_type: Any = None,
     ) -> None:
+        self.fit_type = fit_type
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.weak_plans: dict[tuple[Any, ...], Plan] = {}
         self.kinds: dict[tuple[Any, ...], Kind] = {}
@@ -271,6 +278,13 @@ class Plans:
                 p.res = x.obj
             elif spec.out is not None and spec.result is spec.out.obj:
                 p.res = out.obj if out is not None else None
+        if self.fit_type is not None and not weak and type(sendbuf) is np.ndarray:
+            o = p.o
+            if o is None or type(o) is np.ndarray:
+                try:
+                    p.fit = self.fit_type(sendbuf, p.xw, o, p.go, p.res, call, p.tid)
+                except ValueError:  # NumPy's array struct is not as _replay.c reads it
+                    p.fit = None
         self._seen(call)
         plans = self.weak_plans if weak else self.plans
         make_room(plans, WEAK_PLAN_MAX if weak else PLAN_MAX)

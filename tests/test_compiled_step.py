@@ -2,7 +2,7 @@
 bytes as NumPy's reductions and as the Python steps, and refused where it
 does not apply.
 
-Unit checks call its five functions on NumPy arrays; then replayed small
+Unit checks call its reduction and its Step on NumPy arrays; then replayed small
 allreduces, reduces, reduce-scatters, allgathers and broadcasts (ranks as
 threads) with the compiled step on and off (``compiled=False``: the Python
 steps) must agree bitwise for every dtype and op, at n = 2, 3 and 4, with
@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,53 +98,140 @@ def test_reduce_in_place_and_sizes_checked() -> None:
     assert not step.reduce(0, ord("i"), a, 5, (_addr(a),))  # one row: not here
 
 
+class _Group:
+    """The attributes of a group that a Step reads and writes."""
+
+    def __init__(self) -> None:
+        self.seq, self.chain, self._done_floor = 0, 0, 0
+
+
+_MASK = ((1 << 64) - 1) ^ ((1 << 40) - 1)
+
+
+def _fake(K: int, n: int, nbytes: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """A segment's words ([done, K posted words of this rank, K of each peer])
+    and slots (K per rank, rank 0 this one), and the addresses a Step takes."""
+    words = np.zeros(1 + K * n, np.uint64)
+    slots = np.zeros((n, K, nbytes), np.uint8)
+    w0, s0 = _addr(words), _addr(slots)
+    word = tuple(w0 + 8 * (1 + i) for i in range(K))
+    theirs = tuple(tuple(w0 + 8 * (1 + K * j + i) for j in range(1, n)) for i in range(K))
+    rows = tuple(tuple(s0 + (j * K + i) * nbytes for j in range(n)) for i in range(K))
+    slot = tuple(r[0] for r in rows)
+    return words, slots, {"slot": slot, "word": word, "theirs": theirs, "rows": rows, "done": w0}
+
+
+def _make(
+    mode: int,
+    G: _Group,
+    at: dict[str, Any],
+    calls: list[tuple[Any, ...]],
+    *,
+    K: int,
+    nbytes: int,
+    count: int,
+    spins: int = 8,
+    kind: int = ord("i"),
+) -> Any:
+    return step.Step(
+        mode,
+        G,
+        lambda s: calls.append(("claim", s)),
+        lambda late, i, w: calls.append(("wait", late, i, w)),
+        lambda i, out: calls.append(("reduce", i)),
+        K,
+        5,
+        _MASK,
+        3 << 40,
+        spins,
+        nbytes,
+        count,
+        0,
+        kind,
+        at["slot"],
+        at["word"],
+        at["done"],
+        at["theirs"],
+        at["rows"],
+    )
+
+
 @needs_step
-def test_post_wait_copies_publishes_and_waits() -> None:
-    """post_wait copies x into the slot, then stores done and the posted word;
-    it returns the first peer whose word is not there after its spins."""
-    slot = np.zeros(8, np.uint8)
-    words = np.zeros(4, np.uint64)  # [done, posted, peer a, peer b]
-    at = [_addr(words) + 8 * k for k in range(4)]
-    x = np.arange(8, dtype=np.uint8)
-    words[2] = 77
-    k = step.post_wait(x, _addr(slot), 8, at[0], 41, at[1], 77, (at[2], at[3]), 16)
-    assert k == 1 and slot.tolist() == list(range(8))
-    assert words[:2].tolist() == [41, 77]
-    words[3] = 77
-    assert step.post_wait(None, 0, 0, at[0], 42, at[1], 77, (at[2], at[3]), 16) == -1
-    assert words[0] == 42
-    with pytest.raises(ValueError, match="7 bytes for a 8-byte step"):
-        step.post_wait(x[:7], _addr(slot), 8, at[0], 0, at[1], 0, (), 0)
-    step.store(at[0], 99)
-    assert words[0] == 99
+def test_step_posts_waits_and_reduces() -> None:
+    """A READ step (allreduce) at n = 2, K = 2: it takes the next step and chain
+    word on the group, copies x into its slot, stores done = s - 1 and its
+    word, reduces once the peer's word is there, stores done = s; a peer not
+    there after the spins is Python's wait, called with that peer's index; a
+    step past K whose slot is not known free is Python's claim."""
+    K, n, nbytes = 2, 2, 8
+    words, slots, at = _fake(K, n, nbytes)
+    G, calls = _Group(), []  # type: ignore[var-annotated]
+    st = _make(direct._READ, G, at, calls, K=K, nbytes=nbytes, count=2)
+    x, out = np.array([1, 2], np.int32), np.full(2, -1, np.int32)
+    chain = (3 << 40) & _MASK
+    words[1 + K + 1] = chain | 1  # the peer posted step 1 (slot index 1)
+    slots[1, 1].view(np.int32)[:] = [10, 20]
+    st(x, out)
+    assert (G.seq, G.chain) == (1, chain) and calls == []
+    assert out.tolist() == [11, 22] and slots[0, 1].view(np.int32).tolist() == [1, 2]
+    assert int(words[0]) == 1 and int(words[1 + 1]) == chain | 1
+    st(x, out)  # step 2: the peer's word is not there
+    assert calls == [("wait", 0, 0, G.chain | 2)] and int(words[0]) == 2
+    st(x, out)  # step 3 > K, slot of step 1 not known free: claim first
+    assert calls[1] == ("claim", 3)
+    G._done_floor = 2
+    st(x, out)  # step 4: step 2 is known done everywhere
+    assert ("claim", 4) not in calls
+    with pytest.raises(ValueError, match="4 bytes for a 8-byte step"):
+        st(x[:1], out)
+
+
+@needs_step
+def test_step_modes_copy_where_they_should() -> None:
+    """GATHER copies every nonzero row into its block; LEAF posts nothing and
+    copies the root's slot into its buffer; a READ step of a dtype C does not
+    reduce calls Python's reduce with the slot index."""
+    K, n, nbytes = 2, 3, 4
+    words, slots, at = _fake(K, n, nbytes)
+    G, calls = _Group(), []  # type: ignore[var-annotated]
+    rows = tuple((0, r[1], r[2]) for r in at["rows"])  # the own block: the envelope's
+    gather = _make(direct._GATHER, G, {**at, "rows": rows}, calls, K=K, nbytes=nbytes, count=1)
+    slots[1, 1].view(np.int32)[:] = 7
+    slots[2, 1].view(np.int32)[:] = 9
+    out = np.full(3, -1, np.int32)
+    gather(np.array([5], np.int32), out)
+    assert out.tolist() == [-1, 7, 9] and calls == [("wait", 0, 1, G.chain | 1)]
+    leaf_at = {
+        **at,
+        "theirs": tuple((t[0],) for t in at["theirs"]),
+        "rows": tuple((r[1],) for r in at["rows"]),
+    }
+    leaf = _make(direct._LEAF, G, leaf_at, calls, K=K, nbytes=nbytes, count=1, spins=0)
+    before = words[1 : 1 + K].copy()
+    buf = np.zeros(1, np.int32)
+    slots[1, 0].view(np.int32)[:] = 42
+    leaf(buf, None)
+    assert buf.tolist() == [42] and (words[1 : 1 + K] == before).all() and int(words[0]) == 2
+    red = _make(direct._READ, G, at, calls, K=K, nbytes=nbytes, count=1, spins=0, kind=0)
+    red(np.array([1], np.int32), out[:1])
+    assert calls[-1] == ("reduce", 1)
 
 
 class _Counting:
-    """pycoll._step with its calls counted."""
+    """pycoll._step with the calls of its steps counted."""
 
-    def __init__(self, real: object) -> None:
+    def __init__(self, real: Any) -> None:
         self.real, self.calls = real, 0
-        for name in ("reduce", "store", "wait", "copy_blocks"):
-            setattr(self, name, getattr(real, name))
+        self.reduce = real.reduce
 
-    def post_wait(self, *args: object) -> int:
-        self.calls += 1
-        return self.real.post_wait(*args)  # type: ignore[attr-defined,no-any-return]
+    def Step(self, *args: Any) -> Any:  # the type it stands for
+        st = self.real.Step(*args)
 
+        def counted(x: Any, out: Any) -> None:
+            self.calls += 1
+            st(x, out)
 
-@needs_step
-def test_wait_and_copy_blocks() -> None:
-    words = np.array([5, 6], np.uint64)
-    at = (_addr(words), _addr(words) + 8)
-    assert step.wait(at, 5, 0) == 1  # the second word is not 5
-    words[1] = 5
-    assert step.wait(at, 5, 0) == -1
-    a, b = np.arange(4, dtype=np.uint8), np.arange(4, 8, dtype=np.uint8)
-    out = np.full(12, 0xEE, np.uint8)
-    step.copy_blocks(out, 4, (_addr(a), 0, _addr(b)))  # 0: the own block, untouched
-    assert out.tolist() == [0, 1, 2, 3, 0xEE, 0xEE, 0xEE, 0xEE, 4, 5, 6, 7]
-    with pytest.raises(ValueError, match="12-byte output for 2 blocks of 4"):
-        step.copy_blocks(out, 4, (_addr(a), _addr(b)))
+        return counted
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -672,39 +672,12 @@ def prepare(
 
         return run_reduce_root
 
-    # The compiled step's addresses and functions, shared by the closures below
-    use = use_compiled and compiled is not None
-    if use:
-        at = _Compiled(G, r, n, others)
-        nbytes = count * L.dtype.itemsize
-        code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
-        post_wait, reduce_c, store = compiled.post_wait, compiled.reduce, compiled.store
-        wait_c, copy_blocks = compiled.wait, compiled.copy_blocks
+    if use_compiled and compiled is not None and collective in _COMPILED:
+        return _compiled_step(collective, G, L, backoff, count, root, fpw, spins)
 
     if collective in ("allreduce", "reduce"):
         assert f is not None
         reader = collective == "allreduce" or r == root
-
-        if use:
-
-            def run_reduce_c(x: Any, out: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                claim(s, dl, bo)
-                theirs = at.theirs[i] if reader else ()
-                late = post_wait(
-                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, theirs, spins
-                )
-                if reader:
-                    if late >= 0:  # a peer not there yet: the group's wait, which backs off
-                        wait_word(others[late:], i, w, dl, bo)
-                    if not (kind and reduce_c(code, kind, out, count, at.rows[i])):
-                        reduce_rows(f, views[i], out)
-                store(at.done, s)
-
-            return run_reduce_c
 
         def run_reduce(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
@@ -722,26 +695,6 @@ def prepare(
         return run_reduce
 
     if collective == "allgather":
-        if use:
-            # every rank's slot but this rank's own block (the envelope copies it)
-            sources = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
-
-            def run_allgather_c(x: Any, out: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                claim(s, dl, bo)
-                late = post_wait(
-                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
-                )
-                if late >= 0:
-                    wait_word(others[late:], i, w, dl, bo)
-                copy_blocks(out, nbytes, sources[i])
-                store(at.done, s)
-
-            return run_allgather_c
-
         k = count
         blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
@@ -765,18 +718,6 @@ def prepare(
         src = (root,)
         theirs = tuple(v[root] for v in views)
 
-        if r == root and use:
-
-            def run_root_c(buf: Any, _: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                claim(s, dl, bo)
-                post_wait(buf, at.slot[i], nbytes, at.done, s - 1, at.word[i], c | s, (), 0)
-                store(at.done, s)
-
-            return run_root_c
-
         if r == root:
 
             def run_root(buf: Any, _: Any) -> None:
@@ -790,22 +731,6 @@ def prepare(
                 done(s)
 
             return run_root
-
-        if use:
-            words = tuple((at.theirs[i][others.index(root)],) for i in range(K))
-            slots = tuple((at.rows[i][root],) for i in range(K))
-
-            def run_leaf_c(buf: Any, _: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                if wait_c(words[i], w, spins) >= 0:
-                    wait_word(src, i, w, dl, bo)
-                copy_blocks(buf, nbytes, slots[i])
-                store(at.done, s)
-
-            return run_leaf_c
 
         def run_leaf(buf: Any, _: Any) -> None:
             s = G.seq = G.seq + 1
@@ -824,27 +749,6 @@ def prepare(
         blk = slice(r * k, (r + 1) * k)
         parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
 
-        if use:
-            off = r * k * L.dtype.itemsize  # block r of every rank's slot
-            blocks_at = tuple(tuple(a + off for a in row) for row in at.rows)
-
-            def run_reduce_scatter_c(x: Any, out: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                claim(s, dl, bo)
-                late = post_wait(
-                    x, at.slot[i], nbytes, at.done, s - 1, at.word[i], w, at.theirs[i], spins
-                )
-                if late >= 0:
-                    wait_word(others[late:], i, w, dl, bo)
-                if not (kind and reduce_c(code, kind, out, k, blocks_at[i])):
-                    reduce_rows(f, parts[i], out)
-                store(at.done, s)
-
-            return run_reduce_scatter_c
-
         def run_reduce_scatter(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
             c = G.chain = (G.chain * mul + fpw) & cmask
@@ -859,3 +763,92 @@ def prepare(
 
         return run_reduce_scatter
     return None
+
+
+def _compiled_step(
+    collective: str,
+    G: Group,
+    L: Links,
+    backoff: Backoff,
+    count: int,
+    root: int,
+    fpw: int,
+    spins: int,
+) -> Callable[[Any, Any], None]:
+    """:func:`prepare`'s step of ``collective`` as one :class:`pycoll._step.Step`:
+    the same bytes and words as the Python closures there, with the group's
+    claim, wait and (for ops and dtypes C does not reduce) reduction called back
+    in Python when they have something to do."""
+    n, r = L.size, L.rank
+    others = tuple(_others(n, r))
+    at = _Compiled(G, r, n, others)
+    K = G.slots
+    dl, f = L.deadline, L.reduce
+    nbytes = count * L.dtype.itemsize
+    code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
+    if code < 0:
+        kind = 0  # C reduces nothing: reduce() each time
+    views = G.views(L.dtype, count)
+    theirs: tuple[tuple[int, ...], ...] = at.theirs
+    rows: tuple[tuple[int, ...], ...] = at.rows
+    peers: tuple[int, ...] = others
+    parts: Any = views
+    red_count = count
+
+    if collective in ("allreduce", "reduce"):
+        mode = _READ if collective == "allreduce" or r == root else _WRITE
+    elif collective == "allgather":
+        mode = _GATHER  # every rank's slot but this rank's own block (the envelope copies it)
+        rows = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
+    elif collective == "reduce_scatter":
+        mode = _SCATTER
+        red_count = k = count // n
+        off = r * k * L.dtype.itemsize  # block r of every rank's slot
+        rows = tuple(tuple(a + off for a in row) for row in at.rows)
+        blk = slice(r * k, (r + 1) * k)
+        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
+    elif r == root:
+        mode = _ROOT
+    else:
+        mode = _LEAF  # waits for the root's word alone, and copies the root's slot
+        peers = (root,)
+        theirs = tuple((at.theirs[i][others.index(root)],) for i in range(K))
+        rows = tuple((at.rows[i][root],) for i in range(K))
+
+    def claim(s: int) -> None:
+        G.claim(s, dl, backoff)
+
+    def wait(late: int, i: int, w: int) -> None:
+        G.wait_word(peers[late:], i, w, dl, backoff)
+
+    def reduce(i: int, out: Any) -> None:
+        assert f is not None
+        reduce_rows(f, parts[i], out)
+
+    return compiled.Step(  # type: ignore[no-any-return]
+        mode,
+        G,
+        claim,
+        wait,
+        reduce,
+        K,
+        G.chain_mul,
+        G.chain_mask,
+        fpw & _U64,
+        spins,
+        nbytes,
+        red_count,
+        max(code, 0),
+        kind,
+        at.slot,
+        at.word,
+        at.done,
+        theirs,
+        rows,
+    )
+
+
+# the modes of pycoll._step.Step
+_READ, _WRITE, _GATHER, _SCATTER, _ROOT, _LEAF = range(6)
+_U64 = (1 << 64) - 1
+_COMPILED = ("allreduce", "reduce", "allgather", "reduce_scatter", "broadcast")

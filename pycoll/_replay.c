@@ -1,0 +1,483 @@
+/* pycoll._replay: the replayed call's entry, compiled.
+
+   A blocking call that the replay cache knows (pycoll.plans.Plan) goes through
+   pycoll.dispatch.Dispatch.call and pycoll.engine.Engine.replay: a key, two
+   dict lookups, a check that the arrays still look as they did, the
+   communicator's lock, a sequence number and a record in the flight recorder,
+   then the plan's step.  In Python that costs about 1.4 us of an 8 B allreduce
+   at n = 2 on the 2-core machine, more than the step itself
+   (docs/algorithms.md, "The compiled entry").  Entry does the same for the one
+   common case, a plan of NumPy arrays that the plan holds, and hands every
+   other call, unchanged, to the Python path it replaces:
+
+     Entry(slow, plans, fam, engine, p2p, enter, leave, append, enabled, trace,
+           fail, overlapped, ndarray)
+     entry(coll, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
+
+   runs the call when async_op is False, stream None, root an int, nothing is
+   in flight (fam.inflight), no point-to-point call is pending (p2p.live),
+   tracing is off (enabled(trace) false), plans holds the key (coll,
+   id(sendbuf), id(recvbuf), op, root, algorithm) and that plan has a Fit
+   whose arrays still fit, on the plan's thread.  Otherwise it returns
+   slow(coll, sendbuf, recvbuf, op, root, algorithm, async_op, stream).
+
+   Running it is what Engine.replay does: enter(False) (else the slow path,
+   which raises the concurrent-call error), engine.seq += 1, a record
+   [seq, call, monotonic, None, "running"] appended, go(); an exception is
+   handed to fail(record, exc), which raises it; leave(); fam.failed set
+   meanwhile: overlapped(record), which raises; the record's end and "ok".
+   The result is go()'s, or the Fit's res where go() returns None.
+
+   Fit(x, xw, o, go, res, call, tid): what a Plan's arrays look like (ndim,
+   shape, strides, dtype, and writeable where they are written: x when xw, o
+   always), read from NumPy's array struct, whose layout (PyArrayObject_fields:
+   data, nd, dimensions, strides, base, descr, flags) is part of NumPy's ABI.
+   The constructor checks what it reads against the arrays' Python attributes
+   and raises ValueError where they differ (the caller then makes no Fit).
+*/
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <time.h>
+
+#include "pythread.h"
+
+/* The head of NumPy's PyArrayObject_fields. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} ArrayHead;
+
+#define WRITEABLE 0x0400 /* NPY_ARRAY_WRITEABLE */
+#define MAXDIMS 64
+
+/* ------------------------------------------------------------------ Fit */
+
+typedef struct {
+    int nd;
+    int writeable; /* required */
+    PyObject *descr;
+    Py_ssize_t shape[MAXDIMS], strides[MAXDIMS];
+} Layout;
+
+typedef struct {
+    PyObject_HEAD
+    Layout x, o;
+    int has_o;
+    PyObject *go, *res, *call;
+    unsigned long tid;
+} Fit;
+
+static PyTypeObject *ndarray; /* set by the first Entry */
+
+static int
+layout_of(PyObject *a, int writeable, Layout *L)
+{
+    ArrayHead *h = (ArrayHead *)a;
+    if (h->nd < 0 || h->nd > MAXDIMS) {
+        PyErr_SetString(PyExc_ValueError, "Fit: an array of unexpected ndim");
+        return -1;
+    }
+    L->nd = h->nd;
+    L->writeable = writeable;
+    for (int d = 0; d < h->nd; d++) {
+        L->shape[d] = h->dimensions[d];
+        L->strides[d] = h->strides[d];
+    }
+    Py_INCREF(h->descr);
+    L->descr = h->descr;
+    /* what was read must be what Python sees */
+    PyObject *shape = PyObject_GetAttrString(a, "shape");
+    PyObject *strides = PyObject_GetAttrString(a, "strides");
+    PyObject *dtype = PyObject_GetAttrString(a, "dtype");
+    int ok = shape && strides && dtype && PyTuple_Check(shape) && PyTuple_Check(strides) &&
+             PyTuple_GET_SIZE(shape) == h->nd && PyTuple_GET_SIZE(strides) == h->nd &&
+             dtype == h->descr;
+    for (int d = 0; ok && d < h->nd; d++)
+        ok = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d)) == h->dimensions[d] &&
+             PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, d)) == h->strides[d];
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dtype);
+    if (PyErr_Occurred())
+        return -1;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "Fit: NumPy's array struct is not as expected");
+        return -1;
+    }
+    return 0;
+}
+
+static inline int
+fits(PyObject *a, const Layout *L)
+{
+    if (Py_TYPE(a) != ndarray)
+        return 0;
+    ArrayHead *h = (ArrayHead *)a;
+    if (h->nd != L->nd || h->descr != L->descr || (L->writeable && !(h->flags & WRITEABLE)))
+        return 0;
+    for (int d = 0; d < L->nd; d++)
+        if (h->dimensions[d] != L->shape[d] || h->strides[d] != L->strides[d])
+            return 0;
+    return 1;
+}
+
+static void
+fit_dealloc(Fit *self)
+{
+    Py_XDECREF(self->x.descr);
+    Py_XDECREF(self->o.descr);
+    Py_XDECREF(self->go);
+    Py_XDECREF(self->res);
+    Py_XDECREF(self->call);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *x, *o, *go, *res, *call;
+    int xw;
+    unsigned long tid;
+    if (!PyArg_ParseTuple(args, "OpOOOOk:Fit", &x, &xw, &o, &go, &res, &call, &tid))
+        return NULL;
+    if (ndarray == NULL || Py_TYPE(x) != ndarray || (o != Py_None && Py_TYPE(o) != ndarray)) {
+        PyErr_SetString(PyExc_ValueError, "Fit: NumPy arrays only");
+        return NULL;
+    }
+    Fit *self = (Fit *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (layout_of(x, xw, &self->x) || (o != Py_None && layout_of(o, 1, &self->o))) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->has_o = o != Py_None;
+    Py_INCREF(go);
+    self->go = go;
+    Py_INCREF(res);
+    self->res = res;
+    Py_INCREF(call);
+    self->call = call;
+    self->tid = tid;
+    return (PyObject *)self;
+}
+
+static PyTypeObject FitType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pycoll._replay.Fit",
+    .tp_basicsize = sizeof(Fit),
+    .tp_dealloc = (destructor)fit_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What a plan's NumPy arrays look like, and how it runs (see _replay.c).",
+    .tp_new = fit_new,
+};
+
+/* ------------------------------------------------------------------ Entry */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *slow, *plans, *fam, *engine, *p2p, *enter, *leave, *append, *enabled, *trace,
+        *fail, *overlapped;
+} Entry;
+
+static PyObject *s_inflight, *s_failed, *s_live, *s_seq, *s_fit, *s_running, *s_ok, *one;
+
+static void
+entry_dealloc(Entry *self)
+{
+    Py_XDECREF(self->slow);
+    Py_XDECREF(self->plans);
+    Py_XDECREF(self->fam);
+    Py_XDECREF(self->engine);
+    Py_XDECREF(self->p2p);
+    Py_XDECREF(self->enter);
+    Py_XDECREF(self->leave);
+    Py_XDECREF(self->append);
+    Py_XDECREF(self->enabled);
+    Py_XDECREF(self->trace);
+    Py_XDECREF(self->fail);
+    Py_XDECREF(self->overlapped);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *entry_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
+
+static PyObject *
+entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *a[13];
+    if (!PyArg_UnpackTuple(args, "Entry", 13, 13, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
+                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12]))
+        return NULL;
+    if (!PyDict_Check(a[1]) || !PyType_Check(a[12])) {
+        PyErr_SetString(PyExc_TypeError, "Entry: plans must be a dict, ndarray a type");
+        return NULL;
+    }
+    if (ndarray == NULL) {
+        Py_INCREF(a[12]);
+        ndarray = (PyTypeObject *)a[12];
+    }
+    Entry *self = (Entry *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = entry_vectorcall;
+    PyObject **f[12] = {&self->slow,   &self->plans, &self->fam,     &self->engine,
+                        &self->p2p,    &self->enter, &self->leave,   &self->append,
+                        &self->enabled, &self->trace, &self->fail, &self->overlapped};
+    for (int k = 0; k < 12; k++) {
+        Py_INCREF(a[k]);
+        *f[k] = a[k];
+    }
+    return (PyObject *)self;
+}
+
+/* The attribute of o as a truth value; -1 on error. */
+static int
+attr_true(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+static PyObject *
+now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
+    return PyFloat_FromDouble((double)ts.tv_sec + (double)ts.tv_nsec * 1e-9);
+}
+
+/* The Fit of the plan under the call's key, or NULL (no error) when the call
+   is not one this entry runs. */
+static Fit *
+find(Entry *self, PyObject *const *args)
+{
+    PyObject *root = args[4];
+    if (args[6] != Py_False || args[7] != Py_None || !PyLong_CheckExact(root))
+        return NULL;
+    PyObject *key = PyTuple_New(6);
+    if (key == NULL)
+        return NULL;
+    PyObject *xid = PyLong_FromVoidPtr(args[1]);
+    PyObject *oid = PyLong_FromVoidPtr(args[2]);
+    if (xid == NULL || oid == NULL) {
+        Py_XDECREF(xid);
+        Py_XDECREF(oid);
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    PyTuple_SET_ITEM(key, 0, args[0]);
+    PyTuple_SET_ITEM(key, 1, xid);
+    PyTuple_SET_ITEM(key, 2, oid);
+    Py_INCREF(args[3]);
+    PyTuple_SET_ITEM(key, 3, args[3]);
+    Py_INCREF(root);
+    PyTuple_SET_ITEM(key, 4, root);
+    Py_INCREF(args[5]);
+    PyTuple_SET_ITEM(key, 5, args[5]);
+    PyObject *p = PyDict_GetItemWithError(self->plans, key); /* borrowed */
+    Py_DECREF(key);
+    if (p == NULL) {
+        PyErr_Clear(); /* an unhashable op or algorithm: the slow path says why */
+        return NULL;
+    }
+    PyObject *fit = PyObject_GetAttr(p, s_fit);
+    if (fit == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (Py_TYPE(fit) != &FitType) {
+        Py_DECREF(fit);
+        return NULL;
+    }
+    Fit *F = (Fit *)fit;
+    if (!fits(args[1], &F->x) || (F->has_o && !fits(args[2], &F->o)) ||
+        PyThread_get_thread_ident() != F->tid) {
+        Py_DECREF(fit);
+        return NULL;
+    }
+    return F;
+}
+
+static PyObject *
+entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Entry *self = (Entry *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 8 || kwnames != NULL)
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    int busy = attr_true(self->fam, s_inflight);
+    if (busy < 0)
+        return NULL;
+    int live = busy ? 0 : attr_true(self->p2p, s_live);
+    if (live < 0)
+        return NULL;
+    PyObject *tr = (busy || live) ? NULL : PyObject_CallOneArg(self->enabled, self->trace);
+    int traced = tr == NULL ? 1 : PyObject_IsTrue(tr);
+    Py_XDECREF(tr);
+    if (PyErr_Occurred())
+        return NULL;
+    Fit *F = traced ? NULL : find(self, args);
+    if (F == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    }
+    /* Engine.replay */
+    PyObject *got = PyObject_CallOneArg(self->enter, Py_False);
+    if (got == NULL) {
+        Py_DECREF(F);
+        return NULL;
+    }
+    int entered = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    if (entered <= 0) { /* another thread's call runs: the slow path raises */
+        Py_DECREF(F);
+        return entered < 0 ? NULL : PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    }
+    PyObject *result = NULL, *rec = NULL, *seq = NULL, *t0 = NULL;
+    PyObject *old = PyObject_GetAttr(self->engine, s_seq);
+    if (old != NULL) {
+        seq = PyNumber_Add(old, one);
+        Py_DECREF(old);
+    }
+    if (seq == NULL || PyObject_SetAttr(self->engine, s_seq, seq) < 0 || (t0 = now()) == NULL ||
+        (rec = PyList_New(5)) == NULL) {
+        Py_XDECREF(seq);
+        Py_XDECREF(t0);
+        goto leave;
+    }
+    PyList_SET_ITEM(rec, 0, seq);
+    Py_INCREF(F->call);
+    PyList_SET_ITEM(rec, 1, F->call);
+    PyList_SET_ITEM(rec, 2, t0);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(rec, 3, Py_None);
+    Py_INCREF(s_running);
+    PyList_SET_ITEM(rec, 4, s_running);
+    PyObject *r = PyObject_CallOneArg(self->append, rec);
+    if (r == NULL)
+        goto leave;
+    Py_DECREF(r);
+    result = PyObject_CallNoArgs(F->go);
+    if (result == NULL) { /* fail(rec, exc) records it and raises it as pycoll's */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        if (tb != NULL)
+            PyException_SetTraceback(v, tb);
+        PyObject *f = PyObject_CallFunctionObjArgs(self->fail, rec, v, NULL);
+        Py_XDECREF(f); /* it raises: f is NULL */
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        if (f != NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_SystemError, "Entry: fail() returned");
+    }
+leave:
+    {
+        PyObject *t, *v, *tb; /* leave() runs with no exception set */
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *l = PyObject_CallNoArgs(self->leave);
+        if (t != NULL) {
+            Py_XDECREF(l);
+            PyErr_Restore(t, v, tb);
+        } else if (l == NULL) {
+            Py_CLEAR(result);
+        } else {
+            Py_DECREF(l);
+        }
+    }
+    if (result == NULL) {
+        Py_XDECREF(rec);
+        Py_DECREF(F);
+        return NULL;
+    }
+    int failed = attr_true(self->fam, s_failed);
+    if (failed != 0) { /* another thread's call came in meanwhile */
+        Py_DECREF(result);
+        if (failed > 0) {
+            PyObject *o = PyObject_CallOneArg(self->overlapped, rec);
+            Py_XDECREF(o);
+        }
+        Py_DECREF(rec);
+        Py_DECREF(F);
+        return NULL;
+    }
+    PyObject *t1 = now();
+    if (t1 == NULL || PyList_SetItem(rec, 3, t1) < 0) {
+        Py_DECREF(result);
+        Py_DECREF(rec);
+        Py_DECREF(F);
+        return NULL;
+    }
+    Py_INCREF(s_ok);
+    PyList_SetItem(rec, 4, s_ok);
+    Py_DECREF(rec);
+    if (result == Py_None) {
+        Py_DECREF(result);
+        result = F->res;
+        Py_INCREF(result);
+    }
+    Py_DECREF(F);
+    return result;
+}
+
+static PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pycoll._replay.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_dealloc = (destructor)entry_dealloc,
+    .tp_vectorcall_offset = offsetof(Entry, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A communicator's entry for replayed calls (see _replay.c).",
+    .tp_new = entry_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "pycoll._replay",
+    "The replayed call's entry, compiled (see _replay.c).", -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__replay(void)
+{
+    s_inflight = PyUnicode_InternFromString("inflight");
+    s_failed = PyUnicode_InternFromString("failed");
+    s_live = PyUnicode_InternFromString("live");
+    s_seq = PyUnicode_InternFromString("seq");
+    s_fit = PyUnicode_InternFromString("fit");
+    s_running = PyUnicode_InternFromString("running");
+    s_ok = PyUnicode_InternFromString("ok");
+    one = PyLong_FromLong(1);
+    if (!one || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
+        PyType_Ready(&FitType) < 0 || PyType_Ready(&EntryType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&FitType);
+    Py_INCREF(&EntryType);
+    if (PyModule_AddObject(m, "Fit", (PyObject *)&FitType) < 0 ||
+        PyModule_AddObject(m, "Entry", (PyObject *)&EntryType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,25 @@
+from typing import Any
+
+class Fit:
+    def __init__(
+        self, x: Any, xw: bool, o: Any, go: Any, res: Any, call: Any, tid: int
+    ) -> None: ...
+
+class Entry:
+    def __init__(
+        self,
+        slow: Any,
+        plans: dict[Any, Any],
+        fam: Any,
+        engine: Any,
+        p2p: Any,
+        enter: Any,
+        leave: Any,
+        append: Any,
+        enabled: Any,
+        trace: int,
+        fail: Any,
+        overlapped: Any,
+        ndarray: type,
+    ) -> None: ...
+    def __call__(self, *args: Any) -> Any: ...
