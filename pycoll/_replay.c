@@ -11,14 +11,17 @@
    other call, unchanged, to the Python path it replaces:
 
      Entry(slow, plans, fam, engine, p2p, enter, leave, append, enabled, trace,
-           fail, overlapped, ndarray)
+           fail, overlapped, ndarray, owner)
      entry(coll, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
 
    runs the call when async_op is False, stream None, root an int, nothing is
    in flight (fam.inflight), no point-to-point call is pending (p2p.live),
    tracing is off (enabled(trace) false), plans holds the key (coll,
    id(sendbuf), id(recvbuf), op, root, algorithm) and that plan has a Fit
-   whose arrays still fit, on the plan's thread.  Otherwise it returns
+   whose arrays still fit, on the plan's thread (the key of the last call run
+   it keeps, with its Fit, while owner.epoch stays: the same objects again
+   skip the key and the lookup; forget() drops them, as the owner's clear
+   does).  Otherwise it returns
    slow(coll, sendbuf, recvbuf, op, root, algorithm, async_op, stream).
 
    Running it is what Engine.replay does: enter(False) (else the slow path,
@@ -72,6 +75,7 @@ typedef struct {
     PyObject_HEAD
     Layout x, o;
     int has_o;
+    PyObject *xobj, *oobj; /* the plan's arrays (o: None where it has none) */
     PyObject *go, *res, *call;
     unsigned long tid;
 } Fit;
@@ -135,6 +139,8 @@ fit_dealloc(Fit *self)
 {
     Py_XDECREF(self->x.descr);
     Py_XDECREF(self->o.descr);
+    Py_XDECREF(self->xobj);
+    Py_XDECREF(self->oobj);
     Py_XDECREF(self->go);
     Py_XDECREF(self->res);
     Py_XDECREF(self->call);
@@ -161,6 +167,10 @@ fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     self->has_o = o != Py_None;
+    Py_INCREF(x);
+    self->xobj = x;
+    Py_INCREF(o);
+    self->oobj = o;
     Py_INCREF(go);
     self->go = go;
     Py_INCREF(res);
@@ -187,10 +197,15 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *slow, *plans, *fam, *engine, *p2p, *enter, *leave, *append, *enabled, *trace,
-        *fail, *overlapped;
+        *fail, *overlapped, *owner;
+    /* the last call run: its key, its Fit, and owner.epoch then */
+    PyObject *last_key;
+    Fit *last_fit;
+    long last_epoch;
 } Entry;
 
-static PyObject *s_inflight, *s_failed, *s_live, *s_seq, *s_fit, *s_running, *s_ok, *one;
+static PyObject *s_inflight, *s_failed, *s_live, *s_seq, *s_fit, *s_running, *s_ok, *s_epoch,
+    *one;
 
 static void
 entry_dealloc(Entry *self)
@@ -207,6 +222,9 @@ entry_dealloc(Entry *self)
     Py_XDECREF(self->trace);
     Py_XDECREF(self->fail);
     Py_XDECREF(self->overlapped);
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->last_key);
+    Py_XDECREF(self->last_fit);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -215,9 +233,9 @@ static PyObject *entry_vectorcall(PyObject *, PyObject *const *, size_t, PyObjec
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *a[13];
-    if (!PyArg_UnpackTuple(args, "Entry", 13, 13, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
-                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12]))
+    PyObject *a[14];
+    if (!PyArg_UnpackTuple(args, "Entry", 14, 14, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
+                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13]))
         return NULL;
     if (!PyDict_Check(a[1]) || !PyType_Check(a[12])) {
         PyErr_SetString(PyExc_TypeError, "Entry: plans must be a dict, ndarray a type");
@@ -238,6 +256,9 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_INCREF(a[k]);
         *f[k] = a[k];
     }
+    Py_INCREF(a[13]);
+    self->owner = a[13];
+    self->last_epoch = -1;
     return (PyObject *)self;
 }
 
@@ -269,6 +290,24 @@ find(Entry *self, PyObject *const *args)
     PyObject *root = args[4];
     if (args[6] != Py_False || args[7] != Py_None || !PyLong_CheckExact(root))
         return NULL;
+    PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
+    if (ep == NULL)
+        return NULL;
+    long epoch = PyLong_AsLong(ep);
+    Py_DECREF(ep);
+    if (epoch == -1 && PyErr_Occurred())
+        return NULL;
+    Fit *F = self->last_fit;
+    PyObject *k = self->last_key;
+    /* The same objects as the last call run, and nothing forgotten since (a
+       clear moves the epoch): its Fit.  The Fit and the key hold every object
+       compared, so none of them can be another at the same address. */
+    if (F != NULL && epoch == self->last_epoch && args[1] == F->xobj && args[2] == F->oobj &&
+        args[0] == PyTuple_GET_ITEM(k, 0) && args[3] == PyTuple_GET_ITEM(k, 3) &&
+        root == PyTuple_GET_ITEM(k, 4) && args[5] == PyTuple_GET_ITEM(k, 5)) {
+        Py_INCREF(F);
+        goto check;
+    }
     PyObject *key = PyTuple_New(6);
     if (key == NULL)
         return NULL;
@@ -291,24 +330,31 @@ find(Entry *self, PyObject *const *args)
     Py_INCREF(args[5]);
     PyTuple_SET_ITEM(key, 5, args[5]);
     PyObject *p = PyDict_GetItemWithError(self->plans, key); /* borrowed */
-    Py_DECREF(key);
     if (p == NULL) {
+        Py_DECREF(key);
         PyErr_Clear(); /* an unhashable op or algorithm: the slow path says why */
         return NULL;
     }
     PyObject *fit = PyObject_GetAttr(p, s_fit);
     if (fit == NULL) {
+        Py_DECREF(key);
         PyErr_Clear();
         return NULL;
     }
     if (Py_TYPE(fit) != &FitType) {
+        Py_DECREF(key);
         Py_DECREF(fit);
         return NULL;
     }
-    Fit *F = (Fit *)fit;
+    F = (Fit *)fit;
+    Py_INCREF(F);
+    Py_XSETREF(self->last_fit, F);
+    Py_XSETREF(self->last_key, key);
+    self->last_epoch = epoch;
+check:
     if (!fits(args[1], &F->x) || (F->has_o && !fits(args[2], &F->o)) ||
         PyThread_get_thread_ident() != F->tid) {
-        Py_DECREF(fit);
+        Py_DECREF(F);
         return NULL;
     }
     return F;
@@ -438,6 +484,21 @@ leave:
     return result;
 }
 
+static PyObject *
+entry_forget(Entry *self, PyObject *unused)
+{
+    Py_CLEAR(self->last_key);
+    Py_CLEAR(self->last_fit);
+    self->last_epoch = -1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef entry_methods[] = {
+    {"forget", (PyCFunction)entry_forget, METH_NOARGS,
+     "Drop the last call's key and Fit (and what they hold: its arrays and step)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject EntryType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "pycoll._replay.Entry",
@@ -447,6 +508,7 @@ static PyTypeObject EntryType = {
     .tp_call = PyVectorcall_Call,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "A communicator's entry for replayed calls (see _replay.c).",
+    .tp_methods = entry_methods,
     .tp_new = entry_new,
 };
 
@@ -465,8 +527,9 @@ PyInit__replay(void)
     s_fit = PyUnicode_InternFromString("fit");
     s_running = PyUnicode_InternFromString("running");
     s_ok = PyUnicode_InternFromString("ok");
+    s_epoch = PyUnicode_InternFromString("epoch");
     one = PyLong_FromLong(1);
-    if (!one || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
+    if (!one || !s_epoch || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
         PyType_Ready(&FitType) < 0 || PyType_Ready(&EntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

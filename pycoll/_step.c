@@ -172,7 +172,7 @@ step_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* ------------------------------------------------------------------ Step
 
    Step(mode, group, claim, wait, reduce, K, mul, mask, fpw, spins, nbytes,
-        count, op, kind, slot, word, done, theirs, rows)
+        count, op, kind, slot, word, done, theirs, rows, dones, ahead)
 
    One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
    it does what that module's Python closure of the same mode does, in one C
@@ -181,8 +181,11 @@ step_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
      s = group.seq + 1; c = (group.chain * mul + fpw) & mask (64-bit words:
      the chain lives in the bits of mask); both stored back on group;
      i = s % K; w = c | s.
-     Unless mode is LEAF: when s - K > group._done_floor, claim(s) (Python: it
-     waits until the peers are done with step s - K).
+     Unless mode is LEAF, the slot of step s - K must be free: every peer's
+     done word (at the addresses dones) at least s - K.  The step knows a
+     bound below which they all are (from those loads, and from its waits: a
+     peer seen at step s is done with step s - ahead); past it, it loads them,
+     and where one is short, claim(s) waits (Python: it backs off).
      Then by mode:
        READ (allreduce, a reduce's root): copy x (nbytes) into slot[i], store
          done = s - 1 and word[i] = w (release), wait for theirs[i] to hold w,
@@ -216,11 +219,14 @@ typedef struct {
     long spins;
     Py_ssize_t nbytes, count;
     char *slot[MAXK], *word[MAXK], *done;
+    char *dones[MAXN]; /* the peers' done words */
+    int npeers;
+    uint64_t ahead, floor; /* every peer is done with step floor (a bound that only grows) */
     char **theirs; /* K x m */
     char **rows;   /* K x nrows */
 } Step;
 
-static PyObject *s_seq, *s_chain, *s_floor;
+static PyObject *s_seq, *s_chain;
 
 static void
 step_dealloc(Step *self)
@@ -282,10 +288,16 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Step takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOO:Step", &mode, &group, &claim, &wait,
+    PyObject *dones;
+    unsigned long long ahead;
+    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOK:Step", &mode, &group, &claim, &wait,
                           &reduce, &K, &mul, &mask, &fpw, &spins, &nbytes, &count, &op, &kind,
-                          &slot, &word, &done, &theirs, &rows))
+                          &slot, &word, &done, &theirs, &rows, &dones, &ahead))
         return NULL;
+    if (!PyTuple_Check(dones) || PyTuple_GET_SIZE(dones) > MAXN) {
+        PyErr_SetString(PyExc_TypeError, "Step: dones must be a tuple of the peers' addresses");
+        return NULL;
+    }
     if (mode < READ || mode > LEAF || K < 2 || K > MAXK || nbytes < 0 || count < 0) {
         PyErr_SetString(PyExc_ValueError, "Step: bad mode, K, nbytes or count");
         return NULL;
@@ -309,6 +321,14 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->spins = spins;
     self->nbytes = nbytes;
     self->count = count;
+    self->ahead = ahead;
+    self->floor = 0;
+    self->npeers = (int)PyTuple_GET_SIZE(dones);
+    for (int j = 0; j < self->npeers; j++)
+        if (addr_of(PyTuple_GET_ITEM(dones, j), &self->dones[j])) {
+            Py_DECREF(self);
+            return NULL;
+        }
     Py_INCREF(group);
     self->group = group;
     Py_INCREF(claim);
@@ -383,16 +403,22 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     int K = self->K, mode = self->mode;
     int i = (int)(s % (uint64_t)K);
     uint64_t w = c | s;
-    if (mode != LEAF && s > (uint64_t)K) {
-        uint64_t floor;
-        if (get_u64(group, s_floor, &floor))
-            return NULL;
-        if (s - (uint64_t)K > floor) {
+    if (mode != LEAF && s > (uint64_t)K && s - (uint64_t)K > self->floor) {
+        /* the slot of step s - K: free once every peer is done with that step */
+        uint64_t need = s - (uint64_t)K, least = UINT64_MAX;
+        for (int j = 0; j < self->npeers; j++) {
+            uint64_t d = __atomic_load_n((uint64_t *)self->dones[j], __ATOMIC_ACQUIRE);
+            if (d < least)
+                least = d;
+        }
+        if (least < need) {
             PyObject *r = PyObject_CallFunction(self->claim, "K", (unsigned long long)s);
             if (r == NULL)
                 return NULL;
             Py_DECREF(r);
+            least = need;
         }
+        self->floor = least;
     }
     if (mode != LEAF) { /* copy in and post */
         Py_buffer x;
@@ -427,6 +453,8 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             RELAX();
         }
     }
+    if (self->m == self->npeers && s > self->ahead && s - self->ahead > self->floor)
+        self->floor = s - self->ahead; /* a peer seen at step s consumed step s - ahead */
     char **rows = self->rows + (Py_ssize_t)i * self->nrows;
     PyObject *dst = mode == LEAF ? args[0] : args[1];
     Py_buffer o;
@@ -490,8 +518,7 @@ PyInit__step(void)
 {
     s_seq = PyUnicode_InternFromString("seq");
     s_chain = PyUnicode_InternFromString("chain");
-    s_floor = PyUnicode_InternFromString("_done_floor");
-    if (s_seq == NULL || s_chain == NULL || s_floor == NULL || PyType_Ready(&StepType) < 0)
+    if (s_seq == NULL || s_chain == NULL || PyType_Ready(&StepType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -258,7 +258,9 @@ class Prepared:
     the same thread calls.  Otherwise it is an ordinary call again, which also
     raises what such a call raises.  Calls without a plan (device buffers,
     torch tensors beyond what plans hold, a barrier, a scatter's receiving
-    ranks) are always ordinary ones.
+    ranks) are always ordinary ones.  Where the compiled entry was built
+    (:mod:`pycoll._replay`), a call with a plan goes through it instead: it
+    finds the plan by the key of the last call faster than these checks run.
     """
 
     __slots__ = (
@@ -301,12 +303,12 @@ class Prepared:
         self._epoch = -1
         self._x, self._o = sendbuf, recvbuf
         self.collective: str = coll.name
-        # the compiled entry finds the plan faster than the checks below
+        # the compiled entry finds a plan faster than the checks below
         self._entry = None if dispatch.entry == dispatch.call else dispatch.entry
 
     def __call__(self) -> Any:
         e = self._entry
-        if e is not None:
+        if e is not None and self._plan is not None:  # the entry finds it faster
             coll, x, o, op, root, algorithm = self._args
             return e(coll, x, o, op, root, algorithm, False, None)
         d = self._dispatch

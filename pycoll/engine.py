@@ -464,7 +464,7 @@ class Engine:
         ``slow`` itself without it (PYCOLL_COMPILED=0, or not built)."""
         if not self.compiled_entry:
             return slow
-        return replay_c.Entry(  # type: ignore[no-any-return]
+        e = replay_c.Entry(
             slow,
             self.plans.plans,
             self.fam,
@@ -478,7 +478,10 @@ class Engine:
             self.fail,
             self._overlapped,
             np.ndarray,
+            self.plans,
         )
+        self.plans.on_clear = e.forget
+        return e  # type: ignore[no-any-return]
 
     def replay(self, p: Plan | Kind, sendbuf: Any, recvbuf: Any) -> Any:
         """Run a plan or a kind of call (the fast path): what :meth:`execute` does,

@@ -214,6 +214,8 @@ class Plans:
         fit_type: Any = None,
     ) -> None:
         self.fit_type = fit_type
+        #: called by :meth:`clear`: the compiled entry drops the last plan it kept
+        self.on_clear: Callable[[], None] | None = None
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.weak_plans: dict[tuple[Any, ...], Plan] = {}
         self.kinds: dict[tuple[Any, ...], Kind] = {}
@@ -227,6 +229,8 @@ class Plans:
     def clear(self) -> None:
         """Forget everything (on close, and on a failure: steps hold views of segments)."""
         self.epoch += 1
+        if self.on_clear is not None:
+            self.on_clear()
         self.plans.clear()
         self.weak_plans.clear()
         self.steps.clear()

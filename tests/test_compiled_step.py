@@ -102,7 +102,7 @@ class _Group:
     """The attributes of a group that a Step reads and writes."""
 
     def __init__(self) -> None:
-        self.seq, self.chain, self._done_floor = 0, 0, 0
+        self.seq, self.chain = 0, 0
 
 
 _MASK = ((1 << 64) - 1) ^ ((1 << 40) - 1)
@@ -111,14 +111,16 @@ _MASK = ((1 << 64) - 1) ^ ((1 << 40) - 1)
 def _fake(K: int, n: int, nbytes: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """A segment's words ([done, K posted words of this rank, K of each peer])
     and slots (K per rank, rank 0 this one), and the addresses a Step takes."""
-    words = np.zeros(1 + K * n, np.uint64)
+    words = np.zeros(1 + K * n + n, np.uint64)  # ... and the peers' done words
     slots = np.zeros((n, K, nbytes), np.uint8)
     w0, s0 = _addr(words), _addr(slots)
+    dones = tuple(w0 + 8 * (1 + K * n + j) for j in range(1, n))
     word = tuple(w0 + 8 * (1 + i) for i in range(K))
     theirs = tuple(tuple(w0 + 8 * (1 + K * j + i) for j in range(1, n)) for i in range(K))
     rows = tuple(tuple(s0 + (j * K + i) * nbytes for j in range(n)) for i in range(K))
     slot = tuple(r[0] for r in rows)
-    return words, slots, {"slot": slot, "word": word, "theirs": theirs, "rows": rows, "done": w0}
+    at = {"slot": slot, "word": word, "theirs": theirs, "rows": rows, "done": w0, "dones": dones}
+    return words, slots, at
 
 
 def _make(
@@ -153,6 +155,8 @@ def _make(
         at["done"],
         at["theirs"],
         at["rows"],
+        at["dones"],
+        K,
     )
 
 
@@ -177,11 +181,11 @@ def test_step_posts_waits_and_reduces() -> None:
     assert int(words[0]) == 1 and int(words[1 + 1]) == chain | 1
     st(x, out)  # step 2: the peer's word is not there
     assert calls == [("wait", 0, 0, G.chain | 2)] and int(words[0]) == 2
-    st(x, out)  # step 3 > K, slot of step 1 not known free: claim first
+    st(x, out)  # step 3 > K, the peer not done with step 1: claim first
     assert calls[1] == ("claim", 3)
-    G._done_floor = 2
-    st(x, out)  # step 4: step 2 is known done everywhere
-    assert ("claim", 4) not in calls
+    words[-1] = 2  # the peer is done with step 2
+    st(x, out)  # step 4: no claim
+    assert ("claim", 4) not in calls and calls[-1] == ("wait", 0, 0, G.chain | 4)
     with pytest.raises(ValueError, match="4 bytes for a 8-byte step"):
         st(x[:1], out)
 
@@ -333,3 +337,70 @@ def test_peer_gone_under_a_replayed_step_raises(use: bool) -> None:
     name, waited = res[0]
     assert name in ("PeerAbortedError", "CollectiveTimeout"), res
     assert waited < 5 + 3, res
+
+
+@pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
+def test_the_compiled_entry_runs_plans_and_hands_on_the_rest(
+    use: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the compiled entry (pycoll/_replay.c), a replayed call on the
+    arrays of a plan never reaches the Python replay, and is numbered and
+    recorded alike; with tracing on, or PYCOLL_COMPILED=0, every call does."""
+    from pycoll.engine import replay_c
+
+    if use and replay_c is None:
+        pytest.skip("pycoll._replay was not built")
+    with communicators(2, compiled=use) as comms:
+        counts = [0, 0]
+        for r, c in enumerate(comms):
+            real = c._dispatch._replay
+
+            def counted(*a: Any, _r: int = r, _real: Any = real) -> Any:
+                counts[_r] += 1
+                return _real(*a)
+
+            c._dispatch._replay = counted  # type: ignore[method-assign]
+
+        def body(r: int) -> list[Any]:
+            c = comms[r]
+            x, out = np.full(3, r + 1, np.int32), np.empty(3, np.int32)
+            c.allreduce(x, out)
+            seq = c._engine.seq
+            for _ in range(5):
+                out[:] = -1
+                assert c.allreduce(x, out) is out and out.tolist() == [3, 3, 3]
+            assert c._engine.seq == seq + 5
+            last = c._engine.records()[-1]
+            got = [counts[r], last.status, last.seq == c._engine.seq]
+            with caplog.at_level(5, logger="pycoll.engine"):
+                c.allreduce(x, out)
+            return [*got, counts[r]]
+
+        res = run_ranks(2, body, timeout=60)
+    for r in range(2):
+        ran, status, numbered, after = res[r]
+        assert status == "ok" and numbered
+        assert ran == (0 if use else 5), res
+        assert after == ran + 1, res  # traced: the Python replay, which logs
+
+
+def test_nothing_of_a_replayed_call_outlives_close() -> None:
+    """The compiled entry keeps the last call's plan at hand; close drops it, so
+    the arrays of that call (and the step, which views the group segment) go
+    with the caller's last reference."""
+    import gc
+    import weakref
+
+    with communicators(2) as comms:
+
+        def body(r: int) -> weakref.ref[np.ndarray]:
+            x, out = np.ones(3, np.float32), np.empty(3, np.float32)
+            for _ in range(3):
+                comms[r].allreduce(x, out)
+            return weakref.ref(out)
+
+        refs = run_ranks(2, body, timeout=60)
+        gc.collect()
+        assert all(ref() is not None for ref in refs)  # the plans hold them
+    gc.collect()
+    assert all(ref() is None for ref in refs)

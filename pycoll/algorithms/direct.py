@@ -554,7 +554,8 @@ class _Compiled:
     """The addresses a compiled step reads and writes, per slot index ``i``:
     ``slot[i]`` and ``word[i]`` (this rank's), ``theirs[i]`` (the peers' posted
     words, in ``others`` order) and ``rows[i]`` (every rank's slot, in rank
-    order); ``done``: this rank's done word."""
+    order); ``done``: this rank's done word, ``dones`` the peers' (in ``others``
+    order)."""
 
     def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...]) -> None:
         K = G.slots
@@ -562,6 +563,7 @@ class _Compiled:
         self.slot = tuple(at[r][i][0] for i in range(K))
         self.word = tuple(at[r][i][1] for i in range(K))
         self.done = at[r][0][2]
+        self.dones = tuple(at[j][0][2] for j in others)
         self.theirs = tuple(tuple(at[j][i][1] for j in others) for i in range(K))
         self.rows = tuple(tuple(at[j][i][0] for j in range(n)) for i in range(K))
 
@@ -845,6 +847,8 @@ def _compiled_step(
         at.done,
         theirs,
         rows,
+        at.dones,
+        G.ahead,
     )
 
 
