@@ -6,7 +6,7 @@
    communicator's lock, a sequence number and a record in the flight recorder,
    then the plan's step.  In Python that costs about 1.4 us of an 8 B allreduce
    at n = 2 on the 2-core machine, more than the step itself
-   (docs/algorithms.md, "The compiled entry").  Entry does the same for the one
+   (docs/algorithms.md, "The compiled step and the compiled entry").  Entry does the same for the one
    common case, a plan of NumPy arrays that the plan holds, and hands every
    other call, unchanged, to the Python path it replaces:
 

@@ -5,10 +5,10 @@
    claims its slot, copies its input in, publishes the step, waits for the
    peers' words and reduces or copies their slots.  In Python that costs about
    1.1 us of an 8 B allreduce at n = 2 on the 2-core machine; as one C call,
-   0.7 (docs/algorithms.md, "The compiled step").  Whatever has to wait or
-   decide stays in Python and is called back: a claim that must wait for a
-   slot, a wait that outlasts its spins (back-off, timeouts, liveness and
-   mismatches), a reduction this file does not do.  The step only moves bytes
+   0.7 (docs/algorithms.md, "The compiled step and the compiled entry").
+   Whatever has to wait or decide stays in Python and is called back: a claim
+   that must wait for a slot, a wait that outlasts its spins (back-off,
+   timeouts, liveness and mismatches), a reduction this file does not do.  The step only moves bytes
    and words at the addresses it was given, so a caller that gets an address
    wrong corrupts memory: pycoll.algorithms.direct is the only caller, with
    addresses of the segment it maps.  A step holds the GIL throughout but in

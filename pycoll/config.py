@@ -219,10 +219,12 @@ class Config:
             fastest, where they give identical results (``PYCOLL_TUNE``; see
             :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
         compiled: run small direct steps through the compiled ``pycoll._step``,
+            replayed calls on NumPy arrays through ``pycoll._replay``'s entry,
             and replayed small point-to-point calls over shm through
             ``transports._ring``, where the install built them
-            (``PYCOLL_COMPILED``); off, or without them, the same steps run in
-            Python (docs/algorithms.md, "The compiled step").
+            (``PYCOLL_COMPILED``); off, or without them, the same runs in
+            Python (docs/algorithms.md, "The compiled step and the compiled
+            entry").
 
     Every field is checked when a Config is made, so an override of
     :func:`pycoll.init` is held to the rules its environment variable is, and a

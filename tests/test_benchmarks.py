@@ -581,3 +581,17 @@ def test_matrix_persistent_times_prepared_calls_against_both_mpi_forms(tmp_path:
     for c in doc["matrix"]:
         assert c["wrong"] == 0 and c["pycoll_us"] > 0 and c["mpi_persistent_us"] > 0
         assert c["pycoll_plain_us"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("coll", ["allreduce", "broadcast"])
+def test_replay_layers_times_each_layer_of_a_replayed_call(coll: str) -> None:
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "replay_layers.py"), coll, "--calls", "200", "--repeats", "2",
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    rows = [ln.rsplit(None, 2) for ln in proc.stdout.splitlines() if ln.endswith(" us")]
+    names = [r[0].strip() for r in rows]
+    assert names == ["mpi", f"comm.{coll}", "prepared", "Engine.replay", "plan.go (step)",
+                     "mpi again"], proc.stdout  # fmt: skip
+    assert all(float(r[1]) > 0 for r in rows), proc.stdout
