@@ -42,6 +42,9 @@ def test_built_where_a_compiler_is() -> None:
     if not (shutil.which("cc") and headers):
         pytest.skip("no C compiler or no Python headers here: the Python steps run")
     assert step is not None, "a C compiler is here, yet pycoll._step was not built"
+    from pycoll.engine import replay_c
+
+    assert replay_c is not None, "a C compiler is here, yet pycoll._replay was not built"
 
 
 def _rows(dtype: np.dtype, n: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
