@@ -2,7 +2,10 @@
 
 1. **Fast entry.** A blocking call on arrays the replay cache knows runs its
    plan or its kind (:mod:`pycoll.plans`); the plan's key is made here once.
-   A :class:`Prepared` call holds its plan and skips even that lookup.
+   A :class:`Prepared` call holds its plan and skips even that lookup.  Where
+   it was built, the compiled entry (:mod:`pycoll._replay`, the public
+   methods' :attr:`Dispatch.entry`) runs a plan of NumPy arrays before any
+   of this, and hands every other call to :meth:`Dispatch.call`.
 2. **Slow path.** Otherwise the collective checks the call into a
    :class:`~pycoll.collectives.base.Spec` (raising before any byte moves), the
    policy picks the algorithm (:mod:`pycoll.policy`), and the call runs:
