@@ -181,7 +181,9 @@ class Communicator:
                 ``recvbuf`` itself, for in place).
             recvbuf: output of ``size * k`` elements; None allocates one of shape
                 ``(size, *sendbuf.shape)``.
-            algorithm, async_op, stream: as for :meth:`allreduce`.
+            algorithm, async_op, stream: as for :meth:`allreduce`; allgather
+                also has "cma", direct's by-address route from one slot up
+                (``auto`` times the two where they differ, docs/algorithms.md).
 
         Returns:
             The output array (or a Request).
@@ -329,7 +331,9 @@ class Communicator:
             sendbuf: contiguous array of ``size * k`` elements.
             recvbuf: output of the same size and dtype (not overlapping
                 ``sendbuf``), or None for a new array of ``sendbuf``'s shape.
-            algorithm: "auto", "pairwise" or "direct" (every rank on one host).
+            algorithm: "auto", "pairwise", "direct" (every rank on one host) or
+                "cma" (direct's by-address route from one slot up; ``auto``
+                times the two where they differ, docs/algorithms.md).
             async_op, stream: as for :meth:`allreduce`.
 
         Returns:

@@ -53,7 +53,15 @@ from pycoll.errors import (
     from_transport,
 )
 from pycoll.gpu.jobs import Job
-from pycoll.guard import AGREE_FP, CHECK_FP, FINGERPRINTS_MAX, M32, Call, fingerprint
+from pycoll.guard import (
+    AGREE_FP,
+    CHECK_FP,
+    FINGERPRINTS_MAX,
+    M32,
+    Call,
+    fingerprint,
+    fingerprinted,
+)
 from pycoll.plans import RECVBUF, SENDBUF, Kind, Plan, Plans, make_room
 from pycoll.reduce import ReduceOp, ufunc
 from pycoll.requests import DeviceRequest, Request
@@ -268,7 +276,8 @@ class Engine:
             return tuner.over(steps)
         L = self.links(dtype, op)
         bo = L.backoff  # the waiting policy of this thread
-        fp = fingerprint(what, count, dtype, op, root, self.ctx)  # made once: a call adds a store
+        # made once: a call adds a store (a routed algorithm's names it: guard.ROUTED)
+        fp = fingerprint(fingerprinted(what, algo), count, dtype, op, root, self.ctx)
         if algo == "direct":
             fast = direct.prepare(what, L, bo, count, root, fp, self.config.compiled)
             if fast is not None:

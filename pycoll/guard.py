@@ -57,6 +57,19 @@ def fingerprint(
     return zlib.crc32(key.encode())
 
 
+#: Algorithms that run another one's protocol by another route (``cma``: the
+#: group protocol of ``direct``, by address where ``direct`` uses the slots).
+#: Their calls' fingerprints name them, unlike every other algorithm's: ranks
+#: that ran the two routes of one call would otherwise pair their steps, and one
+#: would read a range the other never posted; so they raise a mismatch.
+ROUTED = ("cma",)
+
+
+def fingerprinted(collective: str, algorithm: str) -> str:
+    """What :func:`fingerprint` takes as the collective of a call by ``algorithm``."""
+    return f"{collective}@{algorithm}" if algorithm in ROUTED else collective
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     """What a collective call runs (made once per plan and kind of call)."""
@@ -74,14 +87,21 @@ class Call:
 
     def __post_init__(self) -> None:
         fp = fingerprint(
-            self.collective, self.count, self.dtype, self.op, self.root, self.ctx, self.layout
+            fingerprinted(self.collective, self.algorithm),
+            self.count,
+            self.dtype,
+            self.op,
+            self.root,
+            self.ctx,
+            self.layout,
         )
         object.__setattr__(self, "fp", fp)
 
 
 def describe(call: Call) -> str:
     op = "" if call.op is None else f", op={call.op.value}"
-    return f"{call.collective}(count={call.count}, dtype={call.dtype}{op}, root={call.root})"
+    route = f", algorithm={call.algorithm}" if call.algorithm in ROUTED else ""
+    return f"{call.collective}(count={call.count}, dtype={call.dtype}{op}, root={call.root}{route})"
 
 
 def mismatch(

@@ -73,8 +73,9 @@ class Policy:
         return avail
 
     def usable(self, algorithm: str) -> bool:
-        """Whether host ``algorithm`` can run here (``direct`` needs the shared group)."""
-        return algorithm != "direct" or self.size == 1 or self._group
+        """Whether host ``algorithm`` can run here (``direct`` and ``cma`` need the
+        shared group)."""
+        return algorithm not in ("direct", "cma") or self.size == 1 or self._group
 
     def algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
         """The algorithm a call asked for, or the model's pick for ``auto``.
@@ -219,6 +220,8 @@ class Policy:
         other one was asked for; else the host's choice, but ``direct`` (the
         group segment is host memory) becomes the first other algorithm."""
         what = coll.name
+        if algo == "cma":  # a route of direct's host algorithms: on the device, direct
+            algo = "direct"
         if (
             coll.windows
             and self.gpu.one_sided
@@ -227,7 +230,7 @@ class Policy:
             return "direct"
         if algo != "direct":
             return algo
-        return next(a for a in algorithms.names(what) if a != "direct")
+        return next(a for a in algorithms.names(what) if a not in ("direct", "cma"))
 
     def returns_early(self, coll: Any, nbytes: int) -> bool:
         """Whether a blocking ``auto`` call of ``coll`` on device buffers of ``nbytes``

@@ -39,7 +39,7 @@ every call without a word; the one exchange is the sum at the end of a round,
 and its result is the same bits on every rank.
 
 Only collectives whose result cannot depend on the algorithm are tuned:
-allgather and broadcast (they move bytes and compute nothing), the reductions
+allgather, broadcast and alltoall (they move bytes and compute nothing), the reductions
 between two ranks (one operation on two operands: every algorithm computes
 ``x0 OP x1``), and the reductions of integers and bools at any n (sums and
 products wrap modulo 2**bits, which any order gives alike, and min, max and
@@ -86,7 +86,7 @@ MARGIN = 0.05
 POOLED = 2
 
 #: Collectives whose results are the same bits whichever algorithm runs.
-MOVES_ONLY = ("allgather", "broadcast")
+MOVES_ONLY = ("allgather", "broadcast", "alltoall")
 #: ... and these, between two ranks.
 REDUCES = ("allreduce", "reduce", "reduce_scatter")
 

@@ -178,6 +178,29 @@ def test_mismatched_direct_alltoalls_raise(way: str, n: int) -> None:
         _run_case(cfg, "direct", lambda r, o=other: (o if r == n - 1 else _alltoall(k))(r, n), n=n)
 
 
+def _routed(make: Callable[[int, int], Call], last: str) -> Callable[[int, int], Call]:
+    """``make``'s call with ``algorithm=last`` on the last rank, ``direct`` elsewhere."""
+
+    def routed(r: int, n: int) -> Call:
+        fn, ref = make(r, n)
+        algo = last if r == n - 1 else "direct"
+        return (lambda c, _a: fn(c, algo)), ref
+
+    return routed
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("coll", ["allgather", "alltoall"])
+def test_the_two_routes_of_direct_do_not_pair(coll: str, n: int) -> None:
+    """``direct`` goes through the slots where ``cma`` goes by address (1 MiB
+    a rank): one rank's ``cma`` against the others' ``direct`` raises a
+    mismatch at once, instead of one rank reading a range the other never
+    posted (their fingerprints name the route: pycoll.guard.ROUTED)."""
+    make = _allgather(1 << 17) if coll == "allgather" else _alltoall((1 << 18) // n)
+    routed = _routed(make, "cma")
+    _run_case({"transports": ("shm",)}, "direct", lambda r: routed(r, n), n=n)
+
+
 THREE = [p for p in PATHS if p[0] not in ("shm-tree", "tcp-auto")]
 
 

@@ -43,6 +43,30 @@ DIRECT_SLOT_BYTES = GROUP_SLOT_BYTES
 #: took 1.03-1.05x direct's time at n = 2 (benchmarks/RESULTS.md, "The measurements behind the constants").
 DIRECT_ALLGATHER_BIG = 32 << 20
 DIRECT_ALLGATHER_BYTES = 1.25
+#: allgather blocks of up to this many slots go through the slots in rounds, not
+#: by address: 71-76 against 86-87 us at n = 2 with 512 KiB blocks on the 2-core
+#: machine (benchmarks/RESULTS.md, "The measurements behind the constants").
+ALLGATHER_SLOT_ROUNDS = 3
+
+#: alltoall goes by address (each rank's cross-memory reads out of its peers'
+#: inputs) from this many bytes, and above one slot; below, through the slots
+#: (two memcpys a block).  NumPy puts arrays from 4 MiB on huge pages, where a
+#: cross-memory copy costs 2.6-3.5x less than on the 4 KiB pages below that; on
+#: the 2-core VM at 1-2 MiB, MPI's time over pycoll's went from 0.58-0.80 by
+#: address to 0.66-1.10 through the slots at n = 2, 0.70-0.76 to 0.85-1.02 at
+#: n = 4, and stayed within the noise at n = 3 (benchmarks/RESULTS.md, "Where
+#: alltoall's time goes").
+ALLTOALL_BY_ADDRESS_MIN = 4 << 20
+
+#: Between those sizes and one slot, ``direct`` goes through the slots and
+#: ``cma`` (the same algorithms) by address.  Which is faster changes with the
+#: machine's state: at n = 2 on the 2-core VM, a 1 MiB allgather took 71-76 us
+#: through the slots against 86-87 by address one day, and 116 against 65 on
+#: another; a 1 MiB alltoall 51 against 86, then 143 against 86.  So ``auto``
+#: times the two there (:mod:`pycoll.tune`: ``cma`` is modelled at this factor of
+#: ``direct``'s time, within the tuner's span) and keeps the faster.
+CMA_CONTENDS = 1.01
+
 #: Through the slots, allreduce at n >= 3 splits from this many bytes up, unless
 #: ranks outnumber cores: each rank reduces its segment of everyone's
 #: contribution and copies the others' finished segments (two steps, about 3 N
@@ -79,6 +103,10 @@ def estimate(
     f = (n - 1) / n
     if algorithm == "direct":
         return _direct(collective, n, nbytes, k, slot)
+    if algorithm == "cma":  # direct's other route, only where the two differ
+        if _routes_differ(collective, nbytes, slot):
+            return CMA_CONTENDS * _direct(collective, n, nbytes, k, slot)
+        return math.inf
     if collective == "allreduce":
         if algorithm == "oneshot":
             if capped and nbytes > ONESHOT_MAX_BYTES:
@@ -126,6 +154,15 @@ def estimate(
             fan = min(2, n - 1)  # bytes a node receives and reduces, per input byte
             return (lg + chunks) * k.alpha + fan * nbytes * (k.beta + k.gamma)
     return math.inf
+
+
+def _routes_differ(collective: str, nbytes: int, slot: int) -> bool:
+    """Whether ``direct`` goes through the slots where ``cma`` goes by address."""
+    if collective == "allgather":  # nbytes: one rank's block
+        return slot < nbytes <= ALLGATHER_SLOT_ROUNDS * slot
+    if collective == "alltoall":  # nbytes: one rank's whole input
+        return slot < nbytes < ALLTOALL_BY_ADDRESS_MIN
+    return False
 
 
 def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> float:

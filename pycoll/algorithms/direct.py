@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.algorithms.cost import split_allreduce
+from pycoll.algorithms.cost import ALLGATHER_SLOT_ROUNDS, ALLTOALL_BY_ADDRESS_MIN, split_allreduce
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
@@ -107,12 +107,6 @@ def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> 
     if not _by_address(G, nbytes):
         return False
     return not (L.crowded and (L.size - 1) * nbytes <= crowded_limit)
-
-
-#: allgather blocks of up to this many slots go through the slots in rounds, not
-#: by address: 71-76 against 86-87 us at n = 2 with 512 KiB blocks on the 2-core
-#: machine (benchmarks/RESULTS.md, "The measurements behind the constants").
-ALLGATHER_SLOT_ROUNDS = 3
 
 
 def _step(L: Links, G: Group) -> int:
@@ -339,8 +333,20 @@ def allgather(L: Links, x: Any, out: Any) -> None:
     the output, n blocks long, is the likelier to be on huge pages: so the ranks
     write into the outputs instead of reading the inputs (benchmarks/RESULTS.md, "The measurements behind the constants").
     """
+    _allgather(L, x, out, ALLGATHER_SLOT_ROUNDS)
+
+
+@register("allgather", "cma")
+def allgather_cma(L: Links, x: Any, out: Any) -> None:
+    """``direct``'s by-address route from one slot up: every block a
+    cross-memory write (see :data:`pycoll.algorithms.cost.CMA_CONTENDS`)."""
+    _allgather(L, x, out, 1)
+
+
+def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
+    """Through the slots for blocks up to ``slot_rounds`` slots, else by address."""
     G = _group(L)
-    if not (G.cma and x.nbytes > ALLGATHER_SLOT_ROUNDS * G.slot_bytes):
+    if not (G.cma and x.nbytes > slot_rounds * G.slot_bytes):
         _slot_allgather(L, G, x, out)
         return
     dl, bo = L.deadline, L.backoff
@@ -450,13 +456,25 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
     wrote them during the call).  In alternating blocks on the 2-core machine
     the reads took 0.60-0.87x the writes' time at 4-16 MiB, n = 2-4, in eight
     cells of nine (benchmarks/RESULTS.md, "Where alltoall's time goes")."""
+    _alltoall(L, x, out, ALLTOALL_BY_ADDRESS_MIN)
+
+
+@register("alltoall", "cma")
+def alltoall_cma(L: Links, x: Any, out: Any) -> None:
+    """``direct``'s by-address route from one slot up: each rank reads its
+    block out of every peer's input (see :data:`pycoll.algorithms.cost.CMA_CONTENDS`)."""
+    _alltoall(L, x, out, 0)
+
+
+def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
+    """By address from ``by_address_min`` bytes and above a slot, else through the slots."""
     G = _group(L)
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     k = x.size // n
     if n == 1:
         return
-    if G.cma and x.nbytes > G.slot_bytes and x.nbytes >= ALLTOALL_BY_ADDRESS_MIN:
+    if G.cma and x.nbytes > G.slot_bytes and x.nbytes >= by_address_min:
         s = _post_buffer(L, G, x)
         at = r * k * x.itemsize
         for j in _others(n, r):
@@ -492,17 +510,6 @@ def alltoall(L: Links, x: Any, out: Any) -> None:
         if not ahead:
             read()
     read()
-
-
-#: alltoall goes by address (each rank's cross-memory reads out of its peers'
-#: inputs) from this many bytes, and above one slot; below, through the slots
-#: (two memcpys a block).  NumPy puts arrays from 4 MiB on huge pages, where a
-#: cross-memory copy costs 2.6-3.5x less than on the 4 KiB pages below that; on
-#: the 2-core VM at 1-2 MiB, MPI's time over pycoll's went from 0.58-0.80 by
-#: address to 0.66-1.10 through the slots at n = 2, 0.70-0.76 to 0.85-1.02 at
-#: n = 4, and stayed within the noise at n = 3 (benchmarks/RESULTS.md, "Where
-#: alltoall's time goes").
-ALLTOALL_BY_ADDRESS_MIN = 4 << 20
 
 
 @register("barrier", "direct")
