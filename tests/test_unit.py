@@ -357,8 +357,8 @@ def test_double_tree_interior_nodes_are_mostly_leaves_in_the_other(n: int) -> No
 
 
 def point_to_point(coll: str) -> tuple[str, ...]:
-    """The candidates when ranks do not all share one host (no ``direct``)."""
-    return tuple(a for a in names(coll) if a != "direct")
+    """The candidates when ranks do not all share one host (no ``direct``, ``cma``)."""
+    return tuple(a for a in names(coll) if a not in ("direct", "cma"))
 
 
 def test_cost_model_prefers_tree_small_ring_large_at_scale() -> None:

@@ -71,9 +71,10 @@ def comm_slots():
 
 
 def skip_unavailable(c, algo: str) -> None:
-    """``direct`` needs every rank on one host sharing memory (not so over rdma-only)."""
-    if algo == "direct" and SIZE > 1 and c._engine.group is None:
-        pytest.skip("no group segment: direct is not available")
+    """``direct`` and ``cma`` need every rank on one host sharing memory (not so
+    over rdma-only)."""
+    if algo in ("direct", "cma") and SIZE > 1 and c._engine.group is None:
+        pytest.skip(f"no group segment: {algo} is not available")
 
 
 def poison(a: np.ndarray) -> np.ndarray:
