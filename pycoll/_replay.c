@@ -96,8 +96,7 @@ layout_of(PyObject *a, int writeable, Layout *L)
         L->shape[d] = h->dimensions[d];
         L->strides[d] = h->strides[d];
     }
-    Py_INCREF(h->descr);
-    L->descr = h->descr;
+    L->descr = Py_NewRef(h->descr);
     /* what was read must be what Python sees */
     PyObject *shape = PyObject_GetAttrString(a, "shape");
     PyObject *strides = PyObject_GetAttrString(a, "strides");
@@ -167,16 +166,11 @@ fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     self->has_o = o != Py_None;
-    Py_INCREF(x);
-    self->xobj = x;
-    Py_INCREF(o);
-    self->oobj = o;
-    Py_INCREF(go);
-    self->go = go;
-    Py_INCREF(res);
-    self->res = res;
-    Py_INCREF(call);
-    self->call = call;
+    self->xobj = Py_NewRef(x);
+    self->oobj = Py_NewRef(o);
+    self->go = Py_NewRef(go);
+    self->res = Py_NewRef(res);
+    self->call = Py_NewRef(call);
     self->tid = tid;
     return (PyObject *)self;
 }
@@ -242,8 +236,7 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     if (ndarray == NULL) {
-        Py_INCREF(a[12]);
-        ndarray = (PyTypeObject *)a[12];
+        ndarray = (PyTypeObject *)Py_NewRef(a[12]);
     }
     Entry *self = (Entry *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -252,12 +245,9 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject **f[12] = {&self->slow,   &self->plans, &self->fam,     &self->engine,
                         &self->p2p,    &self->enter, &self->leave,   &self->append,
                         &self->enabled, &self->trace, &self->fail, &self->overlapped};
-    for (int k = 0; k < 12; k++) {
-        Py_INCREF(a[k]);
-        *f[k] = a[k];
-    }
-    Py_INCREF(a[13]);
-    self->owner = a[13];
+    for (int k = 0; k < 12; k++)
+        *f[k] = Py_NewRef(a[k]);
+    self->owner = Py_NewRef(a[13]);
     self->last_epoch = -1;
     return (PyObject *)self;
 }
@@ -288,8 +278,6 @@ static Fit *
 find(Entry *self, PyObject *const *args)
 {
     PyObject *root = args[4];
-    if (args[6] != Py_False || args[7] != Py_None || !PyLong_CheckExact(root))
-        return NULL;
     PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
     if (ep == NULL)
         return NULL;
@@ -319,16 +307,12 @@ find(Entry *self, PyObject *const *args)
         Py_DECREF(key);
         return NULL;
     }
-    Py_INCREF(args[0]);
-    PyTuple_SET_ITEM(key, 0, args[0]);
+    PyTuple_SET_ITEM(key, 0, Py_NewRef(args[0]));
     PyTuple_SET_ITEM(key, 1, xid);
     PyTuple_SET_ITEM(key, 2, oid);
-    Py_INCREF(args[3]);
-    PyTuple_SET_ITEM(key, 3, args[3]);
-    Py_INCREF(root);
-    PyTuple_SET_ITEM(key, 4, root);
-    Py_INCREF(args[5]);
-    PyTuple_SET_ITEM(key, 5, args[5]);
+    PyTuple_SET_ITEM(key, 3, Py_NewRef(args[3]));
+    PyTuple_SET_ITEM(key, 4, Py_NewRef(root));
+    PyTuple_SET_ITEM(key, 5, Py_NewRef(args[5]));
     PyObject *p = PyDict_GetItemWithError(self->plans, key); /* borrowed */
     if (p == NULL) {
         Py_DECREF(key);
@@ -365,7 +349,10 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
 {
     Entry *self = (Entry *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs != 8 || kwnames != NULL)
+    /* the call's own arguments first (pointer compares): an asynchronous call, a
+       stream or a root that is not an int goes to the slow path at once */
+    if (nargs != 8 || kwnames != NULL || args[6] != Py_False || args[7] != Py_None ||
+        !PyLong_CheckExact(args[4]))
         return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
     int busy = attr_true(self->fam, s_inflight);
     if (busy < 0)
@@ -409,13 +396,10 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
         goto leave;
     }
     PyList_SET_ITEM(rec, 0, seq);
-    Py_INCREF(F->call);
-    PyList_SET_ITEM(rec, 1, F->call);
+    PyList_SET_ITEM(rec, 1, Py_NewRef(F->call));
     PyList_SET_ITEM(rec, 2, t0);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(rec, 3, Py_None);
-    Py_INCREF(s_running);
-    PyList_SET_ITEM(rec, 4, s_running);
+    PyList_SET_ITEM(rec, 3, Py_NewRef(Py_None));
+    PyList_SET_ITEM(rec, 4, Py_NewRef(s_running));
     PyObject *r = PyObject_CallOneArg(self->append, rec);
     if (r == NULL)
         goto leave;
@@ -472,13 +456,11 @@ leave:
         Py_DECREF(F);
         return NULL;
     }
-    Py_INCREF(s_ok);
-    PyList_SetItem(rec, 4, s_ok);
+    PyList_SetItem(rec, 4, Py_NewRef(s_ok));
     Py_DECREF(rec);
     if (result == Py_None) {
         Py_DECREF(result);
-        result = F->res;
-        Py_INCREF(result);
+        result = Py_NewRef(F->res);
     }
     Py_DECREF(F);
     return result;

@@ -329,14 +329,10 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             Py_DECREF(self);
             return NULL;
         }
-    Py_INCREF(group);
-    self->group = group;
-    Py_INCREF(claim);
-    self->claim = claim;
-    Py_INCREF(wait);
-    self->wait = wait;
-    Py_INCREF(reduce);
-    self->reduce = reduce;
+    self->group = Py_NewRef(group);
+    self->claim = Py_NewRef(claim);
+    self->wait = Py_NewRef(wait);
+    self->reduce = Py_NewRef(reduce);
     for (int i = 0; i < K; i++)
         if (addr_of(PyTuple_GET_ITEM(slot, i), &self->slot[i]) ||
             addr_of(PyTuple_GET_ITEM(word, i), &self->word[i]))
