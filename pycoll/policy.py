@@ -15,6 +15,7 @@ import numpy as np
 
 from pycoll import algorithms
 from pycoll.algorithms import cost
+from pycoll.algorithms.direct import GROUP_ALGORITHMS
 from pycoll.config import SLICED_COPY_BYTES, Config
 from pycoll.errors import InvalidArgumentError
 from pycoll.plans import make_room
@@ -75,7 +76,7 @@ class Policy:
     def usable(self, algorithm: str) -> bool:
         """Whether host ``algorithm`` can run here (``direct`` and ``cma`` need the
         shared group)."""
-        return algorithm not in ("direct", "cma") or self.size == 1 or self._group
+        return algorithm not in GROUP_ALGORITHMS or self.size == 1 or self._group
 
     def algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
         """The algorithm a call asked for, or the model's pick for ``auto``.
@@ -230,7 +231,7 @@ class Policy:
             return "direct"
         if algo != "direct":
             return algo
-        return next(a for a in algorithms.names(what) if a not in ("direct", "cma"))
+        return next(a for a in algorithms.names(what) if a not in GROUP_ALGORITHMS)
 
     def returns_early(self, coll: Any, nbytes: int) -> bool:
         """Whether a blocking ``auto`` call of ``coll`` on device buffers of ``nbytes``

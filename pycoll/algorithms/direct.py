@@ -71,6 +71,11 @@ except ImportError:  # pragma: no cover - an install without a compiler
 PIECE_BYTES = 256 << 10
 
 
+#: The algorithms that run over the group segment, so need every rank on one
+#: host sharing memory (``cma``: the other route of ``direct``'s protocol).
+GROUP_ALGORITHMS = ("direct", "cma")
+
+
 def _group(L: Links) -> Group:
     G = L.group
     assert G is not None, "direct algorithms need a shared group (the communicator checks)"

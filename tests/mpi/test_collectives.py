@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 import pycoll
 from pycoll.algorithms import names
+from pycoll.algorithms.direct import GROUP_ALGORITHMS
 from tests.reference import (
     assert_close,
     assert_identical_everywhere,
@@ -73,7 +74,7 @@ def comm_slots():
 def skip_unavailable(c, algo: str) -> None:
     """``direct`` and ``cma`` need every rank on one host sharing memory (not so
     over rdma-only)."""
-    if algo in ("direct", "cma") and SIZE > 1 and c._engine.group is None:
+    if algo in GROUP_ALGORITHMS and SIZE > 1 and c._engine.group is None:
         pytest.skip(f"no group segment: {algo} is not available")
 
 
