@@ -201,6 +201,40 @@ def test_the_two_routes_of_direct_do_not_pair(coll: str, n: int) -> None:
     _run_case({"transports": ("shm",)}, "direct", lambda r: routed(r, n), n=n)
 
 
+@pytest.mark.parametrize("coll", ["allgather", "alltoall"])
+def test_a_peer_gone_under_cma_raises_and_writes_nothing_wrong(coll: str) -> None:
+    """4 KiB slots, 8 KiB a rank: ``cma`` goes by address.  Rank 1 closes after a
+    few calls; rank 0's next call, which waits for rank 1's posted range, raises
+    within the timeout, and its poisoned output holds no half of a result."""
+    with communicators(2, timeout=TIMEOUT, group_slot_bytes=4096, tune=False) as comms:
+
+        def body(r: int) -> Any:
+            c = comms[r]
+            k = 2048  # float32 elements: 8 KiB a block, two slots
+            x = np.full(2 * k, r + 1, np.float32)
+            out = np.empty(2 * k, np.float32)
+            run = getattr(c, coll)
+            for _ in range(3):
+                run(x[:k] if coll == "allgather" else x, out, algorithm="cma")
+            assert set(np.unique(out)) == {1.0, 2.0}
+            if r == 1:
+                c.close()
+                return None
+            time.sleep(0.2)  # rank 1 is gone
+            out.fill(-1.0)
+            t0 = time.monotonic()
+            with pytest.raises(pycoll.PycollError) as ei:
+                run(x[:k] if coll == "allgather" else x, out, algorithm="cma")
+            # rank 0's own block may be in place by now; the dead peer's may not
+            return type(ei.value).__name__, time.monotonic() - t0, bool((out[k:] == -1).all())
+
+        res = run_ranks(2, body, timeout=TIMEOUT + 30)
+    name, waited, untouched = res[0]
+    assert name in ("PeerAbortedError", "CollectiveTimeout"), res
+    assert waited < TIMEOUT + 3, res
+    assert untouched, "the dead peer's block changed under a call that raised"
+
+
 THREE = [p for p in PATHS if p[0] not in ("shm-tree", "tcp-auto")]
 
 
