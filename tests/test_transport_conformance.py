@@ -130,7 +130,8 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
     monkeypatch.setattr(_cma, "read", counted)
     rng = np.random.default_rng(7)
     with _pair(name, slot_bytes=1 << 20, nslots=2) as (a, b):
-        for nbytes in ((1 << 20) + 3, (3 << 20) + 5):
+        below = shm.COPIED_CMA_MIN_BYTES
+        for nbytes in (below // 2 + 3, below - 5):
             x = rng.integers(0, 256, nbytes, dtype=np.uint8)
             out = np.zeros_like(x)
             wait_all(
@@ -151,10 +152,10 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
                 assert not reads
                 assert len(pieces) > 1 and max(n for _, n in pieces) <= shm.PIECE_BYTES
         if name == "shm" and _cma.available():
-            x = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+            x = rng.integers(0, 256, below - 5, dtype=np.uint8)
             out = np.zeros_like(x)
             wait_all([a.isend(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30))
-            assert np.array_equal(out, x) and reads == [1 << 20]
+            assert np.array_equal(out, x) and reads == [below - 5]
 
 
 def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:
@@ -163,8 +164,10 @@ def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:
     whole (shm: the pieces through the slots)."""
     if name != "shm":
         pytest.skip("pieces through slots are shm's")
+    from transports import shm
+
     with _pair(name, slot_bytes=1 << 20, nslots=2) as (a, b):
-        x = np.ones((3 << 20) + 5, np.uint8)
+        x = np.ones(shm.COPIED_CMA_MIN_BYTES - 5, np.uint8)  # (more than two pieces)
         send = a.isend_copied(memoryview(x))
         out = np.zeros_like(x)
         recv = b.irecv_into(memoryview(out))
@@ -510,7 +513,7 @@ def _at_first_piece(monkeypatch: pytest.MonkeyPatch, then: Any) -> None:
     read = _cma.read
 
     def first_read(pid: int, remote: int, local: int, nbytes: int) -> None:
-        if nbytes >= shm.HELP_PIECE:  # (not the probe of cross-memory reads)
+        if nbytes >= shm.HELP_PIECE_MIN:  # (not the probe of cross-memory reads)
             monkeypatch.setattr(_cma, "read", read)
             then()
         read(pid, remote, local, nbytes)

@@ -117,23 +117,24 @@ _SBUF_FD_OFF = (1280, 1408)
 _HELP_OFF = (1536, 1792)
 #: A message of ``isend_copied`` read in place (a direct-read descriptor) of at
 #: least this size into a receive's buffer is copied from both ends: the
-#: receiver reads pieces of :data:`HELP_PIECE` from the sender's memory while
-#: the sender, waiting for it anyway, writes others into the receiver's (both
-#: by cross-memory copy), each taking the next piece not yet taken.  A 4 MiB
-#: point-to-point message on huge pages took 285-610 us a way from one end and
-#: 221-335 from both (MPI: 240-532, in the same runs; 16 MiB: 1029-1723, 851-1289
-#: and 861-1477).  Pieces of 1 MiB: 4 MiB on 2 MiB-aligned huge pages took 256 us
-#: a way in 1 MiB pieces, 268 in 512 KiB, 297 in 256 KiB, 279 in 2 MiB (16 MiB:
-#: 1114, 1188, 1283, 1072).  Collectives' messages (``isend``) do not: a rank that sends
-#: in a ring also receives, and at n = 4 on two cores a ring allgather of 8 MiB
-#: took 7.8 ms so, instead of 6.8.
+#: receiver reads pieces (:func:`help_piece`) from the sender's memory while the
+#: sender, waiting for it anyway, writes others into the receiver's (both by
+#: cross-memory copy), each taking the next piece not yet taken.  A 2 MiB
+#: point-to-point message took 165-175 us a way so, against 248-257 through the
+#: slots.  Collectives' messages (``isend``) do not: a rank that sends in a ring
+#: also receives, and at n = 4 on two cores a ring allgather of 8 MiB took 7.8 ms
+#: so, instead of 6.8.
 HELP_MIN_BYTES = 1 << 20
 #: At close, how long a receive waits for the pieces its sender took (see
 #: :meth:`ShmConnection._end_help`); the buffers of those that never came are
 #: kept in :data:`_KEPT` until the process exits.
 HELP_CLOSE_SECONDS = 1.0
 _KEPT: list[Any] = []
+#: The pieces of a copy from both ends: a quarter of the message, from
+#: :data:`HELP_PIECE_MIN` to :data:`HELP_PIECE` bytes, so that both ends copy
+#: from 1 MiB on (one 1 MiB piece took 144-148 us a way; four of 256 KiB, 99-104).
 HELP_PIECE = 1 << 20
+HELP_PIECE_MIN = 256 << 10
 _M32 = 0xFFFFFFFF
 # piece length, offset within the slot, (for a direct-read descriptor) the
 # address of the bytes in the sender's memory, else 0, and the message's tag
@@ -148,12 +149,11 @@ _CMA_TEMP = 256 << 10  # reduce sinks get the bytes in cache-sized pieces
 #: 1 MiB piece, and 144-153 us by a cross-memory read (the 2-core VM of
 #: benchmarks/RESULTS.md, "Point-to-point and alltoall against MPI and Gloo").
 PIECE_BYTES = 256 << 10
-#: ``isend_copied`` still lets the receiver read a message this large in place:
-#: NumPy puts arrays from 4 MiB on huge pages, and a cross-memory read of those
-#: runs at 2-3x the rate it has on 4 KiB pages, ahead of two copies (a 4 MiB
-#: ping-pong a way: 152 us for MPI, which reads in place, and 318 us through
-#: the slots; on 4 KiB pages 520 and 235 us).
-COPIED_CMA_MIN_BYTES = 4 << 20
+#: ``isend_copied`` lets the receiver read a message this large in place (and
+#: so, from :data:`HELP_MIN_BYTES`, both ends copy it); smaller ones go through
+#: the slots, where a 512 KiB message took 80-87 us a way against 84-85 by a
+#: cross-memory read.
+COPIED_CMA_MIN_BYTES = 1 << 20
 
 #: In a descriptor's offset field: the bytes are in the sender's shared send
 #: buffer, at the descriptor's address taken as an offset into that buffer.
@@ -220,6 +220,11 @@ class _Identity:
         self.rank, self.pid = rp >> 32, rp & 0xFFFFFFFF
         self.dirfd = dirfd
         return self
+
+
+def help_piece(nbytes: int) -> int:
+    """The piece of an ``nbytes`` copy from both ends (both ends compute it)."""
+    return min(HELP_PIECE, max(HELP_PIECE_MIN, nbytes // 4 // _PAGE * _PAGE))
 
 
 def _segment_bytes(nslots: int, slot_bytes: int) -> int:
@@ -868,7 +873,7 @@ class ShmConnection(Connection):
         take pieces until none is left; the sender takes others meanwhile
         (:meth:`_help_send`).  False: some of its pieces are still being written."""
         claim, done, dest = self._help_in
-        pieces = -(-n // HELP_PIECE)
+        pieces = -(-n // help_piece(n))
         req.help = (ident, pieces)  # (before the sender may write: see close)
         dest.store(to)
         done.store(ident << 32)
@@ -889,11 +894,12 @@ class ShmConnection(Connection):
         """This side's part of copy ``ident`` of ``n`` bytes (its words at offset
         ``at``): take the next piece until none is left, ``copy(offset, length)``
         it and count it done.  Both ends run this, each with its own copy."""
-        pieces = -(-n // HELP_PIECE)
+        size = help_piece(n)
+        pieces = -(-n // size)
         while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
-            off = k * HELP_PIECE
+            off = k * size
             try:
-                copy(off, min(HELP_PIECE, n - off))
+                copy(off, min(size, n - off))
             except OSError as exc:
                 raise self._cma_error(what, n, exc) from exc
             _ring.add(self._mm, at + 64, 1)
