@@ -158,6 +158,52 @@ def test_copied_sends_arrive_whole_and_skip_direct_reads(
             assert np.array_equal(out, x) and reads == [below - 5]
 
 
+def test_pieces_through_the_slots_move_in_compiled_loops(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shm with its compiled ring: a message of several pieces through the slots
+    is put and taken by ``transports._ring``'s loops and arrives whole; a
+    receive of another length raises rather than end; pieces larger than a slot
+    are refused."""
+    if name != "shm":
+        pytest.skip("the slots are shm's")
+    from transports import shm
+
+    if shm._ring is None:
+        pytest.skip("transports._ring is not built")
+    ring = shm._ring
+    calls = {"put_pieces": 0, "take_pieces": 0}  # calls that moved bytes
+
+    def counted(fn: str) -> Any:
+        real = getattr(ring, fn)
+
+        def call(*a: Any) -> Any:
+            got = real(*a)
+            calls[fn] += got[1] > a[3]  # calls that moved bytes
+            return got
+
+        return call
+
+    for fn in calls:
+        monkeypatch.setattr(ring, fn, counted(fn))
+    rng = np.random.default_rng(11)
+    with _pair(name, slot_bytes=64 << 10, nslots=4) as (a, b):
+        nbytes = 9 * (64 << 10) + 7  # more pieces than slots, the last a short one
+        x = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        out = np.zeros_like(x)
+        wait_all([a.isend_copied(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30))
+        assert np.array_equal(out, x)
+        assert calls["put_pieces"] and calls["take_pieces"]
+        short = np.zeros(nbytes - 1, np.uint8)
+        with pytest.raises(TransportError, match="piece"):
+            wait_all(
+                [a.isend_copied(memoryview(x)), b.irecv_into(memoryview(short))],
+                Deadline.after(30),
+            )
+        with pytest.raises(ValueError, match="larger than a slot"):
+            ring.put_pieces(a._out.ring(a._mm), 0, x, 0, (64 << 10) + 1, 0, 0)  # type: ignore[attr-defined]
+
+
 def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:
     """A receive that has taken some of a copied message's pieces when the sender
     closes raises PeerClosedError rather than wait for the rest, or end as if

@@ -1,5 +1,6 @@
-/* transports._ring: a small message into and out of a shared-memory ring, compiled;
-   and the two atomic steps of a large message copied from both ends at once.
+/* transports._ring: a small message into and out of a shared-memory ring, and
+   a large one's pieces through it, compiled; and the two atomic steps of a
+   large message copied from both ends at once.
 
    transports/shm.py keeps a ring of slots per direction of a pair (its module
    docstring gives the layout and the protocol: the sender owns head, the
@@ -7,12 +8,15 @@
    point-to-point call of a few bytes spends most of its time in Python
    putting one message into a slot or taking one out; these two functions do
    that whole step in one call (ShmConnection.put_now and take_now, the only
-   callers, pass the segment they map).  Everything else
-   (queued messages, large ones, descriptors, mismatches, waits that back off,
-   timeouts, a peer that died) stays in Python: a function here that cannot
-   finish its step leaves the ring untouched and says so.  Each holds the GIL
-   throughout (take's spin is bounded) and the mapping's export, so no other
-   thread can close and unmap the segment while one runs.
+   callers, pass the segment they map); put_pieces and take_pieces move the
+   plain pieces of a large one (ShmConnection._progress_sends and
+   _progress_recvs), waiting a bounded spin between pieces, so that both
+   ends copy at once.  Everything else (queued messages, descriptors,
+   mismatches, waits that back off, timeouts, a peer that died) stays in
+   Python: a function here that cannot finish its step leaves the ring as it
+   is and says so.  put and take hold the GIL throughout (take's spin is
+   bounded); every function holds the mapping's export, so no other thread
+   can close and unmap the segment while one runs.
 
    Every function takes the segment's mapping (an mmap) and offsets into it,
    and exports the mapping while it runs: a mapping already closed raises
@@ -44,6 +48,25 @@
 
    add(mapping, offset, value) -> int
        Atomically add value to the 64-bit word at offset; the new value.
+
+   put_pieces(ring, sent, src, off, piece, tag, spins) -> (sent, off)
+       A large message through the slots (what ShmConnection._progress_sends
+       does for one): from byte off of buffer src, put pieces of at most piece
+       bytes into the next free slots, each at the page offset its bytes have
+       in src (metadata: length, that offset, no descriptor, tag; head stored
+       with release after each), until src is all out or no slot frees up
+       within spins rounds of waiting; returns the new sent and off.
+
+   take_pieces(ring, recvd, dst, off, piece, tag, spins) -> (recvd, off, status)
+       The other end (ShmConnection._progress_recvs for a receive into a
+       buffer): copy the pieces of the message tagged tag into dst from byte
+       off, each of min(piece, what is left) bytes, storing tail with release
+       after each, until dst is full or no piece arrives within spins rounds
+       (status 0); status -1: the next slot is not such a piece (a descriptor,
+       another tag or length), left where it is for the caller to judge.
+
+   Both release the GIL while they copy and wait; the buffers and the mapping
+   stay exported meanwhile, so nothing can unmap them.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -296,6 +319,135 @@ ring_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(got);
 }
 
+#define PAGE 4096ULL
+
+/* The word at w once it is above value, or its last load after spins rounds
+   of waiting. */
+static inline uint64_t
+await_above(const uint64_t *w, uint64_t value, long spins)
+{
+    uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    while (v <= value && spins-- > 0) {
+        RELAX();
+        v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    }
+    return v;
+}
+
+static int
+pieces_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
+            unsigned long long v[4], long *spins)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments", name);
+        return -1;
+    }
+    const int at[4] = {1, 3, 4, 5}; /* sent or recvd, off, piece, tag */
+    for (int k = 0; k < 4; k++) {
+        v[k] = PyLong_AsUnsignedLongLong(args[at[k]]);
+        if (v[k] == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+    }
+    *spins = PyLong_AsLong(args[6]);
+    if (*spins == -1 && PyErr_Occurred())
+        return -1;
+    if (v[2] == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: pieces of 0 bytes", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+ring_put_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[4];
+    long spins;
+    if (pieces_args(args, nargs, "put_pieces", v, &spins) < 0)
+        return NULL;
+    unsigned long long sent = v[0], off = v[1], piece = v[2], tag = v[3];
+    ring_t r;
+    if (ring_of(args[0], &r))
+        return NULL;
+    if (piece > r.slot_bytes || piece + PAGE > r.stride) {
+        PyBuffer_Release(&r.seg);
+        PyErr_SetString(PyExc_ValueError, "put_pieces: pieces larger than a slot");
+        return NULL;
+    }
+    Py_buffer src;
+    if (PyObject_GetBuffer(args[2], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&r.seg);
+        return NULL;
+    }
+    unsigned long long total = (unsigned long long)src.len;
+    const char *from = (const char *)src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    while (off < total) {
+        /* free while sent - tail < nslots, i.e. tail > sent - nslots */
+        if (sent >= r.nslots &&
+            await_above(r.tail, sent - r.nslots, spins) <= sent - r.nslots)
+            break;
+        unsigned long long n = total - off < piece ? total - off : piece;
+        unsigned long long o = ((uintptr_t)(from + off)) % PAGE;
+        unsigned long long slot = sent % r.nslots;
+        memcpy(r.base + slot * r.stride + o, from + off, (size_t)n);
+        uint64_t *m = r.meta + 4 * slot;
+        m[0] = n;
+        m[1] = o;
+        m[2] = 0;
+        m[3] = tag;
+        __atomic_store_n(r.head, (uint64_t)(sent + 1), __ATOMIC_RELEASE);
+        sent++;
+        off += n;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&r.seg);
+    return Py_BuildValue("KK", sent, off);
+}
+
+static PyObject *
+ring_take_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[4];
+    long spins;
+    if (pieces_args(args, nargs, "take_pieces", v, &spins) < 0)
+        return NULL;
+    unsigned long long recvd = v[0], off = v[1], piece = v[2], tag = v[3];
+    ring_t r;
+    if (ring_of(args[0], &r))
+        return NULL;
+    Py_buffer dst;
+    if (PyObject_GetBuffer(args[2], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&r.seg);
+        return NULL;
+    }
+    unsigned long long total = (unsigned long long)dst.len;
+    char *to = (char *)dst.buf;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (off < total) {
+        if (await_above(r.head, recvd, spins) <= recvd)
+            break;
+        unsigned long long slot = recvd % r.nslots;
+        const uint64_t *m = r.meta + 4 * slot;
+        unsigned long long want = total - off < piece ? total - off : piece;
+        if (m[3] != tag || m[2] != 0 || m[1] >= PAGE || m[0] != want ||
+            want > r.slot_bytes || m[1] + want > r.stride) {
+            status = -1;
+            break;
+        }
+        memcpy(to + off, r.base + slot * r.stride + m[1], (size_t)want);
+        __atomic_store_n(r.tail, (uint64_t)(recvd + 1), __ATOMIC_RELEASE);
+        recvd++;
+        off += want;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&r.seg);
+    return Py_BuildValue("KKi", recvd, off, status);
+}
+
 static PyMethodDef methods[] = {
     {"put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "Put a small message into the next free slot of a ring; False: none free."},
@@ -305,6 +457,10 @@ static PyMethodDef methods[] = {
      "Claim the next piece of a shared copy (its index), or -1."},
     {"add", (PyCFunction)(void (*)(void))ring_add, METH_FASTCALL,
      "Atomically add to a 64-bit word; the new value."},
+    {"put_pieces", (PyCFunction)(void (*)(void))ring_put_pieces, METH_FASTCALL,
+     "Put a large message's pieces into the free slots of a ring; (sent, off)."},
+    {"take_pieces", (PyCFunction)(void (*)(void))ring_take_pieces, METH_FASTCALL,
+     "Take a large message's pieces out of a ring; (recvd, off, status)."},
     {NULL, NULL, 0, NULL},
 };
 

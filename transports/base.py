@@ -461,6 +461,10 @@ class Connection(abc.ABC):
     #: declares its set on its class, and an instance may refine it when it
     #: connects (say, :attr:`Cap.SAME_DEVICE`, known only after the handshake)
     caps: Cap = Cap(0)
+    #: rounds a transport's compiled loop may wait on the peer (a bounded spin)
+    #: before it returns to the caller's backoff; the owner sets it, to 0 where
+    #: ranks outnumber cores (a spin there holds the core the peer needs)
+    spins: int = 0
 
     @abc.abstractmethod
     def isend(self, data: memoryview, tag: int = 0) -> Request:

@@ -717,6 +717,10 @@ class ShmConnection(Connection):
                 acks.append(req)
                 q.popleft()
                 continue
+            if self._ring_out is not None:  # the same, compiled (transports/_ring.c)
+                head, req.off = _ring.put_pieces(
+                    self._ring_out, head, src, req.off, out.piece, req.tag, self.spins
+                )
             while req.off < total and head - tail < out.nslots:
                 n = min(out.piece, total - req.off)
                 # same page offset as the source: see the module docstring
@@ -745,8 +749,12 @@ class ShmConnection(Connection):
         q = self._recvs
         while q:
             req = q[0]
-            head = inn.head.load()
             tail = self._recvd
+            if req.dest is not None and self._ring_in is not None:  # plain pieces, compiled
+                tail, req.off, _ = _ring.take_pieces(
+                    self._ring_in, tail, req.dest, req.off, inn.piece, req.tag, self.spins
+                )
+            head = inn.head.load()
             while req.off < req.nbytes and tail < head:
                 slot = tail % inn.nslots
                 n, o, addr, tag = _META.unpack_from(self._mm, inn.meta_off + _META.size * slot)
