@@ -53,12 +53,14 @@ PATHS = {  # name: (init keywords, algorithm, largest size in bytes)
 }
 
 
-def returns(comm: Any, nbytes: int, algo: str, reps: int) -> dict[str, float]:
+def returns(comm: Any, nbytes: int, algo: str, reps: int, warmup: int) -> dict[str, float]:
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         x = cp.ones(nbytes // 4, cp.float32)
-    comm.allreduce(x, algorithm=algo, stream=s)  # kernels loaded, windows mapped
-    s.synchronize()
+    for _ in range(warmup):  # kernels loaded, windows mapped, clocks up
+        W.Barrier()
+        comm.allreduce(x, algorithm=algo, stream=s)
+        s.synchronize()
     back, gpu, early = [], [], 0
     for _ in range(reps):
         W.Barrier()
@@ -76,7 +78,7 @@ def returns(comm: Any, nbytes: int, algo: str, reps: int) -> dict[str, float]:
     return {"return_us": worst, "gpu_us": statistics.median(gpu), "early": early / reps}
 
 
-def part1(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def part1(sizes: list[int], reps: int, warmup: int) -> list[dict[str, Any]]:
     rows = []
     for name, (kw, algo, most) in PATHS.items():
         comm = pycoll.init(timeout=120, **kw)
@@ -84,14 +86,14 @@ def part1(sizes: list[int], reps: int) -> list[dict[str, Any]]:
             routes = sorted({comm.transport_of(p, device=True) for p in range(N) if p != RANK})
             for nb in sizes:
                 if most is None or nb <= most:
-                    r = returns(comm, nb, algo, reps)
+                    r = returns(comm, nb, algo, reps, warmup)
                     rows.append({"path": name, "bytes": nb, "routes": routes, **r})
         finally:
             comm.close()
     return rows
 
 
-def part2(nbytes: int, reps: int) -> dict[str, float]:
+def part2(nbytes: int, reps: int, warmup: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -131,8 +133,9 @@ def part2(nbytes: int, reps: int) -> dict[str, float]:
         cp.cuda.Device().synchronize()
         return W.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
-    for which in times:  # warm-up
-        one(which)
+    for _ in range(warmup):
+        for which in times:
+            one(which)
     for _ in range(reps):
         for which, ts in times.items():
             ts.append(one(which))
@@ -152,14 +155,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,4M,16M,256M")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="untimed calls (part 2: rounds of every variant) before the timed ones",
+    )
     p.add_argument("--torch-bytes", default="256M")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--json")
     args = p.parse_args()
     cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
-    rows = part1(sizes, args.reps)
-    tor = None if args.skip_torch else part2(parse_bytes(args.torch_bytes), args.reps)
+    rows = part1(sizes, args.reps, args.warmup)
+    tor = None if args.skip_torch else part2(parse_bytes(args.torch_bytes), args.reps, args.warmup)
     if RANK:
         return
     print(f"# n = {N}: host return time and GPU time of a blocking float32 allreduce")
