@@ -137,6 +137,7 @@ def open_root(bootstrap: Bootstrap, config: Config) -> tuple[Engine, Any, str]:
 
     for c in wiring.conns.values():  # (see _waiting_policy)
         c.spins = 0 if crowded(rank) else CONNECTION_SPINS
+        c.compiled = config.compiled
     fam = Family(rank, config, wiring, gpu, bootstrap)
     eng = Engine(
         rank,

@@ -407,3 +407,27 @@ def test_nothing_of_a_replayed_call_outlives_close() -> None:
         assert all(ref() is not None for ref in refs)  # the plans hold them
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.parametrize("use", [True, False])
+def test_connections_follow_the_compiled_switch(use: bool) -> None:
+    """``PYCOLL_COMPILED`` reaches the connections (their compiled piece loops,
+    ``Connection.compiled``), and a point-to-point message of many pieces
+    through shm's slots arrives whole either way."""
+    with communicators(2, timeout=30, compiled=use) as comms:
+        for c in comms:
+            conn = c._engine.conns[1 - c.rank]
+            assert conn.compiled is use
+        n = (600 << 10) // 4 + 3  # pieces through the slots (below the read in place)
+        x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+
+        def body(r: int) -> bytes:
+            c = comms[r]
+            if r == 0:
+                c.send(x, 1, tag=3)
+                return b""
+            got = np.full(n, np.nan, np.float32)
+            c.recv(got, 0, tag=3)
+            return got.tobytes()
+
+        assert run_ranks(2, body, timeout=60)[1] == x.tobytes()

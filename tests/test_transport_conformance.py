@@ -164,7 +164,7 @@ def test_pieces_through_the_slots_move_in_compiled_loops(
     """shm with its compiled ring: a message of several pieces through the slots
     is put and taken by ``transports._ring``'s loops and arrives whole; a
     receive of another length raises rather than end; pieces larger than a slot
-    are refused."""
+    are refused; with the compiled pieces off, Python moves them."""
     if name != "shm":
         pytest.skip("the slots are shm's")
     from transports import shm
@@ -202,6 +202,14 @@ def test_pieces_through_the_slots_move_in_compiled_loops(
             )
         with pytest.raises(ValueError, match="larger than a slot"):
             ring.put_pieces(a._out.ring(a._mm), 0, x, 0, (64 << 10) + 1, 0, 0)  # type: ignore[attr-defined]
+    # compiled pieces off (PYCOLL_COMPILED=0): the same message, in Python
+    calls.update(put_pieces=0, take_pieces=0)
+    with _pair(name, slot_bytes=64 << 10, nslots=4) as (a, b):
+        a.compiled = b.compiled = False
+        out = np.zeros_like(x)
+        wait_all([a.isend_copied(memoryview(x)), b.irecv_into(memoryview(out))], Deadline.after(30))
+        assert np.array_equal(out, x)
+        assert calls == {"put_pieces": 0, "take_pieces": 0}
 
 
 def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:

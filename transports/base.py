@@ -465,6 +465,9 @@ class Connection(abc.ABC):
     #: before it returns to the caller's backoff; the owner sets it, to 0 where
     #: ranks outnumber cores (a spin there holds the core the peer needs)
     spins: int = 0
+    #: whether the transport may run its compiled pieces (the owner turns them
+    #: off to run the same steps in Python)
+    compiled: bool = True
 
     @abc.abstractmethod
     def isend(self, data: memoryview, tag: int = 0) -> Request:

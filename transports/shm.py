@@ -717,7 +717,7 @@ class ShmConnection(Connection):
                 acks.append(req)
                 q.popleft()
                 continue
-            if self._ring_out is not None:  # the same, compiled (transports/_ring.c)
+            if self._ring_out is not None and self.compiled:  # the same, compiled (_ring.c)
                 head, req.off = _ring.put_pieces(
                     self._ring_out, head, src, req.off, out.piece, req.tag, self.spins
                 )
@@ -750,7 +750,8 @@ class ShmConnection(Connection):
         while q:
             req = q[0]
             tail = self._recvd
-            if req.dest is not None and self._ring_in is not None:  # plain pieces, compiled
+            if req.dest is not None and self._ring_in is not None and self.compiled:
+                # plain pieces into the receive's buffer, compiled (_ring.c)
                 tail, req.off, _ = _ring.take_pieces(
                     self._ring_in, tail, req.dest, req.off, inn.piece, req.tag, self.spins
                 )
