@@ -546,10 +546,12 @@ class _Idle(Request):
 
 
 # ---------------------------------------------------------------------- the calls
-#: Blocking sends and receives of host arrays up to this size on the same
-#: array, peer and tag are replayed without their checks (:class:`_Again`) ...
+#: Blocking sends and receives of host arrays on the same array, peer and tag
+#: are replayed without their checks (:class:`_Again`); one holds its array up
+#: to this size, and a larger one only by a weak reference (a 1 MiB ping-pong
+#: went from 91-98 to 85-89 us a way so) ...
 AGAIN_MAX_BYTES = 256 << 10
-#: ... at most this many of them (each holds its array).
+#: ... at most this many of them.
 AGAIN_MAX = 32
 
 
@@ -565,8 +567,11 @@ class _Again:
     """A validated blocking send or receive, run again on the same array, peer
     and tag without its checks, while the array keeps its shape, strides, dtype
     and (a receive's) ``writeable`` flag: every check of the first call would
-    pass again.  It holds the array, so its ``id`` is not reused while it lives;
-    the second checked call in a row on that array makes it (:meth:`PeerCalls._remember`).
+    pass again.  It holds the array, so its ``id`` is not reused while it lives,
+    or, beyond :data:`AGAIN_MAX_BYTES`, a weak reference to it that must still
+    name the very array (``weak``: then each run views it afresh, and nothing
+    here keeps its memory); the second checked call in a row on that array
+    makes it (:meth:`PeerCalls._remember`).
 
     A ping-pong's call costs a third as much this way (benchmarks/RESULTS.md,
     "Point-to-point and alltoall against MPI and Gloo").
@@ -592,6 +597,7 @@ class _Again:
         "shape",
         "size",
         "strides",
+        "weak",
     )
 
     def __init__(
@@ -604,9 +610,12 @@ class _Again:
         local: int,
         quick: bool,
     ) -> None:
-        self.a, self.shape, self.strides, self.dtype = a, a.shape, a.strides, a.dtype
-        self.buf, self.peer, self.call, self.run = op.buf, op.peer, call, run
-        self.mv = op.data()
+        self.weak = a.nbytes > AGAIN_MAX_BYTES
+        self.a: Any = weakref.ref(a) if self.weak else a
+        self.shape, self.strides, self.dtype = a.shape, a.strides, a.dtype
+        self.peer, self.call, self.run = op.peer, call, run
+        self.buf: Buffer | None = None if self.weak else op.buf
+        self.mv: memoryview | None = None if self.weak else op.data()
         self.local = local  # the peer as the communicator's rank
         self.conn: Connection | None = None
         b, peer = op.buf, op.peer
@@ -620,7 +629,8 @@ class _Again:
 
     def fits(self, a: np.ndarray, send: bool) -> bool:
         return (
-            a.shape == self.shape
+            (not self.weak or self.a() is a)
+            and a.shape == self.shape
             and a.strides == self.strides
             and a.dtype is self.dtype
             and (send or a.flags.writeable)
@@ -694,7 +704,10 @@ class PeerCalls:
             if again is not None and again.fits(buf, send) and not self.engine.fam.inflight:
                 if again.conn is not None and self._quick(again, send):
                     return None if send else buf
-                op = Op(send, self.engine.ctx, again.peer, int(tag), again.buf, self.engine.members)
+                b = again.buf
+                if b is None:  # (weak: a fresh view, as the checks would make)
+                    b = Buffer(buf, buf.reshape(-1), -1)
+                op = Op(send, self.engine.ctx, again.peer, int(tag), b, self.engine.members)
                 op.mv = again.mv
                 self.engine.execute(lambda: again.run(op), again.call, 0, numbered=False)
                 return self.finish(op)
@@ -709,7 +722,7 @@ class PeerCalls:
             self._post([op], what)
             return P2PRequest(op, self)
         self._post([op], what, complete=True)  # one call of the engine, posted and done
-        if again_key and op.error is None and buf.nbytes <= AGAIN_MAX_BYTES:
+        if again_key and op.error is None:
             self._remember(send, buf, peer, tag, op, what)
         return self.finish(op)
 

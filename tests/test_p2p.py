@@ -180,6 +180,43 @@ def test_collective_that_meets_a_point_to_point_message_raises():
         run_ranks(2, on_shm)
 
 
+def test_large_arrays_replay_without_holding_them() -> None:
+    """Blocking calls on the same array beyond AGAIN_MAX_BYTES replay too
+    (pycoll.p2p._Again, weak): fresh data every time, and the replay keeps
+    nothing of the array alive once the caller lets go of it."""
+    import gc
+    import weakref
+
+    from pycoll import p2p
+
+    n = p2p.AGAIN_MAX_BYTES // 4 + 5
+    with communicators(2, timeout=30) as comms:
+
+        def body(r: int) -> bool:
+            c = comms[r]
+            x = np.empty(n, np.float32)
+            y = np.empty(n, np.float32)
+            for i in range(6):
+                x[:] = i + 10 * r
+                y[:] = np.nan
+                if r == 0:
+                    c.send(x, 1, tag=4)
+                    c.recv(y, 1, tag=4)
+                else:
+                    c.recv(y, 0, tag=4)
+                    c.send(x, 0, tag=4)
+                assert (y == i + 10 * (1 - r)).all(), (i, y[:3])
+            again = c._peers._again
+            assert again[(True, id(x), 1 - r, 4)].weak
+            assert again[(False, id(y), 1 - r, 4)].weak
+            gone = weakref.ref(x)
+            del x
+            gc.collect()
+            return gone() is None
+
+        assert run_ranks(2, body, timeout=60) == [True, True]
+
+
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
 def test_same_arrays_again_replay_and_still_check(transports):
     """Blocking calls on the same array, peer and tag run again without their
