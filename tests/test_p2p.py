@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,6 +181,21 @@ def test_collective_that_meets_a_point_to_point_message_raises():
         run_ranks(2, on_shm)
 
 
+def _ping_pong(c: Any, r: int, x: np.ndarray, y: np.ndarray, rounds: int, tag: int) -> None:
+    """Ranks 0 and 1 send ``x`` and receive into ``y`` in turn, ``rounds`` times,
+    new contents each time into a poisoned output, checked on arrival."""
+    for i in range(rounds):
+        x[:] = np.arange(x.size) + 100 * i + r
+        y[:] = np.nan
+        if r == 0:
+            c.send(x, 1, tag=tag)
+            c.recv(y, 1, tag=tag)
+        else:
+            c.recv(y, 0, tag=tag)
+            c.send(x, 0, tag=tag)
+        assert (y == np.arange(y.size) + 100 * i + 1 - r).all(), (i, y[:3])
+
+
 def test_large_arrays_replay_without_holding_them() -> None:
     """Blocking calls on the same array beyond AGAIN_MAX_BYTES replay too
     (pycoll.p2p._Again, weak): fresh data every time, and the replay keeps
@@ -196,16 +212,7 @@ def test_large_arrays_replay_without_holding_them() -> None:
             c = comms[r]
             x = np.empty(n, np.float32)
             y = np.empty(n, np.float32)
-            for i in range(6):
-                x[:] = i + 10 * r
-                y[:] = np.nan
-                if r == 0:
-                    c.send(x, 1, tag=4)
-                    c.recv(y, 1, tag=4)
-                else:
-                    c.recv(y, 0, tag=4)
-                    c.send(x, 0, tag=4)
-                assert (y == i + 10 * (1 - r)).all(), (i, y[:3])
+            _ping_pong(c, r, x, y, 6, 4)
             again = c._peers._again
             assert again[(True, id(x), 1 - r, 4)].weak
             assert again[(False, id(y), 1 - r, 4)].weak
@@ -228,16 +235,7 @@ def test_same_arrays_again_replay_and_still_check(transports):
             c = comms[r]
             x = np.empty(7, np.float32)
             y = np.empty(7, np.float32)
-            for i in range(40):  # a ping-pong, new contents each time, poisoned output
-                x[:] = np.arange(7) + 100 * i + r
-                y[:] = np.nan
-                if r == 0:
-                    c.send(x, 1, tag=3)
-                    c.recv(y, 1, tag=3)
-                else:
-                    c.recv(y, 0, tag=3)
-                    c.send(x, 0, tag=3)
-                assert (y == np.arange(7) + 100 * i + 1 - r).all(), (i, y)
+            _ping_pong(c, r, x, y, 40, 3)
             assert c.last_source == 1 - r
             assert {(True, id(x), 1 - r, 3), (False, id(y), 1 - r, 3)} <= c._peers._again.keys()
             flat = np.zeros(8, np.int64)

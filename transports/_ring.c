@@ -358,25 +358,35 @@ pieces_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
     return 0;
 }
 
+/* The arguments of put_pieces and take_pieces, the ring exported into r and the
+   message's buffer into buf (flags: PyBUF_*); -1, nothing held, on error. */
+static int
+pieces_open(PyObject *const *args, Py_ssize_t nargs, const char *name, int flags,
+            unsigned long long v[4], long *spins, ring_t *r, Py_buffer *buf)
+{
+    if (pieces_args(args, nargs, name, v, spins) < 0 || ring_of(args[0], r))
+        return -1;
+    if (PyObject_GetBuffer(args[2], buf, flags) < 0) {
+        PyBuffer_Release(&r->seg);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 ring_put_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[4];
     long spins;
-    if (pieces_args(args, nargs, "put_pieces", v, &spins) < 0)
+    ring_t r;
+    Py_buffer src;
+    if (pieces_open(args, nargs, "put_pieces", PyBUF_C_CONTIGUOUS, v, &spins, &r, &src) < 0)
         return NULL;
     unsigned long long sent = v[0], off = v[1], piece = v[2], tag = v[3];
-    ring_t r;
-    if (ring_of(args[0], &r))
-        return NULL;
     if (piece > r.slot_bytes || piece + PAGE > r.stride) {
+        PyBuffer_Release(&src);
         PyBuffer_Release(&r.seg);
         PyErr_SetString(PyExc_ValueError, "put_pieces: pieces larger than a slot");
-        return NULL;
-    }
-    Py_buffer src;
-    if (PyObject_GetBuffer(args[2], &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&r.seg);
         return NULL;
     }
     unsigned long long total = (unsigned long long)src.len;
@@ -411,17 +421,12 @@ ring_take_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[4];
     long spins;
-    if (pieces_args(args, nargs, "take_pieces", v, &spins) < 0)
+    ring_t r;
+    Py_buffer dst;
+    if (pieces_open(args, nargs, "take_pieces", PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, v, &spins,
+                    &r, &dst) < 0)
         return NULL;
     unsigned long long recvd = v[0], off = v[1], piece = v[2], tag = v[3];
-    ring_t r;
-    if (ring_of(args[0], &r))
-        return NULL;
-    Py_buffer dst;
-    if (PyObject_GetBuffer(args[2], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&r.seg);
-        return NULL;
-    }
     unsigned long long total = (unsigned long long)dst.len;
     char *to = (char *)dst.buf;
     int status = 0;
