@@ -117,7 +117,7 @@ _SBUF_FD_OFF = (1280, 1408)
 _HELP_OFF = (1536, 1792)
 #: A message of ``isend_copied`` read in place (a direct-read descriptor) of at
 #: least this size into a receive's buffer is copied from both ends: the
-#: receiver reads pieces (:func:`help_piece`) from the sender's memory while the
+#: receiver reads pieces (:func:`help_pieces`) from the sender's memory while the
 #: sender, waiting for it anyway, writes others into the receiver's (both by
 #: cross-memory copy), each taking the next piece not yet taken.  A 2 MiB
 #: point-to-point message took 165-175 us a way so, against 248-257 through the
@@ -222,9 +222,11 @@ class _Identity:
         return self
 
 
-def help_piece(nbytes: int) -> int:
-    """The piece of an ``nbytes`` copy from both ends (both ends compute it)."""
-    return min(HELP_PIECE, max(HELP_PIECE_MIN, nbytes // 4 // _PAGE * _PAGE))
+def help_pieces(nbytes: int) -> tuple[int, int]:
+    """The piece of an ``nbytes`` copy from both ends and how many there are
+    (both ends compute them)."""
+    size = min(HELP_PIECE, max(HELP_PIECE_MIN, nbytes // 4 // _PAGE * _PAGE))
+    return size, -(-nbytes // size)
 
 
 def _segment_bytes(nslots: int, slot_bytes: int) -> int:
@@ -882,7 +884,7 @@ class ShmConnection(Connection):
         take pieces until none is left; the sender takes others meanwhile
         (:meth:`_help_send`).  False: some of its pieces are still being written."""
         claim, done, dest = self._help_in
-        pieces = -(-n // help_piece(n))
+        _, pieces = help_pieces(n)
         req.help = (ident, pieces)  # (before the sender may write: see close)
         dest.store(to)
         done.store(ident << 32)
@@ -903,8 +905,7 @@ class ShmConnection(Connection):
         """This side's part of copy ``ident`` of ``n`` bytes (its words at offset
         ``at``): take the next piece until none is left, ``copy(offset, length)``
         it and count it done.  Both ends run this, each with its own copy."""
-        size = help_piece(n)
-        pieces = -(-n // size)
+        size, pieces = help_pieces(n)
         while (k := _ring.claim(self._mm, at, ident, pieces)) >= 0:
             off = k * size
             try:
