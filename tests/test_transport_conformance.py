@@ -212,6 +212,30 @@ def test_pieces_through_the_slots_move_in_compiled_loops(
         assert calls == {"put_pieces": 0, "take_pieces": 0}
 
 
+def test_compiled_piece_loops_do_not_wait_before_their_first_piece(name: str) -> None:
+    """A ``put_pieces`` that finds the ring full and a ``take_pieces`` that finds
+    nothing return at once, however many spins they are given (a spin before
+    the first piece would hold the caller for hours here): the waits between
+    messages are the caller's waiting policy's, which backs off."""
+    if name != "shm":
+        pytest.skip("the slots are shm's")
+    from transports import shm
+
+    if shm._ring is None:
+        pytest.skip("transports._ring is not built")
+    forever = 1 << 40  # rounds of the CPU's pause: hours
+    with _pair(name, slot_bytes=64 << 10, nslots=4) as (a, b):
+        x = np.ones(4 << 16, np.uint8)  # four pieces: the ring full, none taken
+        ring_out, ring_in = a._out.ring(a._mm), b._in.ring(b._mm)  # type: ignore[attr-defined]
+        out = np.zeros(4 << 16, np.uint8)
+        assert shm._ring.take_pieces(ring_in, 0, out, 0, 64 << 10, 5, forever) == (0, 0, 0)
+        assert shm._ring.put_pieces(ring_out, 0, x, 0, 64 << 10, 5, forever) == (4, 4 << 16)
+        more = np.ones(64 << 10, np.uint8)
+        assert shm._ring.put_pieces(ring_out, 4, more, 0, 64 << 10, 5, forever) == (4, 0)
+        got = shm._ring.take_pieces(ring_in, 0, out, 0, 64 << 10, 5, forever)
+        assert got == (4, 4 << 16, 0) and (out == 1).all()
+
+
 def test_a_copied_message_whose_sender_closes_midway_raises(name: str) -> None:
     """A receive that has taken some of a copied message's pieces when the sender
     closes raises PeerClosedError rather than wait for the rest, or end as if

@@ -55,14 +55,15 @@
        bytes into the next free slots, each at the page offset its bytes have
        in src (metadata: length, that offset, no descriptor, tag; head stored
        with release after each), until src is all out or no slot frees up
-       within spins rounds of waiting; returns the new sent and off.
+       within spins rounds of waiting (none before its first piece); returns
+       the new sent and off.
 
    take_pieces(ring, recvd, dst, off, piece, tag, spins) -> (recvd, off, status)
        The other end (ShmConnection._progress_recvs for a receive into a
        buffer): copy the pieces of the message tagged tag into dst from byte
        off, each of min(piece, what is left) bytes, storing tail with release
        after each, until dst is full or no piece arrives within spins rounds
-       (status 0); status -1: the next slot is not such a piece (a descriptor,
+       (none before its first piece; status 0); status -1: the next slot is not such a piece (a descriptor,
        another tag or length), left where it is for the caller to judge.
 
    Both release the GIL while they copy and wait; the buffers and the mapping
@@ -334,6 +335,12 @@ await_above(const uint64_t *w, uint64_t value, long spins)
     return v;
 }
 
+/* put_pieces' and take_pieces' arguments.  Their loops wait a bounded spin
+   for the next slot or piece only once the call has moved one: a call that
+   finds nothing to do returns at once, so the caller's waiting policy (which
+   backs off, and may have other requests to progress) stays in charge of
+   the waits between messages, and the spin only keeps the two ends copying
+   in step within one. */
 static int
 pieces_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
             unsigned long long v[4], long *spins)
@@ -393,9 +400,10 @@ ring_put_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *from = (const char *)src.buf;
     Py_BEGIN_ALLOW_THREADS
     while (off < total) {
-        /* free while sent - tail < nslots, i.e. tail > sent - nslots */
+        /* free while sent - tail < nslots, i.e. tail > sent - nslots; a wait
+           spins only once this call has moved a piece (see pieces_args) */
         if (sent >= r.nslots &&
-            await_above(r.tail, sent - r.nslots, spins) <= sent - r.nslots)
+            await_above(r.tail, sent - r.nslots, sent != v[0] ? spins : 0) <= sent - r.nslots)
             break;
         unsigned long long n = total - off < piece ? total - off : piece;
         unsigned long long o = ((uintptr_t)(from + off)) % PAGE;
@@ -432,7 +440,7 @@ ring_take_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
     while (off < total) {
-        if (await_above(r.head, recvd, spins) <= recvd)
+        if (await_above(r.head, recvd, recvd != v[0] ? spins : 0) <= recvd)
             break;
         unsigned long long slot = recvd % r.nslots;
         const uint64_t *m = r.meta + 4 * slot;
