@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pycoll
+from pycoll import p2p
 from tests.inproc import communicators, run_ranks
 from transports import shm
 
@@ -202,8 +203,6 @@ def test_large_arrays_replay_without_holding_them() -> None:
     nothing of the array alive once the caller lets go of it."""
     import gc
     import weakref
-
-    from pycoll import p2p
 
     n = p2p.AGAIN_MAX_BYTES // 4 + 5
     with communicators(2, timeout=30) as comms:
@@ -422,15 +421,17 @@ def test_only_shm_with_the_compiled_ring_replays_the_quick_way(transports, compi
     assert got == [[quick, False]] * 2, got
 
 
+@pytest.mark.parametrize("count", [3, p2p.AGAIN_MAX_BYTES // 8 + 5], ids=["small", "large"])
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
-def test_replayed_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
+def test_replayed_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports, count):
     """A receive replayed on the same array (pycoll.p2p._Again) whose peer
-    aborts: PeerAbortedError within the timeout, the buffer untouched."""
+    aborts: PeerAbortedError within the timeout, the buffer untouched; also for
+    an array the replay holds only weakly (beyond AGAIN_MAX_BYTES)."""
     with communicators(2, **_cfg(transports)) as comms:
 
         def body(r: int) -> object:
             c = comms[r]
-            buf = np.zeros(3)
+            buf = np.zeros(count)
             for _ in range(3):
                 if r == 0:
                     c.recv(buf, 1)
@@ -439,7 +440,8 @@ def test_replayed_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports):
             if r == 1:
                 c.abort()
                 return None
-            assert (False, id(buf), 1, 0) in c._peers._again
+            again = c._peers._again[(False, id(buf), 1, 0)]
+            assert again.weak is (buf.nbytes > p2p.AGAIN_MAX_BYTES)
             buf[:] = -1
             start = time.monotonic()
             with pytest.raises(pycoll.PeerAbortedError):

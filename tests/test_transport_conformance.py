@@ -164,7 +164,8 @@ def test_pieces_through_the_slots_move_in_compiled_loops(
     """shm with its compiled ring: a message of several pieces through the slots
     is put and taken by ``transports._ring``'s loops and arrives whole; a
     receive of another length raises rather than end; pieces larger than a slot
-    are refused; with the compiled pieces off, Python moves them."""
+    are refused; a receive of another tag raises with its buffer untouched;
+    with the compiled pieces off, Python moves them."""
     if name != "shm":
         pytest.skip("the slots are shm's")
     from transports import shm
@@ -202,6 +203,15 @@ def test_pieces_through_the_slots_move_in_compiled_loops(
             )
         with pytest.raises(ValueError, match="larger than a slot"):
             ring.put_pieces(a._out.ring(a._mm), 0, x, 0, (64 << 10) + 1, 0, 0)  # type: ignore[attr-defined]
+    # another tag: refused before any byte reaches the receive's buffer
+    with _pair(name, slot_bytes=64 << 10, nslots=4) as (a, b):
+        out = np.zeros_like(x)
+        with pytest.raises(TagMismatchError):
+            wait_all(
+                [a.isend_copied(memoryview(x), 9), b.irecv_into(memoryview(out), 5)],
+                Deadline.after(30),
+            )
+        assert not out.any()
     # compiled pieces off (PYCOLL_COMPILED=0): the same message, in Python
     calls.update(put_pieces=0, take_pieces=0)
     with _pair(name, slot_bytes=64 << 10, nslots=4) as (a, b):
