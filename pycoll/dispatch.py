@@ -28,6 +28,7 @@ from pycoll.buffers import is_torch
 from pycoll.collectives.base import HOST, Collective, Spec
 from pycoll.engine import Engine
 from pycoll.errors import InvalidArgumentError
+from pycoll.gpu.replay import DEVICE_PLANS_MAX, DevicePlan
 from pycoll.guard import Call
 from pycoll.plans import PLAN_MAX_BYTES
 from pycoll.policy import Policy
@@ -54,6 +55,7 @@ class Dispatch:
         self._plans = engine.plans.plans
         self._weak = engine.plans.weak_plans
         self._known_kind = engine.plans.known_kind
+        self._device_plans = engine.plans.device_plans
         self._replay = engine.replay
         #: the public methods' entry: :meth:`call` behind the compiled entry
         #: where it was built (:meth:`pycoll.engine.Engine.entry`)
@@ -72,17 +74,20 @@ class Dispatch:
     ) -> Any:
         """Run one call of ``coll``: replayed if the cache knows it, else the slow path."""
         k = None
-        if not async_op and stream is None and not self._fam.inflight and type(root) is int:
+        if not async_op and not self._fam.inflight and type(root) is int:
             try:
                 # the one key of a call's plan (:class:`pycoll.plans.Plan`), made
                 # here once and handed to the slow path, which keeps plans by it
                 k = (coll, id(sendbuf), id(recvbuf), op, root, algorithm)
-                p = self._plans.get(k) or self._weak.get(k)
+                dp = self._device_plans.get(k) if self._device_plans else None
+                p = None if stream is not None else self._plans.get(k) or self._weak.get(k)
             except TypeError:  # unhashable op or algorithm: the slow path says why
-                k = p = None
+                k = p = dp = None
+            if dp is not None and dp.fits(sendbuf, recvbuf, stream):
+                return self._replay(dp, sendbuf, recvbuf)
             if p is not None and p.fits(sendbuf, recvbuf) and get_ident() == p.tid:
                 return self._replay(p, sendbuf, recvbuf)
-            if k is not None:
+            if k is not None and stream is None:
                 kd = self._known_kind((coll, op, root, algorithm), sendbuf, recvbuf)
                 if kd is not None:
                     return self._replay(kd, sendbuf, recvbuf)
@@ -137,7 +142,13 @@ class Dispatch:
         algo = policy.algorithm(what, algorithm, spec.nbytes)
         x = spec.x
         if x.is_device and self.device and not policy.via_host(what, algorithm, spec.nbytes):
-            return self._device(spec, policy.device(coll, algorithm, algo), async_op, stream)
+            out = spec.out
+            if x.obj is not sendbuf or not (
+                out is None or out.obj is (sendbuf if recvbuf is None else recvbuf)
+            ):
+                k = None  # a plan holds, and is found by, the caller's own arrays (no fresh output)
+            algo = policy.device(coll, algorithm, algo)
+            return self._device(spec, algo, async_op, stream, k, recvbuf)
         tuner = policy.tuner(what, algorithm, spec.nbytes, x.dtype, spec.op, spec.root)
         algo, run_algo = policy.host(what, algo, tuner)
         call = self._record(spec, algo)
@@ -238,13 +249,38 @@ class Dispatch:
 
         return eng.submit(run, async_op, call, ident)
 
-    def _device(self, spec: Spec, algo: str, async_op: bool, stream: Any) -> Any:
-        """A collective on device buffers, by the device algorithms."""
+    def _device(
+        self,
+        spec: Spec,
+        algo: str,
+        async_op: bool,
+        stream: Any,
+        k: tuple[Any, ...] | None = None,
+        recvbuf: Any = None,
+    ) -> Any:
+        """A collective on device buffers, by the device algorithms; a blocking
+        call that may run again as a device plan (``k``: its key; ``recvbuf``:
+        the caller's) leaves one."""
         eng, gpu, x = self.engine, self.gpu, spec.x
         dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.fam.polite, async_op)
         run = dc.runner(spec, algo)
         call = self._record(spec, algo)
-        return eng.submit_device(dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj)
+        result = eng.submit_device(
+            dc, run, spec.result, async_op, call, spec.coll.ident, gpu, x.obj
+        )
+        if (
+            k is not None
+            and not async_op
+            and not eng.config.check
+            and DevicePlan.eligible(gpu, spec, algo, stream)
+        ):
+            plans = self.engine.plans
+            old = plans.device_plans.pop(k, None)
+            if old is not None:  # the same arrays on another stream, say
+                old.drop()
+            plans.drop_device_plans(DEVICE_PLANS_MAX - 1)
+            plans.device_plans[k] = DevicePlan(gpu, dc, spec, algo, call, recvbuf, stream)
+        return result
 
 
 class Prepared:

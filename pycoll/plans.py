@@ -18,6 +18,7 @@ which reads a plan's :class:`Plan.fit`), about 3.9 us in Python
 from __future__ import annotations
 
 import ctypes
+import logging
 import weakref
 from _thread import get_ident
 from collections.abc import Callable
@@ -43,6 +44,8 @@ WEAK_PLAN_MAX = 256
 STEPS_MAX = 64
 #: Kinds of call kept (each holds a step and no array).
 KINDS_MAX = 64
+
+log = logging.getLogger(__name__)
 
 
 class Plan:
@@ -222,6 +225,8 @@ class Plans:
         self.weak_plans: dict[tuple[Any, ...], Plan] = {}
         self.kinds: dict[tuple[Any, ...], Kind] = {}
         self.steps: dict[tuple[Any, ...], Callable[..., None]] = {}
+        #: blocking device calls kept to run again (:mod:`pycoll.gpu.replay`)
+        self.device_plans: dict[tuple[Any, ...], Any] = {}
         self._make_step = make_step
         self._seen = seen
         #: how many times everything was forgotten: a plan held elsewhere (a
@@ -237,6 +242,18 @@ class Plans:
         self.weak_plans.clear()
         self.steps.clear()
         self.kinds.clear()
+        self.drop_device_plans()
+
+    def drop_device_plans(self, keep: int = 0) -> None:
+        """Forget the oldest device plans until at most ``keep`` remain (each holds
+        its arrays until its queued work is over: :meth:`DevicePlan.drop`)."""
+        plans = self.device_plans
+        while len(plans) > keep:
+            p = plans.pop(next(iter(plans)))
+            try:
+                p.drop()
+            except Exception:  # a failed context: close() settles what it can
+                log.debug("dropping a device plan failed", exc_info=True)
 
     def step(self, k: tuple[Any, ...]) -> Callable[..., None]:
         """The step of ``k`` = (collective, algorithm, dtype, op, count, root,

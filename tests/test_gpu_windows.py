@@ -14,19 +14,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pycoll.gpu.windows import Windows
+from pycoll.gpu.windows import KeptWindows, Windows
 from transports.base import DeviceSpan, TagMismatchError
 
 
 def _windows(*sizes: int) -> Any:
     spans = [DeviceSpan(1 << 40, n, 0, 0) for n in sizes]
     conn = SimpleNamespace(open_window=lambda stream, deadline: spans)
-    return SimpleNamespace(
+    W = SimpleNamespace(
         conns={1: conn},
         _sptr=0,
         deadline=None,
         _as_array=lambda ptr, nbytes, dtype, device: np.zeros(nbytes // dtype.itemsize, dtype),
     )
+    W._views = lambda *args: Windows._views(W, *args)
+    return W
 
 
 F4 = np.dtype(np.float32)
@@ -48,3 +50,36 @@ def test_other_sizes_raise_a_mismatch_naming_the_peer(
     with pytest.raises(TagMismatchError, match="rank 1 exposed buffers of") as info:
         Windows.open(_windows(*exposed), 1, F4, first, last)
     assert info.value.peer == 1
+
+
+def _kept(exposed: list[list[DeviceSpan]]) -> Any:
+    """A device plan's windows whose peer 1 exposes ``exposed[k]`` at its k-th call."""
+    calls = iter(exposed)
+    W = object.__new__(KeptWindows)
+    W.conns = {1: SimpleNamespace(open_window=lambda stream, deadline: next(calls))}
+    W._sptr, W.deadline, W._opened, W._exposed = 0, None, {}, {}
+    W._as_array = lambda ptr, nbytes, dtype, device: np.zeros(nbytes // dtype.itemsize, dtype)
+    return W
+
+
+def test_a_plan_reuses_the_views_of_spans_exposed_again() -> None:
+    same = [DeviceSpan(1 << 40, 12, 0, 0)]
+    W = _kept([same, list(same)])
+    first = W.open(1, F4, 12)
+    assert W.open(1, F4, 12)[0] is first[0]
+
+
+def test_a_plan_checks_spans_that_changed() -> None:
+    """A peer that exposes other spans than last time (another call) is checked
+    and opened afresh, as an ordinary call's windows do."""
+    a, moved, bigger = (
+        [DeviceSpan(1 << 40, 12, 0, 0)],
+        [DeviceSpan(2 << 40, 12, 0, 0)],
+        [DeviceSpan(1 << 40, 24, 0, 0)],
+    )
+    W = _kept([a, moved, bigger])
+    first = W.open(1, F4, 12)
+    again = W.open(1, F4, 12)
+    assert again[0] is not first[0] and again[0].size == 3
+    with pytest.raises(TagMismatchError, match="rank 1 exposed buffers of"):
+        W.open(1, F4, 12)

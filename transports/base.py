@@ -374,12 +374,18 @@ class DeviceSpan:
         stream: the CUDA stream (handle as an int, 0 = default) the bytes are
             ordered on: a sender's bytes are ready once this stream's queued work
             is; a receiver's sink enqueues its work on it.
+        handle, offset: the IPC handle of the allocation holding ``ptr`` and
+            ``ptr``'s offset in it (``cuda_driver.export``), where the caller
+            worked them out already and keeps the memory alive (else empty: a
+            connection that exposes the span works them out each time).
     """
 
     ptr: int
     nbytes: int
     device: int
     stream: int = 0
+    handle: bytes = b""
+    offset: int = 0
 
     def __getitem__(self, s: slice) -> DeviceSpan:
         start, stop, _ = s.indices(self.nbytes)
@@ -611,12 +617,16 @@ class Connection(abc.ABC):
     def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         """Let the peer read and write ``spans`` once the work queued on ``stream`` is
         done.  Exposures are matched in order with the peer's :meth:`open_window`;
-        a span stays exposed until the peer's matching :meth:`release`."""
+        a span stays exposed until the peer's matching :meth:`release`.  The very
+        list handed again, its spans carrying their handles (``DeviceSpan.handle``),
+        promises the same memory: the connection may skip describing it anew."""
         raise self._not_one_sided()
 
     def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
         """The peer's next exposure, as spans usable in this process; work queued on
-        ``stream`` after this call runs only after the peer's exposed data is ready."""
+        ``stream`` after this call runs only after the peer's exposed data is ready.
+        The same exposure as the last one may come back as the same list (not to
+        be changed by the caller)."""
         raise self._not_one_sided()
 
     def release(self, stream: int) -> None:

@@ -526,10 +526,7 @@ class DeviceCall(Job):
         """What the worker runs for call ``spec`` by ``algo``: the collective's
         envelope (:meth:`pycoll.collectives.base.Collective.envelope`) around the
         device algorithm, on pycoll's stream."""
-        coll = spec.coll
-        if algo == "direct" and coll.name == "allgather":
-            spec = replace(spec, in_place=True)  # the windows write our own block too
-        prepare = coll.envelope(spec, self._step(spec, algo), self)
+        prepare = self.prepare(spec, algo)
         x, out = spec.x, spec.out
 
         def run() -> Any:
@@ -538,7 +535,17 @@ class DeviceCall(Job):
 
         return run
 
-    def _step(self, spec: Spec, algo: str) -> Callable[[Any, Any], None] | None:
+    def prepare(self, spec: Spec, algo: str, W: Windows | None = None) -> Any:
+        """The collective's envelope around the device algorithm ``algo``
+        (``W``: the windows every call of ``direct`` uses, else fresh ones)."""
+        coll = spec.coll
+        if algo == "direct" and coll.name == "allgather":
+            spec = replace(spec, in_place=True)  # the windows write our own block too
+        return coll.envelope(spec, self._step(spec, algo, W), self)
+
+    def _step(
+        self, spec: Spec, algo: str, W: Windows | None = None
+    ) -> Callable[[Any, Any], None] | None:
         """``step(x, out)``: the device algorithm ``algo`` of ``spec``'s collective;
         None where nothing moves (one rank, no bytes; a v-variant's rank with no
         bytes of its own still relays the others')."""
@@ -548,7 +555,8 @@ class DeviceCall(Job):
         if algo == "direct":  # one-sided windows (pycoll.gpu.windows)
             fn = getattr(windows, coll.name)
             pre = (op, spec.x.dtype) if coll.reduces else ()
-            return lambda a, b: fn(self.windows(), *pre, *coll.args(spec, a, b))
+            win = self.windows if W is None else (lambda: W)
+            return lambda a, b: fn(win(), *pre, *coll.args(spec, a, b))
         g = algorithms.get(coll.name, algo)
         return lambda a, b: g(self.links(op), *coll.args(spec, a, b))
 

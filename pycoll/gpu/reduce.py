@@ -139,6 +139,7 @@ def _fusable(op: ReduceOp, dtype: np.dtype[Any], n: int) -> bool:
     return not (op is ReduceOp.PROD and dtype.kind == "c")
 
 
+@functools.cache
 def nary(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int = 1) -> Callable[..., Any] | None:
     """``f(inputs, outputs)``: every output ``= ((in0 OP in1) OP in2) ...`` in one
     kernel, or None where only the pairwise :func:`reducer` is exact (min, max,
@@ -177,6 +178,75 @@ def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
         f"pycoll_nary_{op.value}_{n}_{outs}",
         options=_EXACT,
     )
+
+
+#: C types of the dtypes :func:`nary_launch` reduces (CuPy's own types elsewhere).
+_C_TYPES = {
+    "float32": "float",
+    "float64": "double",
+    "int8": "signed char",
+    "uint8": "unsigned char",
+    "int16": "short",
+    "uint16": "unsigned short",
+    "int32": "int",
+    "uint32": "unsigned int",
+    "int64": "long long",
+    "uint64": "unsigned long long",
+}
+
+
+def nary_launch(
+    op: ReduceOp, dtype: np.dtype[Any], inputs: list[Any], outputs: list[Any], stream: int
+) -> Callable[[], None] | None:
+    """What :func:`nary` does for these very arrays on ``stream``, as a launch
+    whose arguments are packed once (:class:`transports.cuda_driver.Launch`),
+    for a device plan that runs it again and again; None where :func:`nary` is
+    None, or for dtypes other than the real and integer ones of ``_C_TYPES``.
+    The same chain of operations, compiled with the same options, so the bits
+    are :func:`nary`'s."""
+    if not _fusable(op, dtype, len(inputs)) or dtype.name not in _C_TYPES:
+        return None
+    import ctypes
+
+    from transports.cuda_driver import Launch
+
+    count = outputs[0].size
+    kern = _nary_raw(op, dtype.name, len(inputs), len(outputs))
+    args: list[Any] = [ctypes.c_uint64(int(a.data.ptr)) for a in (*inputs, *outputs)]
+    args.append(ctypes.c_int64(count))
+    threads = 256
+    blocks = max(1, min((count + threads - 1) // threads, 4096))  # grid-stride beyond
+    return Launch(int(kern.kernel.ptr), blocks, threads, stream, args)
+
+
+@functools.cache
+def _nary_raw(op: ReduceOp, dtype: str, n: int, outs: int) -> Any:
+    cp = _cupy()
+    name = f"pycoll_nary_raw_{op.value}_{dtype}_{n}_{outs}"
+    params = [f"const T* x{i}" for i in range(n)] + [f"T* y{j}" for j in range(outs)]
+    body = _chain(op, n, "[i]") + " " + " ".join(f"y{j}[i] = acc;" for j in range(outs))
+    src = (
+        f"typedef {_C_TYPES[dtype]} T;\n"
+        f'extern "C" __global__ void {name}({", ".join(params)}, long long k) {{\n'
+        "  long long stride = (long long)blockDim.x * gridDim.x;\n"
+        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < k;"
+        " i += stride) {\n"
+        f"    {body}\n"
+        "  }\n"
+        "}\n"
+    )
+    kern = cp.RawKernel(src, name, options=_EXACT)
+    kern.kernel  # noqa: B018  (compiled and loaded now: loading synchronizes the context)
+    return kern
+
+
+def nary_load(op: ReduceOp, dtype: np.dtype[Any], n: int, outs: int) -> None:
+    """Compile and load now the kernel of :func:`nary_launch` for ``n`` inputs and
+    ``outs`` outputs: loading a module synchronizes the context, so a device plan
+    does it when it is made, right after a call, not in a later call that should
+    return before the GPU is done."""
+    if _fusable(op, dtype, n) and dtype.name in _C_TYPES:
+        _nary_raw(op, dtype.name, n, outs)
 
 
 # ------------------------------------------------------------ one kernel per call

@@ -103,6 +103,13 @@ class Windows:
         """Expose ``arrays`` to ``peers`` (``written[i]``: peers write into array i);
         returns the arrays to use locally: each one itself, or, when its memory
         cannot be shared, a scratch copy that is copied back at the end."""
+        spans, local = self._spans(arrays, written)
+        for p in peers:
+            self.conns[p].expose(spans, self._sptr, self.deadline)
+        return local
+
+    def _spans(self, arrays: list[Any], written: tuple[bool, ...]) -> tuple[list, list]:
+        """The spans to expose for ``arrays``, and the arrays to use locally."""
         spans, local = [], []
         for i, a in enumerate(arrays):
             ptr, n, dev = int(a.data.ptr), int(a.nbytes), int(a.device.id)
@@ -116,9 +123,7 @@ class Windows:
                 use = self._as_array(ptr, n, a.dtype, dev)
             spans.append(DeviceSpan(ptr, n, dev, self._sptr))
             local.append(use)
-        for p in peers:
-            self.conns[p].expose(spans, self._sptr, self.deadline)
-        return local
+        return spans, local
 
     def _as_array(self, ptr: int, nbytes: int, dtype: Any, device: int) -> Any:
         cp = self._cp
@@ -136,6 +141,12 @@ class Windows:
                 (or the same one with other counts), and no byte moves.
         """
         spans = self.conns[peer].open_window(self._sptr, self.deadline)
+        return self._views(peer, spans, dtype, first, last)
+
+    def _views(
+        self, peer: int, spans: list[DeviceSpan], dtype: Any, first: int, last: int | None
+    ) -> list[Any]:
+        """:meth:`open`'s arrays of the spans ``peer`` exposed, their sizes checked."""
         got = [sp.nbytes for sp in spans]
         if not got or got[0] != first or (last is not None and got[-1] != last):
             want = [first] if last is None else [first, last]
@@ -159,11 +170,87 @@ class Windows:
             self._rt.memcpyAsync(dst, src, n, _D2D, self._sptr)
         self._copy_back.clear()
 
+    def reduce_all(self, op: ReduceOp, dtype: Any, inputs: list[Any], outputs: list[Any]) -> bool:
+        """Every output ``= ((inputs[0] OP inputs[1]) OP ...)`` in one kernel
+        (:func:`pycoll.gpu.reduce.nary`); False, enqueuing nothing, where no one
+        kernel gives the bits of the pairwise chain."""
+        fused = dreduce.nary(op, dtype, len(inputs), len(outputs))
+        if fused is None:
+            return False
+        fused(inputs, outputs)
+        return True
+
     def copy(self, dst: Any, src: Any) -> None:
         if dst.nbytes:
             self._rt.memcpyAsync(
                 int(dst.data.ptr), int(src.data.ptr), int(dst.nbytes), _D2D, self._sptr
             )
+
+
+class KeptWindows(Windows):
+    """The windows of one device plan (:mod:`pycoll.gpu.replay`): the same arrays
+    and stream at every call, so what an exposure and an opening work out is
+    kept.  An exposure of arrays seen before reuses their spans with the IPC
+    handles worked out the first time (the plan holds the arrays, so their
+    memory stays allocated); an opening whose peer exposed the very spans it
+    exposed last time reuses the arrays made of them, their sizes checked then;
+    a reduction of the same arrays reuses its packed launch.
+    A peer that exposes anything else is opened afresh, and checked as ever.
+    Memory that cannot be shared (a scratch copy each call) is never kept."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._exposed: dict[tuple[int, ...], tuple[list, list]] = {}
+        self._opened: dict[tuple[Any, ...], tuple[list, list]] = {}
+        self._launches: dict[tuple[Any, ...], Any] = {}
+
+    def _spans(self, arrays: list[Any], written: tuple[bool, ...]) -> tuple[list, list]:
+        key = tuple(map(id, arrays))  # the plan's own arrays: alive, ids stable
+        kept = self._exposed.get(key)
+        if kept is not None:
+            return kept
+        spans, local = super()._spans(arrays, written)
+        if any(u is not a for u, a in zip(local, arrays, strict=True)):
+            return spans, local  # scratch copies: made afresh at each call
+        from transports.cuda_driver import export
+
+        spans = [
+            DeviceSpan(sp.ptr, sp.nbytes, sp.device, sp.stream, *export(sp.ptr))
+            if sp.nbytes
+            else sp
+            for sp in spans
+        ]
+        if len(self._exposed) < 8:
+            self._exposed[key] = (spans, local)
+        return spans, local
+
+    def reduce_all(self, op: ReduceOp, dtype: Any, inputs: list[Any], outputs: list[Any]) -> bool:
+        """As :meth:`Windows.reduce_all`, through a launch packed once for these
+        arrays (:func:`pycoll.gpu.reduce.nary_launch`): the kept ones again
+        and again."""
+        key = (op, dtype, *map(id, inputs), *map(id, outputs))
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = dreduce.nary_launch(op, dtype, inputs, outputs, self._sptr)
+            if launch is None:
+                return super().reduce_all(op, dtype, inputs, outputs)
+            if len(self._launches) < 8:
+                self._launches[key] = (launch, inputs, outputs)  # holds what the ids name
+        else:
+            launch = launch[0]
+        launch()
+        return True
+
+    def _views(
+        self, peer: int, spans: list[DeviceSpan], dtype: Any, first: int, last: int | None
+    ) -> list[Any]:
+        key = (peer, dtype, first, last)
+        kept = self._opened.get(key)
+        if kept is not None and kept[0] == spans:
+            return kept[1]
+        views = super()._views(peer, spans, dtype, first, last)
+        self._opened[key] = (spans, views)
+        return views
 
 
 class Scratch:
@@ -293,10 +380,7 @@ def _allreduce_one_gpu(W: Windows, op: ReduceOp, dtype: Any, x: Any, out: Any) -
     if both is None:
         return
     inputs, outputs = both
-    fused = dreduce.nary(op, dtype, W.size, len(outputs))
-    if fused is not None:
-        fused(inputs, outputs)
-    else:
+    if not W.reduce_all(op, dtype, inputs, outputs):
         _reduce_into(W, op, dtype, inputs, out, 0 if in_place else -1)
         for o in outputs[1:]:
             W.copy(o, out)

@@ -102,6 +102,10 @@ class _Window:
         self._last = 0  # an event after the latest stream work on the segment's words
         self._last_stream = 0
         self.ready_by_host = self.ready_by_stream = 0  # how exposures were signaled
+        # the spans each of our descriptor slots describes, as handed to expose()
+        self._written: list[Sequence[DeviceSpan] | None] = [None] * _WIN_SLOTS
+        # the peer's last descriptor as read, the stream, and the spans made of it
+        self._read: tuple[bytes, int, list[DeviceSpan]] | None = None
 
     def counters(self) -> tuple[_atomic.Counter, ...]:
         return (
@@ -161,24 +165,38 @@ class _Window:
         seq = self.exposed + 1
         self._await(self._released_peer, seq - _WIN_SLOTS, deadline, "release a window")
         slot = (seq - 1) % _WIN_SLOTS
-        off = self._mine + _W_DESC + slot * _W_DESC_BYTES
-        struct.pack_into("<Q", self._mm, off, len(spans))
-        for i, sp in enumerate(spans):
-            handle, offset = export(sp.ptr) if sp.nbytes else (bytes(64), 0)
-            _W_SPAN.pack_into(
-                self._mm, off + 8 + i * _W_SPAN.size, handle, offset, sp.nbytes, sp.ptr
-            )
+        if self._written[slot] is not spans or not (spans and spans[0].handle):
+            # a list of spans with their handles, handed again, is unchanged (a
+            # device plan's, pycoll.gpu.windows.KeptWindows): the slot still says it
+            self._describe(slot, spans)
         # an idle stream: the buffers are final, and no stream write of an older
         # count is still queued (the word must only grow), so the host stores it
         if stream_idle(stream) and self._marked_done():
             self._ready_me.store(seq)
             self.ready_by_host += 1
         else:
+            self._order(stream)
             stream_write(stream, self._dev + self._mine + _W_READY, seq)
             self._mark(stream)
             self.ready_by_stream += 1
         self.exposed = seq
         self._exposed_me.store(seq)
+
+    def _describe(self, slot: int, spans: Sequence[DeviceSpan]) -> None:
+        """Write ``spans`` into our descriptor slot ``slot``."""
+        off = self._mine + _W_DESC + slot * _W_DESC_BYTES
+        struct.pack_into("<Q", self._mm, off, len(spans))
+        for i, sp in enumerate(spans):
+            if not sp.nbytes:
+                handle, offset = bytes(64), 0
+            elif sp.handle:
+                handle, offset = sp.handle, sp.offset
+            else:
+                handle, offset = export(sp.ptr)
+            _W_SPAN.pack_into(
+                self._mm, off + 8 + i * _W_SPAN.size, handle, offset, sp.nbytes, sp.ptr
+            )
+        self._written[slot] = spans
 
     def open(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
         seq = self.opened + 1
@@ -186,27 +204,45 @@ class _Window:
         slot = (seq - 1) % _WIN_SLOTS
         off = self._theirs + _W_DESC + slot * _W_DESC_BYTES
         (count,) = struct.unpack_from("<Q", self._mm, off)
-        spans = []
-        dev = self._conn.device
-        for i in range(min(count, _W_MAX_SPANS)):
-            handle, offset, nbytes, raw = _W_SPAN.unpack_from(self._mm, off + 8 + i * _W_SPAN.size)
-            ptr = self._map(handle, raw - offset, stream) + offset if nbytes else 0
-            spans.append(DeviceSpan(ptr, nbytes, dev, stream))
+        count = min(count, _W_MAX_SPANS)
+        raw_desc = self._mm[off : off + 8 + count * _W_SPAN.size]
+        last = self._read
+        if last is not None and last[0] == raw_desc and last[1] == stream:
+            spans = last[2]  # the peer exposed what it did last time: the same spans
+        else:
+            spans = self._spans_of(off, count, stream)
+            self._read = (raw_desc, stream, spans)
+        self._order(stream)
         stream_wait(stream, self._dev + self._theirs + _W_READY, seq)
         self._mark(stream)
         self.opened = seq
         return spans
 
+    def _spans_of(self, off: int, count: int, stream: int) -> list[DeviceSpan]:
+        """The peer's spans described at ``off``, mapped into our address space."""
+        spans = []
+        dev = self._conn.device
+        for i in range(count):
+            handle, offset, nbytes, raw = _W_SPAN.unpack_from(self._mm, off + 8 + i * _W_SPAN.size)
+            ptr = self._map(handle, raw - offset, stream) + offset if nbytes else 0
+            spans.append(DeviceSpan(ptr, nbytes, dev, stream))
+        return spans
+
+    def _order(self, stream: int) -> None:
+        """Before stream work on the words: a stream other than the last one's
+        first waits, on the device, for the last one's work on them, so that the
+        words only grow (callers may change streams: a device plan runs on its
+        caller's stream, an ordinary call on pycoll's)."""
+        if self._last and stream != self._last_stream:
+            self._rt.streamWaitEvent(stream, self._last, 0)
+
     def _mark(self, stream: int) -> None:
-        """Remember the latest stream work on the segment's words (which must be
-        done before close() unmaps them for the device, and before the host
-        stores "ready"); one event, so work on another stream first waits for
-        the host to see the old stream's done (the windows use one stream)."""
+        """Remember the latest stream work on the words (which must be done before
+        close() unmaps them for the device, before the host stores "ready", and
+        before another stream's work on them: :meth:`_order`); one event."""
         rt = self._rt
         if not self._last:
             self._last = int(rt.eventCreateWithFlags(0x2))  # cudaEventDisableTiming
-        elif stream != self._last_stream:
-            rt.eventSynchronize(self._last)
         rt.eventRecord(self._last, stream)
         self._last_stream = stream
 
@@ -219,7 +255,9 @@ class _Window:
             raise TransportError(
                 "cuda_ipc: release() without an open window", peer=self._conn.peer, transport=NAME
             )
+        self._order(stream)
         stream_write(stream, self._flags + _F_RELEASED, seq)
+        self._mark(stream)
         self.released = seq
         self._released_me.store(seq)
 
