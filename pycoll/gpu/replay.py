@@ -24,8 +24,9 @@ is over when it returns, so nothing else needs that stream.  The windows order
 their words across the two streams (``transports/cuda_ipc/windows.py``).
 
 A plan is made only where every rank uses one GPU and the windows expose the
-arrays themselves (no scratch copies), for CuPy arrays (torch tensors take
-the torch backend's own path), with ``PYCOLL_CHECK`` off.  It holds its arrays:
+arrays themselves (no scratch copies), for CuPy arrays on a CuPy stream (the
+torch backend hands pycoll kept CuPy views of its tensors and CuPy streams of
+its streams, :mod:`pycoll.torch_backend.kept`), with ``PYCOLL_CHECK`` off.  It holds its arrays:
 :data:`DEVICE_PLANS_MAX` plans at most per communicator, the oldest dropped
 first, all of them on ``close()`` or a failure; a dropped plan's arrays are held
 on until the work it queued is over (:meth:`DevicePlan.drop`).
@@ -46,6 +47,15 @@ DEVICE_PLANS_MAX = 16
 
 #: The collectives whose ``direct`` algorithm a plan replays.
 PLANNED = frozenset(("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"))
+
+
+def _stream_types(cupy: Any) -> tuple[type, ...]:
+    """CuPy's stream classes (``ExternalStream`` is not a ``Stream``)."""
+    names = ("Stream", "ExternalStream")
+    base = getattr(cupy.cuda.stream, "BaseStream", None)
+    return tuple(getattr(cupy.cuda, n) for n in names if hasattr(cupy.cuda, n)) + (
+        (base,) if isinstance(base, type) else ()
+    )
 
 
 class DevicePlan:
@@ -113,7 +123,7 @@ class DevicePlan:
         x, out = spec.x, spec.out
         if (
             algo != "direct"
-            or not (stream is None or isinstance(stream, cupy.cuda.Stream))
+            or not (stream is None or isinstance(stream, _stream_types(cupy)))
             or spec.coll.name not in PLANNED
             or not ctx.shared_device
             or ctx.gated

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import pycoll
 from pycoll.errors import InvalidArgumentError
+from pycoll.torch_backend.kept import Kept
 from pycoll.torch_backend.mirrors import Mirrors
 from pycoll.torch_backend.streams import OnStream
 from pycoll.torch_backend.work import Work
@@ -67,6 +68,7 @@ class GroupBase(dist.ProcessGroup):
         self._streams: dict[int, torch.cuda.Stream] = {}  # per device (see .streams)
         self._staged_why = ""  # why CUDA tensors go through the host, once logged
         self._mirrors = Mirrors(comm, self._timeout)  # see .mirrors
+        self._kept = Kept(rank)  # see .kept
         self._closed = False
         # the point-to-point calls since _start_coalescing (:mod:`.peer`), else None
         self._batch: list[Any] | None = None
@@ -225,6 +227,7 @@ class GroupBase(dist.ProcessGroup):
                     log.warning("pycoll backend: %s", exc)
             self._comm.close()
             self._mirrors.clear()
+            self._kept.clear()
 
         try:
             lane.call(close)

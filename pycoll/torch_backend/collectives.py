@@ -57,6 +57,10 @@ class Collectives(GroupBase):
             for s, packed in parts:
                 if mirrored:
                     self._mirrors.allreduce(s.array, op)
+                elif stream is not None and packed is None and not s.copied:
+                    # the same tensor again is the same pycoll call: a device plan (.kept)
+                    k = self._kept
+                    self._comm.allreduce(k.array(s.array), op=op, stream=k.stream(stream))
                 else:
                     self._comm.allreduce(s.array, op=op, stream=stream)
                 if packed is None:

@@ -116,15 +116,47 @@ def test_no_copy_to_the_host(dev, monkeypatch):
     comm = dist.distributed_c10d._get_default_group().communicator
     real = comm.allreduce
 
-    def spy(x, *a, **kw):
-        seen.append((x.device, x.data_ptr()))
+    def spy(x, *a, **kw):  # a CUDA tensor, or the backend's CuPy view of one (.kept)
+        ptr = x.data_ptr() if isinstance(x, torch.Tensor) else x.data.ptr
+        seen.append((x.device.index if isinstance(x, torch.Tensor) else x.device.id, ptr))
         return real(x, *a, **kw)
 
     monkeypatch.setattr(comm, "allreduce", spy)
     t = torch.ones(1 << 20, device=dev)
     dist.all_reduce(t)
-    assert seen == [(t.device, t.data_ptr())], seen
+    assert seen == [(t.device.index, t.data_ptr())], seen
     assert float(t[0]) == SIZE
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_the_same_tensor_again_replays_a_device_plan(dev, monkeypatch, async_op):
+    """An allreduce of the same CUDA tensor, again and again with new contents:
+    the backend hands pycoll the view it kept (pycoll/torch_backend/kept.py), so
+    pycoll replays its device plan, and every result is right."""
+    from pycoll.gpu import replay
+
+    runs = [0]
+    real = replay.DevicePlan.run
+
+    def counted(self, sendbuf, recvbuf):
+        runs[0] += 1
+        return real(self, sendbuf, recvbuf)
+
+    monkeypatch.setattr(replay.DevicePlan, "run", counted)
+    t = torch.empty(1 << 20, device=dev)  # 4 MiB: the device path, not the host mirrors
+    for rnd in range(6):
+        t.fill_(RANK + 1 + rnd)
+        work = dist.all_reduce(t, async_op=async_op)
+        if work is not None:
+            work.wait()
+        got = t * 1
+        torch.cuda.synchronize()
+        want = TOTAL + SIZE * rnd
+        assert float(got.min()) == float(got.max()) == want, (rnd, float(got.min()))
+    comm = dist.distributed_c10d._get_default_group().communicator
+    if SIZE > 1 and comm._gpu.shared_device and not async_op:
+        assert runs[0] >= 4, f"rank {RANK}: {runs[0]} replays of 6 calls"
+    WORLD.Barrier()
 
 
 def _spin(ms: float) -> torch.cuda.Event:
