@@ -278,8 +278,8 @@ class Engine:
         bo = L.backoff  # the waiting policy of this thread
         # made once: a call adds a store (a routed algorithm's names it: guard.ROUTED)
         fp = fingerprint(fingerprinted(what, algo), count, dtype, op, root, self.ctx)
-        if algo == "direct":
-            fast = direct.prepare(what, L, bo, count, root, fp, self.config.compiled)
+        if algo in direct.GROUP_ALGORITHMS:
+            fast = direct.prepare(what, L, bo, count, root, fp, self.config.compiled, algo)
             if fast is not None:
                 return fast
         hi = fp << 32

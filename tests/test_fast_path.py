@@ -817,3 +817,42 @@ def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
         for crowded in (False, True):
             _set_crowded(comms, crowded)
             _on_all(comms, body)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_alltoall_by_address_replays_read_fresh_data(n: int) -> None:
+    """alltoall by address (``cma`` above one slot) runs a prepared step
+    (``direct._prepare_alltoall``): the same arrays again with new contents, a
+    new output at another address, and new arrays of the same kind, each
+    against NumPy with the output poisoned."""
+    with communicators(n, group_slot_bytes=4096, tune=False) as comms:
+
+        def body(c: pycoll.Communicator) -> None:
+            r, k = c.rank, 2053  # elements a block: 8 KiB and more, over a 4 KiB slot
+            x = np.empty(n * k, np.float32)
+            out = np.empty(n * k, np.float32)
+
+            def want(it: int) -> np.ndarray:
+                return np.concatenate(
+                    [
+                        (np.arange(n * k, dtype=np.float32) + 1000 * j + it)[r * k : (r + 1) * k]
+                        for j in range(n)
+                    ]
+                )
+
+            for it in range(4):
+                x[...] = np.arange(n * k, dtype=np.float32) + 1000 * r + it
+                out.fill(-1.0)
+                assert c.alltoall(x, out, algorithm="cma") is out
+                np.testing.assert_array_equal(out, want(it))
+            other = np.full(n * k, -1.0, np.float32)  # another output: another address
+            assert c.alltoall(x, other, algorithm="cma") is other
+            np.testing.assert_array_equal(other, want(3))
+            for it in range(4, 6):  # new arrays each call
+                y = np.arange(n * k, dtype=np.float32) + 1000 * r + it
+                got = c.alltoall(y, np.full(n * k, -1.0, np.float32), algorithm="cma")
+                np.testing.assert_array_equal(got, want(it))
+            steps = [s for key, s in c._engine.plans.steps.items() if key[0] == "alltoall"]
+            assert steps and all("_prepare_alltoall" in s.__qualname__ for s in steps), steps
+
+        _on_all(comms, body)

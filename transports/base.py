@@ -799,6 +799,10 @@ class Group(Protocol):
         """Copy bytes of the range rank j posted for step ``seq``, from ``offset``, into ``out``."""
         ...
 
+    def read_at(self, j: int, seq: int, offset: int, local: int, n: int) -> None:
+        """:meth:`read` into the ``n`` bytes at address ``local`` of this process."""
+        ...
+
     def write(self, j: int, seq: int, offset: int, src: Any) -> None:
         """Copy ``src`` into the range rank j posted for step ``seq``, from ``offset``."""
         ...

@@ -475,13 +475,24 @@ class ShmGroup:
         """
         self._attach_copy(_cma.write, "write", j, seq, offset, src)
 
+    def read_at(self, j: int, seq: int, offset: int, local: int, n: int) -> None:
+        """:meth:`read` into the ``n`` bytes at address ``local`` of this process
+        (which the caller keeps allocated: a prepared step's output)."""
+        self._attach_at(_cma.read, "read", j, seq, offset, local, n)
+
     def _attach_copy(
         self, copy: Callable[..., None], what: str, j: int, seq: int, offset: int, local: Any
+    ) -> None:
+        n = local.nbytes
+        at = local.__array_interface__["data"][0] if n else 0
+        self._attach_at(copy, what, j, seq, offset, at, n)
+
+    def _attach_at(
+        self, copy: Callable[..., None], what: str, j: int, seq: int, offset: int, at: int, n: int
     ) -> None:
         addr, nbytes = _RANGE.unpack_from(
             self._mm, _CTRL0 + j * self._line + self._ranges_off + (seq % self.slots) * _RANGE.size
         )
-        n = local.nbytes
         if offset < 0 or offset + n > nbytes:
             raise TransportError(
                 f"group: {what} of bytes [{offset}, {offset + n}) of rank {j}'s posted "
@@ -492,7 +503,7 @@ class ShmGroup:
         if not n:
             return
         try:
-            copy(self.pid(j), addr + offset, local.__array_interface__["data"][0], n)
+            copy(self.pid(j), addr + offset, at, n)
         except OSError as exc:
             cls = PeerClosedError if exc.errno == errno.ESRCH else TransportError
             raise cls(
