@@ -68,3 +68,20 @@ def comm_tcp(_device):
     c = pycoll.init(timeout=120, transports=("tcp",), device_transports=())
     yield c
     c.close()
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``replays[0]``: how many calls of the test ran as replays of a device plan
+    (pycoll/gpu/replay.py) on this rank."""
+    from pycoll.gpu import replay
+
+    seen = [0]
+    run = replay.DevicePlan.run
+
+    def counted(self, sendbuf, recvbuf):  # type: ignore[no-untyped-def]
+        seen[0] += 1
+        return run(self, sendbuf, recvbuf)
+
+    monkeypatch.setattr(replay.DevicePlan, "run", counted)
+    return seen

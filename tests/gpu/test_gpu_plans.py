@@ -22,7 +22,7 @@ cp = pytest.importorskip("cupy", reason="GPU tests need CuPy")
 from mpi4py import MPI  # noqa: E402
 
 import pycoll  # noqa: E402
-from pycoll.gpu import present, replay  # noqa: E402
+from pycoll.gpu import present  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,26 +37,9 @@ K = 65537 + 34  # elements a rank (a prime count, not a multiple of anything)
 ROUNDS = 5
 
 
-@pytest.fixture(scope="module")
-def comm():
+@pytest.fixture(scope="module", autouse=True)
+def _device():
     cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
-    c = pycoll.init(timeout=120)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def runs(monkeypatch):
-    """How many calls ran as replays of a device plan (on this rank)."""
-    seen = [0]
-    run = replay.DevicePlan.run
-
-    def counted(self, sendbuf, recvbuf):
-        seen[0] += 1
-        return run(self, sendbuf, recvbuf)
-
-    monkeypatch.setattr(replay.DevicePlan, "run", counted)
-    return seen
 
 
 def _shared(c) -> bool:
@@ -81,7 +64,7 @@ CASES = [
 @pytest.mark.parametrize(
     "what,in_place", CASES, ids=[f"{w}-{'in' if i else 'out'}" for w, i in CASES]
 )
-def test_replays_read_fresh_data_and_are_right(comm, runs, what, in_place):
+def test_replays_read_fresh_data_and_are_right(comm, replays, what, in_place):
     if not _shared(comm):
         pytest.skip("plans are made where every rank uses one GPU")
     s = cp.cuda.Stream(non_blocking=True)
@@ -124,11 +107,11 @@ def test_replays_read_fresh_data_and_are_right(comm, runs, what, in_place):
         else:
             s.synchronize()
     if SIZE > 1:
-        assert runs[0] == ROUNDS - 1, f"rank {RANK}: {runs[0]} replays of {ROUNDS} calls"
+        assert replays[0] == ROUNDS - 1, f"rank {RANK}: {replays[0]} replays of {ROUNDS} calls"
     WORLD.Barrier()
 
 
-def test_another_stream_or_shape_is_an_ordinary_call(comm, runs):
+def test_another_stream_or_shape_is_an_ordinary_call(comm, replays):
     if SIZE == 1 or not _shared(comm):
         pytest.skip("plans are made where every rank uses one GPU")
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
@@ -140,25 +123,24 @@ def test_another_stream_or_shape_is_an_ordinary_call(comm, runs):
     comm.allreduce(x, stream=b)  # another stream: not the plan's
     b.synchronize()
     assert float(x.min()) == float(x.max()) == total
-    assert runs[0] == 0
+    assert replays[0] == 0
     x.shape = (2, 1 << 17)  # another shape: not the plan's either
     x.fill(float(RANK + 1))
     comm.allreduce(x, stream=a)
     a.synchronize()
     assert float(x.min()) == float(x.max()) == total
-    assert runs[0] == 0
+    assert replays[0] == 0
     x.shape = (1 << 18,)
     for _ in range(2):  # a plan again (the latest call's), then its replay
         x.fill(float(RANK + 1))
         comm.allreduce(x, stream=a)
         a.synchronize()
         assert float(x.min()) == float(x.max()) == total
-    assert runs[0] == 1
+    assert replays[0] == 1
     WORLD.Barrier()
 
 
 def test_plans_hold_their_arrays_until_close():
-    cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
     c = pycoll.init(timeout=120)
     x = cp.ones(1 << 18, cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
@@ -186,7 +168,6 @@ def test_a_packed_launch_gives_the_bits_of_the_kernel_it_replaces(dtype, op):
     from pycoll.gpu import reduce as dreduce
     from pycoll.reduce import ReduceOp
 
-    cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
     dt, rop = np.dtype(dtype), ReduceOp(op)
     if rop is ReduceOp.BAND and dt.kind == "f":
         pytest.skip("bitwise ops are for integers")

@@ -129,20 +129,10 @@ def test_no_copy_to_the_host(dev, monkeypatch):
 
 
 @pytest.mark.parametrize("async_op", [False, True])
-def test_the_same_tensor_again_replays_a_device_plan(dev, monkeypatch, async_op):
+def test_the_same_tensor_again_replays_a_device_plan(dev, replays, async_op):
     """An allreduce of the same CUDA tensor, again and again with new contents:
     the backend hands pycoll the view it kept (pycoll/torch_backend/kept.py), so
     pycoll replays its device plan, and every result is right."""
-    from pycoll.gpu import replay
-
-    runs = [0]
-    real = replay.DevicePlan.run
-
-    def counted(self, sendbuf, recvbuf):
-        runs[0] += 1
-        return real(self, sendbuf, recvbuf)
-
-    monkeypatch.setattr(replay.DevicePlan, "run", counted)
     t = torch.empty(1 << 20, device=dev)  # 4 MiB: the device path, not the host mirrors
     for rnd in range(6):
         t.fill_(RANK + 1 + rnd)
@@ -155,7 +145,7 @@ def test_the_same_tensor_again_replays_a_device_plan(dev, monkeypatch, async_op)
         assert float(got.min()) == float(got.max()) == want, (rnd, float(got.min()))
     comm = dist.distributed_c10d._get_default_group().communicator
     if SIZE > 1 and comm._gpu.shared_device and not async_op:
-        assert runs[0] >= 4, f"rank {RANK}: {runs[0]} replays of 6 calls"
+        assert replays[0] >= 4, f"rank {RANK}: {replays[0]} replays of 6 calls"
     WORLD.Barrier()
 
 
