@@ -31,6 +31,9 @@
    meanwhile: overlapped(record), which raises; the record's end and "ok".
    The result is go()'s, or the Fit's res where go() returns None.
 
+   data(a): the address of NumPy array a's first element, from the array
+   struct (pycoll.buffers.data_ptr; __array_interface__ makes a dict for it).
+
    Fit(x, xw, o, go, res, call, tid): what a Plan's arrays look like (ndim,
    shape, strides, dtype, and writeable where they are written: x when xw, o
    always), read from NumPy's array struct, whose layout (PyArrayObject_fields:
@@ -494,9 +497,28 @@ static PyTypeObject EntryType = {
     .tp_new = entry_new,
 };
 
+/* data(a): the address of NumPy array a's first element, read from the array
+   struct (the data pointer of __array_interface__, without making its dict). */
+static PyObject *
+replay_data(PyObject *unused, PyObject *a)
+{
+    if (ndarray == NULL || Py_TYPE(a) != ndarray) {
+        PyErr_SetString(PyExc_TypeError, "data: a NumPy ndarray (exactly)");
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(((ArrayHead *)a)->data);
+}
+
+static PyMethodDef module_methods[] = {
+    {"data", (PyCFunction)replay_data, METH_O,
+     "The address of a NumPy array's first element (its __array_interface__ data)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "pycoll._replay",
-    "The replayed call's entry, compiled (see _replay.c).", -1, NULL, NULL, NULL, NULL, NULL,
+    "The replayed call's entry, compiled (see _replay.c).", -1, module_methods, NULL, NULL, NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC
@@ -514,6 +536,19 @@ PyInit__replay(void)
     if (!one || !s_epoch || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
         PyType_Ready(&FitType) < 0 || PyType_Ready(&EntryType) < 0)
         return NULL;
+    if (ndarray == NULL) { /* data() needs it before any Entry */
+        PyObject *np = PyImport_ImportModule("numpy");
+        PyObject *t = np == NULL ? NULL : PyObject_GetAttrString(np, "ndarray");
+        Py_XDECREF(np);
+        if (t == NULL)
+            return NULL;
+        if (!PyType_Check(t)) {
+            Py_DECREF(t);
+            PyErr_SetString(PyExc_TypeError, "numpy.ndarray is not a type");
+            return NULL;
+        }
+        ndarray = (PyTypeObject *)t;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

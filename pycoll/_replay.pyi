@@ -1,5 +1,7 @@
 from typing import Any
 
+def data(a: Any) -> int: ...
+
 class Fit:
     def __init__(
         self, x: Any, xw: bool, o: Any, go: Any, res: Any, call: Any, tid: int

@@ -78,7 +78,25 @@ class Buffer:
         return bool(data_ptr(self.flat) == data_ptr(other.flat) and self.device == other.device)
 
 
+def _compiled_data() -> Any:
+    """:func:`pycoll._replay.data` where it was built and reads what NumPy says."""
+    try:
+        from pycoll._replay import data
+    except ImportError:
+        return None
+    probe = np.empty(8, np.uint8)[3:]
+    return data if data(probe) == probe.__array_interface__["data"][0] else None
+
+
+_data = _compiled_data()
+
+
 def data_ptr(a: Any) -> int:
+    """The address of a NumPy or CuPy array's first element (for a NumPy array
+    read from its struct where the compiled entry was built: about 0.1 us
+    against 0.9 through ``__array_interface__``)."""
+    if type(a) is np.ndarray and _data is not None:
+        return _data(a)  # type: ignore[no-any-return]
     if isinstance(a, np.ndarray):
         return int(a.__array_interface__["data"][0])
     return int(a.data.ptr)

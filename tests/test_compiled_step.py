@@ -431,3 +431,27 @@ def test_connections_follow_the_compiled_switch(use: bool) -> None:
             return got.tobytes()
 
         assert run_ranks(2, body, timeout=60)[1] == x.tobytes()
+
+
+def test_the_compiled_data_pointer_is_numpys() -> None:
+    """``pycoll._replay.data`` reads an array's first element's address from its
+    struct: the same as ``__array_interface__`` for views at offsets, empty,
+    read-only and strided arrays; other objects (a subclass too) are refused,
+    and ``buffers.data_ptr`` answers for them the slow way."""
+    from pycoll import buffers
+    from pycoll.engine import replay_c
+
+    if replay_c is None:
+        pytest.skip("pycoll._replay was not built")
+    base = np.arange(64, dtype=np.float64)
+    ro = base[5:9]
+    ro.flags.writeable = False
+    for a in (base, base[3:], base[::3], np.empty(0, np.int8), ro, base.reshape(8, 8)[2:, 1:]):
+        assert replay_c.data(a) == a.__array_interface__["data"][0]
+        assert buffers.data_ptr(a) == a.__array_interface__["data"][0]
+    mm = base.view(np.matrix)
+    with pytest.raises(TypeError):
+        replay_c.data(mm)
+    with pytest.raises(TypeError):
+        replay_c.data(b"bytes")
+    assert buffers.data_ptr(mm) == mm.__array_interface__["data"][0]

@@ -58,6 +58,7 @@ from pycoll.algorithms.cost import ALLGATHER_SLOT_ROUNDS, ALLTOALL_BY_ADDRESS_MI
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
+from pycoll.buffers import data_ptr
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
@@ -83,7 +84,7 @@ def _group(L: Links) -> Group:
 
 
 def _addr(a: Any) -> int:
-    return int(a.__array_interface__["data"][0])
+    return data_ptr(a)
 
 
 def _others(n: int, r: int) -> list[int]:
