@@ -480,13 +480,9 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
     k = x.size // n
     if n == 1:
         return
-    if G.cma and x.nbytes > G.slot_bytes and x.nbytes >= by_address_min:
-        s = _post_buffer(L, G, x)
-        at = r * k * x.itemsize
-        for j in _others(n, r):
-            G.wait((j,), s, dl, bo)
-            G.read(j, s, at, out[j * k : (j + 1) * k])
-        _finish(L, G, s)
+    by_address = _prepare_alltoall(L, bo, x.size, L.fp, by_address_min)
+    if by_address is not None:
+        by_address(x, out)
         return
     others = _others(n, r)
     per_round = max(1, G.slot_bytes // x.itemsize // (n - 1))
@@ -521,10 +517,11 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
 def _prepare_alltoall(
     L: Links, backoff: Backoff, count: int, fp: int, by_address_min: int
 ) -> Callable[[Any, Any], None] | None:
-    """Alltoall's by-address route (:func:`_alltoall`) of ``count`` input elements,
-    prepared: the same step, posted range, waits and reads, with the block
-    offsets, the peers and the group's methods worked out once; None where the
-    call goes through the slots.  At 1 MiB, n = 2 on the 2-core machine the
+    """Alltoall's by-address route of ``count`` input elements, prepared: each
+    rank posts its input's range and reads its block out of every peer's
+    (cross-memory copies), with the block offsets, the peers and the group's
+    methods worked out once; None where the call goes through the slots.
+    :func:`_alltoall` runs it once; a plan's step (:func:`prepare`) keeps it.  At 1 MiB, n = 2 on the 2-core machine the
     call's own Python took about 10 us of 63 (``benchmarks/RESULTS.md``)."""
     G = L.group
     n, r = L.size, L.rank
