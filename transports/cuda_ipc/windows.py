@@ -14,7 +14,7 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transports import _atomic
 from transports.base import Backoff, Deadline, DeviceSpan, TransportError, TransportTimeout
@@ -175,9 +175,7 @@ class _Window:
             self._ready_me.store(seq)
             self.ready_by_host += 1
         else:
-            self._order(stream)
-            stream_write(stream, self._dev + self._mine + _W_READY, seq)
-            self._mark(stream)
+            self._on_stream(stream_write, stream, self._dev + self._mine + _W_READY, seq)
             self.ready_by_stream += 1
         self.exposed = seq
         self._exposed_me.store(seq)
@@ -212,9 +210,7 @@ class _Window:
         else:
             spans = self._spans_of(off, count, stream)
             self._read = (raw_desc, stream, spans)
-        self._order(stream)
-        stream_wait(stream, self._dev + self._theirs + _W_READY, seq)
-        self._mark(stream)
+        self._on_stream(stream_wait, stream, self._dev + self._theirs + _W_READY, seq)
         self.opened = seq
         return spans
 
@@ -228,19 +224,20 @@ class _Window:
             spans.append(DeviceSpan(ptr, nbytes, dev, stream))
         return spans
 
-    def _order(self, stream: int) -> None:
-        """Before stream work on the words: a stream other than the last one's
-        first waits, on the device, for the last one's work on them, so that the
-        words only grow (callers may change streams: a device plan runs on its
-        caller's stream, an ordinary call on pycoll's)."""
-        if self._last and stream != self._last_stream:
-            self._rt.streamWaitEvent(stream, self._last, 0)
+    def _on_stream(self, op: Any, stream: int, addr: int, value: int) -> None:
+        """``op(stream, addr, value)`` (a stream write or wait of a word), ordered
+        after the last stream work on the words and remembered as the latest.
 
-    def _mark(self, stream: int) -> None:
-        """Remember the latest stream work on the words (which must be done before
-        close() unmaps them for the device, before the host stores "ready", and
-        before another stream's work on them: :meth:`_order`); one event."""
+        A stream other than the last one's first waits, on the device, for the
+        last one's work, so that the words only grow (callers may change
+        streams: a device plan runs on its caller's stream, an ordinary call on
+        pycoll's).  The latest work must be done before close() unmaps the
+        words for the device, before the host stores "ready", and before
+        another stream's work on them; one event says when it is."""
         rt = self._rt
+        if self._last and stream != self._last_stream:
+            rt.streamWaitEvent(stream, self._last, 0)
+        op(stream, addr, value)
         if not self._last:
             self._last = int(rt.eventCreateWithFlags(0x2))  # cudaEventDisableTiming
         rt.eventRecord(self._last, stream)
@@ -255,9 +252,7 @@ class _Window:
             raise TransportError(
                 "cuda_ipc: release() without an open window", peer=self._conn.peer, transport=NAME
             )
-        self._order(stream)
-        stream_write(stream, self._flags + _F_RELEASED, seq)
-        self._mark(stream)
+        self._on_stream(stream_write, stream, self._flags + _F_RELEASED, seq)
         self.released = seq
         self._released_me.store(seq)
 
