@@ -274,12 +274,8 @@ class Dispatch:
             and not eng.config.check
             and DevicePlan.eligible(gpu, spec, algo, stream)
         ):
-            plans = self.engine.plans
-            old = plans.device_plans.pop(k, None)
-            if old is not None:  # the same arrays on another stream, say
-                old.drop()
-            plans.drop_device_plans(DEVICE_PLANS_MAX - 1)
-            plans.device_plans[k] = DevicePlan(gpu, dc, spec, algo, call, recvbuf, stream)
+            plan = DevicePlan(gpu, dc, spec, algo, call, recvbuf, stream)
+            eng.plans.add_device_plan(k, plan, DEVICE_PLANS_MAX)
         return result
 
 

@@ -48,6 +48,13 @@ KINDS_MAX = 64
 log = logging.getLogger(__name__)
 
 
+def _drop(device_plan: Any) -> None:
+    try:
+        device_plan.drop()
+    except Exception:  # a failed context: close() settles what it can
+        log.debug("dropping a device plan failed", exc_info=True)
+
+
 class Plan:
     """A validated blocking host call, replayed while its arguments are unchanged.
 
@@ -244,16 +251,21 @@ class Plans:
         self.kinds.clear()
         self.drop_device_plans()
 
+    def add_device_plan(self, k: tuple[Any, ...], plan: Any, most: int) -> None:
+        """Keep device ``plan`` under key ``k``, in place of the one there (the same
+        arrays on another stream, say) and of the oldest beyond ``most``."""
+        old = self.device_plans.pop(k, None)
+        if old is not None:
+            _drop(old)
+        self.drop_device_plans(most - 1)
+        self.device_plans[k] = plan
+
     def drop_device_plans(self, keep: int = 0) -> None:
         """Forget the oldest device plans until at most ``keep`` remain (each holds
         its arrays until its queued work is over: :meth:`DevicePlan.drop`)."""
         plans = self.device_plans
         while len(plans) > keep:
-            p = plans.pop(next(iter(plans)))
-            try:
-                p.drop()
-            except Exception:  # a failed context: close() settles what it can
-                log.debug("dropping a device plan failed", exc_info=True)
+            _drop(plans.pop(next(iter(plans))))
 
     def step(self, k: tuple[Any, ...]) -> Callable[..., None]:
         """The step of ``k`` = (collective, algorithm, dtype, op, count, root,

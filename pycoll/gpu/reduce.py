@@ -180,6 +180,28 @@ def _nary_kernel(op: ReduceOp, n: int, outs: int) -> Any:
     )
 
 
+def _grid(k: int) -> tuple[int, int]:
+    """``(blocks, threads)`` of a :func:`_grid_stride` kernel over ``k`` indices
+    (at most 4096 blocks: the loop does the rest)."""
+    threads = 256
+    return max(1, min((k + threads - 1) // threads, 4096)), threads
+
+
+def _grid_stride(name: str, ctype: str, params: list[str], body: str, t: str = "T") -> str:
+    """The source of kernel ``name(params..., long long k)`` that runs ``body`` for
+    every index ``i`` below ``k`` in a grid-stride loop, ``t`` naming ``ctype``."""
+    return (
+        f"typedef {ctype} {t};\n"
+        f'extern "C" __global__ void {name}({", ".join(params)}, long long k) {{\n'
+        "  long long stride = (long long)blockDim.x * gridDim.x;\n"
+        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < k;"
+        " i += stride) {\n"
+        f"    {body}\n"
+        "  }\n"
+        "}\n"
+    )
+
+
 #: C types of the dtypes :func:`nary_launch` reduces (CuPy's own types elsewhere).
 _C_TYPES = {
     "float32": "float",
@@ -214,9 +236,7 @@ def nary_launch(
     kern = _nary_raw(op, dtype.name, len(inputs), len(outputs))
     args: list[Any] = [ctypes.c_uint64(int(a.data.ptr)) for a in (*inputs, *outputs)]
     args.append(ctypes.c_int64(count))
-    threads = 256
-    blocks = max(1, min((count + threads - 1) // threads, 4096))  # grid-stride beyond
-    return Launch(int(kern.kernel.ptr), blocks, threads, stream, args)
+    return Launch(int(kern.kernel.ptr), *_grid(count), stream, args)
 
 
 @functools.cache
@@ -225,16 +245,7 @@ def _nary_raw(op: ReduceOp, dtype: str, n: int, outs: int) -> Any:
     name = f"pycoll_nary_raw_{op.value}_{dtype}_{n}_{outs}"
     params = [f"const T* x{i}" for i in range(n)] + [f"T* y{j}" for j in range(outs)]
     body = _chain(op, n, "[i]") + " " + " ".join(f"y{j}[i] = acc;" for j in range(outs))
-    src = (
-        f"typedef {_C_TYPES[dtype]} T;\n"
-        f'extern "C" __global__ void {name}({", ".join(params)}, long long k) {{\n'
-        "  long long stride = (long long)blockDim.x * gridDim.x;\n"
-        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < k;"
-        " i += stride) {\n"
-        f"    {body}\n"
-        "  }\n"
-        "}\n"
-    )
+    src = _grid_stride(name, _C_TYPES[dtype], params, body)
     kern = cp.RawKernel(src, name, options=_EXACT)
     kern.kernel  # noqa: B018  (compiled and loaded now: loading synchronizes the context)
     return kern
@@ -306,8 +317,7 @@ def fan_out(sources: list[Any], outputs: list[Any]) -> None:
         word //= 2
     k = nbytes // word
     kern = _fan_out_kernel(len(sources), len(outputs), word)
-    threads = 256
-    blocks = min((k + threads - 1) // threads, 4096)  # a grid-stride loop does the rest
+    blocks, threads = _grid(k)
     kern((blocks,), (threads,), (*(np.uint64(p) for p in ptrs), np.int64(k)))
 
 
@@ -330,14 +340,4 @@ def _fan_out_kernel(n: int, m: int, word: int) -> Any:
         f"y{o}[{p} * k + i] = v{p};" if p else f"y{o}[i] = v0;" for p in range(n) for o in range(m)
     )
     name = f"pycoll_fan_out_{n}_{m}_{word}"
-    src = (
-        f"typedef {w} W;\n"
-        f'extern "C" __global__ void {name}({", ".join(params)}, long long k) {{\n'
-        "  long long stride = (long long)blockDim.x * gridDim.x;\n"
-        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < k;"
-        " i += stride) {\n"
-        f"    {reads} {writes}\n"
-        "  }\n"
-        "}\n"
-    )
-    return cp.RawKernel(src, name)
+    return cp.RawKernel(_grid_stride(name, w, params, f"{reads} {writes}", "W"), name)

@@ -37,7 +37,9 @@ from __future__ import annotations
 from _thread import get_ident
 from typing import Any
 
+from pycoll.errors import InvalidArgumentError
 from pycoll.gpu import reduce as dreduce
+from pycoll.gpu.context import resolve_stream
 from pycoll.gpu.jobs import Job
 from pycoll.gpu.windows import KeptWindows
 from transports.base import Deadline
@@ -140,19 +142,13 @@ class DevicePlan:
         """Whether a call on these arrays (the plan's, by identity) and ``stream``
         (as :func:`~pycoll.gpu.context.resolve_stream` takes it) is the plan's:
         same thread, current device, stream and shapes."""
-        if get_ident() != self.tid:
+        ctx = self._ctx
+        if get_ident() != self.tid or self._cp.cuda.runtime.getDevice() != ctx.device:
             return False
-        cp = self._cp
-        if cp.cuda.runtime.getDevice() != self._ctx.device:
+        try:
+            user = resolve_stream(stream, sendbuf, ctx.device, ctx.rank, "")
+        except InvalidArgumentError:  # the slow path raises it, the call counted
             return False
-        if stream is None:
-            user = cp.cuda.get_current_stream().ptr
-        elif type(stream) is int:
-            user = stream
-        else:
-            user = getattr(stream, "ptr", None)
-            if user is None:
-                user = getattr(stream, "cuda_stream", None)
         return user == self.user and self._shapes == (
             sendbuf.shape,
             None if recvbuf is None else recvbuf.shape,
