@@ -11,7 +11,7 @@
    other call, unchanged, to the Python path it replaces:
 
      Entry(slow, plans, fam, engine, p2p, enter, leave, append, enabled, trace,
-           fail, overlapped, ndarray, owner)
+           fail, overlapped, ndarray, owner, weak)
      entry(coll, sendbuf, recvbuf, op, root, algorithm, async_op, stream)
 
    runs the call when async_op is False, stream None, root an int, nothing is
@@ -34,12 +34,19 @@
    data(a): the address of NumPy array a's first element, from the array
    struct (pycoll.buffers.data_ptr; __array_interface__ makes a dict for it).
 
-   Fit(x, xw, o, go, res, call, tid): what a Plan's arrays look like (ndim,
-   shape, strides, dtype, and writeable where they are written: x when xw, o
-   always), read from NumPy's array struct, whose layout (PyArrayObject_fields:
-   data, nd, dimensions, strides, base, descr, flags) is part of NumPy's ABI.
-   The constructor checks what it reads against the arrays' Python attributes
-   and raises ValueError where they differ (the caller then makes no Fit).
+   Fit(x, xw, o, go, res, call, tid, weak=False, ret=0): what a Plan's arrays
+   look like (ndim, shape, strides, dtype, and writeable where they are
+   written: x when xw, o always), read from NumPy's array struct, whose layout
+   (PyArrayObject_fields: data, nd, dimensions, strides, base, descr, flags)
+   is part of NumPy's ABI.  The constructor checks what it reads against the
+   arrays' Python attributes and raises ValueError where they differ (the
+   caller then makes no Fit).  A weak Fit (a plan of large arrays, which holds
+   none) keeps weak references to them and their data pointers: it fits only
+   the very objects, alive, at the same addresses.  ret: what a go() that
+   returns None gives back: 0 res, 1 the call's sendbuf, 2 its recvbuf (a weak
+   plan's SENDBUF and RECVBUF).
+
+   A plan's key is looked up in plans, then in weak (the weak plans' dict).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -78,10 +85,32 @@ typedef struct {
     PyObject_HEAD
     Layout x, o;
     int has_o;
-    PyObject *xobj, *oobj; /* the plan's arrays (o: None where it has none) */
+    int weak, ret;
+    char *xptr, *optr; /* a weak Fit's arrays' data pointers */
+    /* the plan's arrays (o: None where it has none); a weak Fit's: weak references */
+    PyObject *xobj, *oobj;
     PyObject *go, *res, *call;
     unsigned long tid;
 } Fit;
+
+/* Whether a is the object that held (a Fit's xobj or oobj) stands for. */
+static inline int
+is_held(PyObject *a, PyObject *held, int weak)
+{
+    if (!weak || held == Py_None)
+        return a == held;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(held, &obj) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_XDECREF(obj); /* alive while the caller holds a */
+    return obj == a;
+#else
+    return PyWeakref_GET_OBJECT(held) == a;
+#endif
+}
 
 static PyTypeObject *ndarray; /* set by the first Entry */
 
@@ -153,10 +182,15 @@ static PyObject *
 fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *x, *o, *go, *res, *call;
-    int xw;
+    int xw, weak = 0, ret = 0;
     unsigned long tid;
-    if (!PyArg_ParseTuple(args, "OpOOOOk:Fit", &x, &xw, &o, &go, &res, &call, &tid))
+    if (!PyArg_ParseTuple(args, "OpOOOOk|pi:Fit", &x, &xw, &o, &go, &res, &call, &tid, &weak,
+                          &ret))
         return NULL;
+    if (ret < 0 || ret > 2) {
+        PyErr_SetString(PyExc_ValueError, "Fit: ret must be 0, 1 or 2");
+        return NULL;
+    }
     if (ndarray == NULL || Py_TYPE(x) != ndarray || (o != Py_None && Py_TYPE(o) != ndarray)) {
         PyErr_SetString(PyExc_ValueError, "Fit: NumPy arrays only");
         return NULL;
@@ -169,8 +203,21 @@ fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     self->has_o = o != Py_None;
-    self->xobj = Py_NewRef(x);
-    self->oobj = Py_NewRef(o);
+    self->weak = weak;
+    self->ret = ret;
+    if (weak) {
+        self->xptr = ((ArrayHead *)x)->data;
+        self->optr = self->has_o ? ((ArrayHead *)o)->data : NULL;
+        self->xobj = PyWeakref_NewRef(x, NULL);
+        self->oobj = self->has_o ? PyWeakref_NewRef(o, NULL) : Py_NewRef(Py_None);
+        if (self->xobj == NULL || self->oobj == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    } else {
+        self->xobj = Py_NewRef(x);
+        self->oobj = Py_NewRef(o);
+    }
     self->go = Py_NewRef(go);
     self->res = Py_NewRef(res);
     self->call = Py_NewRef(call);
@@ -194,7 +241,7 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *slow, *plans, *fam, *engine, *p2p, *enter, *leave, *append, *enabled, *trace,
-        *fail, *overlapped, *owner;
+        *fail, *overlapped, *owner, *weak;
     /* the last call run: its key, its Fit, and owner.epoch then */
     PyObject *last_key;
     Fit *last_fit;
@@ -220,6 +267,7 @@ entry_dealloc(Entry *self)
     Py_XDECREF(self->fail);
     Py_XDECREF(self->overlapped);
     Py_XDECREF(self->owner);
+    Py_XDECREF(self->weak);
     Py_XDECREF(self->last_key);
     Py_XDECREF(self->last_fit);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -230,12 +278,12 @@ static PyObject *entry_vectorcall(PyObject *, PyObject *const *, size_t, PyObjec
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *a[14];
-    if (!PyArg_UnpackTuple(args, "Entry", 14, 14, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
-                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13]))
+    PyObject *a[15];
+    if (!PyArg_UnpackTuple(args, "Entry", 15, 15, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
+                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13], &a[14]))
         return NULL;
-    if (!PyDict_Check(a[1]) || !PyType_Check(a[12])) {
-        PyErr_SetString(PyExc_TypeError, "Entry: plans must be a dict, ndarray a type");
+    if (!PyDict_Check(a[1]) || !PyDict_Check(a[14]) || !PyType_Check(a[12])) {
+        PyErr_SetString(PyExc_TypeError, "Entry: plans and weak must be dicts, ndarray a type");
         return NULL;
     }
     if (ndarray == NULL) {
@@ -251,6 +299,7 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     for (int k = 0; k < 12; k++)
         *f[k] = Py_NewRef(a[k]);
     self->owner = Py_NewRef(a[13]);
+    self->weak = Py_NewRef(a[14]);
     self->last_epoch = -1;
     return (PyObject *)self;
 }
@@ -293,7 +342,8 @@ find(Entry *self, PyObject *const *args)
     /* The same objects as the last call run, and nothing forgotten since (a
        clear moves the epoch): its Fit.  The Fit and the key hold every object
        compared, so none of them can be another at the same address. */
-    if (F != NULL && epoch == self->last_epoch && args[1] == F->xobj && args[2] == F->oobj &&
+    if (F != NULL && epoch == self->last_epoch && is_held(args[1], F->xobj, F->weak) &&
+        is_held(args[2], F->oobj, F->weak) &&
         args[0] == PyTuple_GET_ITEM(k, 0) && args[3] == PyTuple_GET_ITEM(k, 3) &&
         root == PyTuple_GET_ITEM(k, 4) && args[5] == PyTuple_GET_ITEM(k, 5)) {
         Py_INCREF(F);
@@ -317,6 +367,8 @@ find(Entry *self, PyObject *const *args)
     PyTuple_SET_ITEM(key, 4, Py_NewRef(root));
     PyTuple_SET_ITEM(key, 5, Py_NewRef(args[5]));
     PyObject *p = PyDict_GetItemWithError(self->plans, key); /* borrowed */
+    if (p == NULL && !PyErr_Occurred())
+        p = PyDict_GetItemWithError(self->weak, key);
     if (p == NULL) {
         Py_DECREF(key);
         PyErr_Clear(); /* an unhashable op or algorithm: the slow path says why */
@@ -340,7 +392,9 @@ find(Entry *self, PyObject *const *args)
     self->last_epoch = epoch;
 check:
     if (!fits(args[1], &F->x) || (F->has_o && !fits(args[2], &F->o)) ||
-        PyThread_get_thread_ident() != F->tid) {
+        PyThread_get_thread_ident() != F->tid ||
+        (F->weak && (((ArrayHead *)args[1])->data != F->xptr ||
+                     (F->has_o && ((ArrayHead *)args[2])->data != F->optr)))) {
         Py_DECREF(F);
         return NULL;
     }
@@ -463,7 +517,7 @@ leave:
     Py_DECREF(rec);
     if (result == Py_None) {
         Py_DECREF(result);
-        result = Py_NewRef(F->res);
+        result = Py_NewRef(F->ret == 1 ? args[1] : F->ret == 2 ? args[2] : F->res);
     }
     Py_DECREF(F);
     return result;

@@ -4,7 +4,16 @@ def data(a: Any) -> int: ...
 
 class Fit:
     def __init__(
-        self, x: Any, xw: bool, o: Any, go: Any, res: Any, call: Any, tid: int
+        self,
+        x: Any,
+        xw: bool,
+        o: Any,
+        go: Any,
+        res: Any,
+        call: Any,
+        tid: int,
+        weak: bool = False,
+        ret: int = 0,
     ) -> None: ...
 
 class Entry:
@@ -24,6 +33,7 @@ class Entry:
         overlapped: Any,
         ndarray: type,
         owner: Any,
+        weak: dict[Any, Any],
     ) -> None: ...
     def __call__(self, *args: Any) -> Any: ...
     def forget(self) -> None: ...

