@@ -852,3 +852,45 @@ def test_a_driver_call_on_a_thread_without_a_context_binds_one_and_retries(monke
     assert cuda_driver._call(fn, 1, 2) == 0
     assert calls == [("fn", (1, 2)), ("free", 0), ("fn", (1, 2))]
     assert cuda_driver._call(fn, 3) == 201  # still no context: the error is the caller's
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["vm_copy", "ctypes"])
+def test_cross_memory_copies_move_the_bytes_and_name_the_errno(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_cma.read`` and ``write`` (compiled ``_ring.vm_copy``, else ctypes) move
+    exactly the bytes asked for, and raise OSError with the errno: ESRCH for a
+    process that is gone, EFAULT for an address that is not mapped."""
+    import errno
+    import os
+
+    from transports import _cma
+
+    if not _cma.available():
+        pytest.skip("no process_vm_readv")
+    if compiled and _cma._vm_copy is None:
+        pytest.skip("transports._ring was not built")
+    if not compiled:
+        monkeypatch.setattr(_cma, "_vm_copy", None)
+    pid = os.getpid()
+    src = np.arange(1000, dtype=np.uint8)
+    dst = np.zeros(1000, np.uint8)
+    try:
+        _cma.read(pid, src.ctypes.data + 3, dst.ctypes.data + 5, 991)
+    except OSError as exc:  # a policy against ptrace of oneself: nothing to check here
+        pytest.skip(f"cross-memory attach refused: {exc}")
+    assert dst[:5].tolist() == [0] * 5 and dst[996:].tolist() == [0] * 4
+    assert np.array_equal(dst[5:996], src[3:994])
+    back = np.zeros(10, np.uint8)
+    _cma.write(pid, back.ctypes.data + 2, src.ctypes.data + 100, 6)
+    assert back.tolist() == [0, 0, 100, 101, 102, 103, 104, 105, 0, 0]
+    with pytest.raises(OSError) as ei:
+        _cma.read(pid, 16, dst.ctypes.data, 8)  # page 0 is never mapped
+    assert ei.value.errno == errno.EFAULT
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    os.waitpid(gone, 0)
+    with pytest.raises(OSError) as ei:
+        _cma.read(gone, src.ctypes.data, dst.ctypes.data, 8)
+    assert ei.value.errno == errno.ESRCH
