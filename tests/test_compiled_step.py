@@ -342,6 +342,20 @@ def test_peer_gone_under_a_replayed_step_raises(use: bool) -> None:
     assert waited < 5 + 3, res
 
 
+def _count_python_replays(comms: list[pycoll.Communicator]) -> list[int]:
+    """Counts, per rank, of the calls that reach the Python replay (``Dispatch._replay``)."""
+    counts = [0] * len(comms)
+    for r, c in enumerate(comms):
+        real = c._dispatch._replay
+
+        def counted(*a: Any, _r: int = r, _real: Any = real) -> Any:
+            counts[_r] += 1
+            return _real(*a)
+
+        c._dispatch._replay = counted  # type: ignore[method-assign]
+    return counts
+
+
 @pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
 def test_the_compiled_entry_runs_plans_and_hands_on_the_rest(
     use: bool, caplog: pytest.LogCaptureFixture
@@ -354,15 +368,7 @@ def test_the_compiled_entry_runs_plans_and_hands_on_the_rest(
     if use and replay_c is None:
         pytest.skip("pycoll._replay was not built")
     with communicators(2, compiled=use) as comms:
-        counts = [0, 0]
-        for r, c in enumerate(comms):
-            real = c._dispatch._replay
-
-            def counted(*a: Any, _r: int = r, _real: Any = real) -> Any:
-                counts[_r] += 1
-                return _real(*a)
-
-            c._dispatch._replay = counted  # type: ignore[method-assign]
+        counts = _count_python_replays(comms)
 
         def body(r: int) -> list[Any]:
             c = comms[r]
@@ -401,15 +407,7 @@ def test_the_compiled_entry_runs_weak_plans_on_their_very_arrays(use: bool) -> N
         pytest.skip("pycoll._replay was not built")
     k = PLAN_MAX_BYTES // 4 + 6  # even: alltoall's two blocks
     with communicators(2, compiled=use) as comms:
-        counts = [0, 0]
-        for r, c in enumerate(comms):
-            real = c._dispatch._replay
-
-            def counted(*a: Any, _r: int = r, _real: Any = real) -> Any:
-                counts[_r] += 1
-                return _real(*a)
-
-            c._dispatch._replay = counted  # type: ignore[method-assign]
+        counts = _count_python_replays(comms)
 
         def body(r: int) -> list[Any]:
             c = comms[r]
