@@ -894,3 +894,36 @@ def test_cross_memory_copies_move_the_bytes_and_name_the_errno(
     with pytest.raises(OSError) as ei:
         _cma.read(gone, src.ctypes.data, dst.ctypes.data, 8)
     assert ei.value.errno == errno.ESRCH
+
+
+def test_shm_peer_that_sent_then_closed_is_not_gone_while_its_bytes_wait() -> None:
+    """A peer that puts its last message and closes between a receiver's look at
+    its inbound ring and its liveness check is not reported gone: having seen
+    the "closed" word, the receiver looks again and finds the bytes."""
+    from tests.transport_pairs import connected_pair
+    from transports.base import Deadline, PeerClosedError, wait_all
+
+    with connected_pair("shm") as (a, b):
+        got = bytearray(8)
+        r = a.irecv_into(memoryview(got), tag=5)
+        head = a._in.head
+        real = head.load
+        stale = [real()]  # the ring as the receiver saw it before the peer's send
+
+        class Late:
+            """The inbound head, read once before the send and the close."""
+
+            def load(self) -> int:
+                return stale.pop() if stale else real()
+
+        a._in.head = Late()
+        try:
+            wait_all([b.isend(memoryview(b"12345678"), tag=5)], Deadline.after(10))
+            b.close()
+            a.check_peer()  # no PeerClosedError: the message waits
+        finally:
+            a._in.head = head
+        wait_all([r], Deadline.after(10))
+        assert bytes(got) == b"12345678"
+        with pytest.raises(PeerClosedError):
+            a.check_peer()  # nothing left to receive: now it is gone

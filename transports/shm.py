@@ -969,16 +969,27 @@ class ShmConnection(Connection):
         # A peer may finish its last send and close (or exit) before we read the
         # bytes; while undelivered bytes wait in our inbound ring, it is not gone
         # (unless we wait for pieces it took of a copy from both ends).
-        q = self._recvs
-        if q and self._in.head.load() > self._recvd and q[0].help is None:
+        if self._bytes_wait():
             return
-        _segment.check_alive(
-            self._closed_peer,
-            self._peer_pid,
-            f"shm: peer {self.peer}",
-            peer=self.peer,
-            transport="shm",
-        )
+        try:
+            _segment.check_alive(
+                self._closed_peer,
+                self._peer_pid,
+                f"shm: peer {self.peer}",
+                peer=self.peer,
+                transport="shm",
+            )
+        except PeerClosedError:
+            # It may have put its last message and closed between the look above
+            # and the check: having seen it closed, we see what it put before.
+            if self._bytes_wait():
+                return
+            raise
+
+    def _bytes_wait(self) -> bool:
+        """Whether the receive at the head of the queue has bytes in our inbound ring."""
+        q = self._recvs
+        return bool(q) and self._in.head.load() > self._recvd and q[0].help is None
 
     def mark_exiting(self) -> None:
         """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
