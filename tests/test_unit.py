@@ -927,3 +927,50 @@ def test_shm_peer_that_sent_then_closed_is_not_gone_while_its_bytes_wait() -> No
         assert bytes(got) == b"12345678"
         with pytest.raises(PeerClosedError):
             a.check_peer()  # nothing left to receive: now it is gone
+
+
+def test_group_rank_that_posted_then_closed_is_not_gone_for_that_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank that posts its step (or says it is done) and closes between a
+    waiter's look at its word and the waiter's liveness check is not gone for
+    that wait: once the waiter has seen it closed it finds the word; a step it
+    never posted still fails."""
+    from transports import _segment, shm_group
+    from transports.base import Backoff, Deadline, PeerClosedError
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+    real_check = _segment.check_alive
+    seen = [False]
+
+    def check_alive(*a: typing.Any, **kw: typing.Any) -> None:
+        seen[0] = True  # from here on the waiter sees what was stored before the close
+        real_check(*a, **kw)
+
+    monkeypatch.setattr(shm_group._segment, "check_alive", check_alive)
+
+    class Late:
+        """A word as the waiter saw it before the peer stored it (until the check)."""
+
+        def __init__(self, real: typing.Any, old: int) -> None:
+            self.real, self.old = real, old
+
+        def load(self) -> int:
+            return self.real.load() if seen[0] else self.old
+
+    with _group_pair(2) as (a, b):
+        word, done = a._posted[1][1], a._done[1]
+        try:
+            a._posted[1][1] = Late(word, word.load())
+            b.claim(1, Deadline.after(5), quick)
+            b.post(1)
+            b.done(1)
+            b.close()
+            a.wait([1], 1, Deadline.after(5), quick)  # posted, then closed: no error
+            seen[0] = False
+            a._done[1] = Late(done, 0)
+            a.wait_done([1], 1, Deadline.after(5), quick)  # done, then closed
+        finally:
+            a._posted[1][1], a._done[1] = word, done
+        with pytest.raises(PeerClosedError):
+            a.wait([1], 3, Deadline.after(5), quick)  # never posted: gone

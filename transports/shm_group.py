@@ -534,7 +534,7 @@ class ShmGroup:
                         return
                     if last & _STEP_MASK > seq:
                         raise self._mismatch(j, last, word)
-                    self._check(j, deadline, n <= spins + 64)
+                    self._check(j, deadline, n <= spins + 64, lambda: c.load() == word)
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -571,7 +571,8 @@ class ShmGroup:
                 bo.pause()
                 n = bo._n
                 if n > spins and n % 64 == 0 and counters[j].load() < seq:
-                    self._check(j, deadline, n <= spins + 64)  # the first check follows progress
+                    # the first check follows progress
+                    self._check(j, deadline, n <= spins + 64, lambda: counters[j].load() >= seq)
         except ValueError:  # the counters' memory went under us
             self._check_open(j)
             raise
@@ -582,11 +583,26 @@ class ShmGroup:
         if self._closed:
             raise TransportError("group segment is closed", peer=j, transport=TRANSPORT)
 
-    def _check(self, j: int, deadline: Deadline, fresh: bool = False) -> None:
+    def _check(
+        self,
+        j: int,
+        deadline: Deadline,
+        fresh: bool = False,
+        there: Callable[[], bool] | None = None,
+    ) -> None:
+        """Raise where rank ``j`` is gone or the wait is overdue.  ``there()``: whether
+        what the caller waits for has come; a rank that stored it and then closed
+        between the caller's look and this check is not gone for that wait (having
+        seen it closed, we see what it stored before)."""
         self._check_open(j)
-        _segment.check_alive(
-            self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
-        )
+        try:
+            _segment.check_alive(
+                self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
+            )
+        except PeerClosedError:
+            if there is not None and there():
+                return
+            raise
         if deadline.overdue(fresh):
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
