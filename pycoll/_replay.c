@@ -16,7 +16,7 @@
 
    runs the call when async_op is False, stream None, root an int, nothing is
    in flight (fam.inflight), no point-to-point call is pending (p2p.live),
-   tracing is off (enabled(trace) false), plans holds the key (coll,
+   tracing is off (enabled(trace) false), plans or weak holds the key (coll,
    id(sendbuf), id(recvbuf), op, root, algorithm) and that plan has a Fit
    whose arrays still fit, on the plan's thread (the key of the last call run
    it keeps, with its Fit, while owner.epoch stays: the same objects again
