@@ -899,30 +899,37 @@ def test_cross_memory_copies_move_the_bytes_and_name_the_errno(
 def test_shm_peer_that_sent_then_closed_is_not_gone_while_its_bytes_wait() -> None:
     """A peer that puts its last message and closes between a receiver's look at
     its inbound ring and its liveness check is not reported gone: having seen
-    the "closed" word, the receiver looks again and finds the bytes."""
+    the "closed" word, the receiver looks at its ring and finds the bytes."""
     from tests.transport_pairs import connected_pair
     from transports.base import Deadline, PeerClosedError, wait_all
 
     with connected_pair("shm") as (a, b):
         got = bytearray(8)
         r = a.irecv_into(memoryview(got), tag=5)
-        head = a._in.head
-        real = head.load
-        stale = [real()]  # the ring as the receiver saw it before the peer's send
+        head, closed = a._in.head, a._closed_peer
+        old = head.load()  # the ring as the receiver saw it before the peer's send
+        seen = [False]
 
         class Late:
-            """The inbound head, read once before the send and the close."""
+            """The inbound head as the receiver saw it until it read the closed word."""
 
             def load(self) -> int:
-                return stale.pop() if stale else real()
+                return head.load() if seen[0] else old
 
-        a._in.head = Late()
+        class Closed:
+            """The peer's closed word: reading it makes the ring's later stores visible."""
+
+            def load(self) -> int:
+                seen[0] = True
+                return closed.load()
+
+        a._in.head, a._closed_peer = Late(), Closed()
         try:
             wait_all([b.isend(memoryview(b"12345678"), tag=5)], Deadline.after(10))
             b.close()
             a.check_peer()  # no PeerClosedError: the message waits
         finally:
-            a._in.head = head
+            a._in.head, a._closed_peer = head, closed
         wait_all([r], Deadline.after(10))
         assert bytes(got) == b"12345678"
         with pytest.raises(PeerClosedError):

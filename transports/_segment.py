@@ -36,6 +36,7 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from transports import _atomic
@@ -305,12 +306,25 @@ def closed_word(cause: int | None) -> int:
     return CLOSED if cause is None else BECAUSE + cause
 
 
-def check_alive(closed: _atomic.Counter, pid: int, who: str, *, peer: int, transport: str) -> None:
+def check_alive(
+    closed: _atomic.Counter,
+    pid: int,
+    who: str,
+    *,
+    peer: int,
+    transport: str,
+    there: Callable[[], bool] | None = None,
+) -> None:
     """The liveness check of every shared-memory peer (shm, shm_group, cuda_ipc).
 
     ``closed`` is the peer's "closed" word in the segment (set by its close(), or
     by :mod:`transports._exit` when it exits without one; see :func:`closed_word`);
     ``pid`` its pid in our pid namespace (0: unknown), which tells a killed peer apart.
+    ``there()``: whether what the caller waits for from the peer has come.  A
+    peer that stored it and then closed or exited between the caller's last look
+    and this check is not gone for that wait: once we have seen it closed (or
+    gone), we see what it stored before, so ``there()`` is asked then, and
+    nothing is raised where it says yes.
 
     Raises:
         PeerClosedError: the peer closed its end (``cause_rank``: the rank it
@@ -319,12 +333,16 @@ def check_alive(closed: _atomic.Counter, pid: int, who: str, *, peer: int, trans
     """
     word = closed.load()
     if word:
+        if there is not None and there():
+            return
         cause = word - BECAUSE if word >= BECAUSE else None
         why = "" if cause is None else f" because rank {cause} failed"
         raise PeerClosedError(
             f"{who} closed its connection{why}", peer=peer, transport=transport, cause_rank=cause
         )
     if pid and _pid_check_due(pid) and process_gone(pid):
+        if there is not None and there():
+            return
         raise PeerClosedError(f"{who} (pid {pid}) has exited", peer=peer, transport=transport)
 
 

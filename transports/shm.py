@@ -969,22 +969,14 @@ class ShmConnection(Connection):
         # A peer may finish its last send and close (or exit) before we read the
         # bytes; while undelivered bytes wait in our inbound ring, it is not gone
         # (unless we wait for pieces it took of a copy from both ends).
-        if self._bytes_wait():
-            return
-        try:
-            _segment.check_alive(
-                self._closed_peer,
-                self._peer_pid,
-                f"shm: peer {self.peer}",
-                peer=self.peer,
-                transport="shm",
-            )
-        except PeerClosedError:
-            # It may have put its last message and closed between the look above
-            # and the check: having seen it closed, we see what it put before.
-            if self._bytes_wait():
-                return
-            raise
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"shm: peer {self.peer}",
+            peer=self.peer,
+            transport="shm",
+            there=self._bytes_wait,
+        )
 
     def _bytes_wait(self) -> bool:
         """Whether the receive at the head of the queue has bytes in our inbound ring."""

@@ -591,18 +591,16 @@ class ShmGroup:
         there: Callable[[], bool] | None = None,
     ) -> None:
         """Raise where rank ``j`` is gone or the wait is overdue.  ``there()``: whether
-        what the caller waits for has come; a rank that stored it and then closed
-        between the caller's look and this check is not gone for that wait (having
-        seen it closed, we see what it stored before)."""
+        what the caller waits for has come (:func:`transports._segment.check_alive`)."""
         self._check_open(j)
-        try:
-            _segment.check_alive(
-                self._closed_flag[j], self.pid(j), f"group: rank {j}", peer=j, transport=TRANSPORT
-            )
-        except PeerClosedError:
-            if there is not None and there():
-                return
-            raise
+        _segment.check_alive(
+            self._closed_flag[j],
+            self.pid(j),
+            f"group: rank {j}",
+            peer=j,
+            transport=TRANSPORT,
+            there=there,
+        )
         if deadline.overdue(fresh):
             raise TransportTimeout(f"timed out waiting for peer(s) [{j}]", pending=[j], peer=j)
 
