@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -436,13 +437,31 @@ def test_the_compiled_entry_runs_weak_plans_on_their_very_arrays(use: bool) -> N
             out2 = np.empty(k, np.int32)
             x[:] = 7
             assert c.allreduce(x, out2) is out2 and (out2 == 14).all()
-            return [ran, counts[r]]
+            after = counts[r]
+            # the plan's arrays from another thread: not the plan's (its thread's
+            # waiting policy), so not the compiled entry's either
+            got: list[Any] = []
+            tids: list[int] = []
+
+            def other() -> None:
+                tids.append(threading.get_ident())
+                got.append(c.allreduce(z))
+
+            th = threading.Thread(target=other)
+            z[:] = r + 3
+            th.start()
+            th.join(30)
+            assert got and got[0] is z and (z == 7).all()
+            mine = [p.tid for p in c._engine.plans.weak_plans.values() if p.x() is z]
+            return [ran, after, counts[r], mine == tids]
 
         res = run_ranks(2, body, timeout=60)
     for r in range(2):
-        ran, after = res[r]
+        ran, after, other, remade = res[r]
         assert ran == (0 if use else 10), res
         assert after == ran + 1, res  # the new array: by its kind, in Python
+        # another thread: the slow path, which makes the plan that thread's
+        assert other == after and remade, res
 
 
 def test_nothing_of_a_replayed_call_outlives_close() -> None:
