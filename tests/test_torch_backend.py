@@ -495,6 +495,53 @@ def test_lane_runs_a_call_here_only_when_it_would_be_next() -> None:
         lane.leave()
 
 
+def test_lane_lets_a_mirrored_call_queue_work_ahead_only_past_other_mirrored_calls() -> None:
+    """``Lane.ahead_clear``: a mirrored allreduce may queue its copy in from the
+    caller's thread only while every job queued or running is a mirrored
+    allreduce (:mod:`pycoll.torch_backend.mirrors`) that will queue no more work
+    in the caller's memory: never behind a job of another kind or a posted call,
+    nor on memory a queued mirrored call has yet to write back, and again once
+    that call has written it back."""
+    import threading
+
+    from pycoll.torch_backend.work import Busy, Posted, Work
+    from pycoll.torch_backend.worker import Lane
+
+    lane = Lane("test-lane").join()
+    release = threading.Event()
+
+    def work(name: str) -> Work:
+        return Work(name, 0, 10.0, Busy())
+
+    try:
+        assert lane.ahead_clear(0, 100)  # idle
+        first = work("first")
+
+        def run_first() -> list[Any]:
+            assert release.wait(10)
+            lane.mirrored_done(first)
+            return []
+
+        lane.put_mirrored(run_first, first, (1000, 2000))
+        assert lane.ahead_clear(0, 1000) and lane.ahead_clear(2000, 3000)  # beside it
+        for lo, hi in ((999, 1001), (1500, 1600), (1999, 2500), (0, 5000)):
+            assert not lane.ahead_clear(lo, hi), (lo, hi)  # on memory it writes back
+        other = work("other")
+        lane.put(lambda: [], other)  # a job of another kind behind it
+        assert not lane.ahead_clear(0, 100)
+        release.set()
+        assert first.wait() and other.wait()
+        end = threading.Event()
+        while lane.pending:  # the thread counts a job done just after completing it
+            end.wait(0.001)
+        assert lane.ahead_clear(1000, 2000) and lane.mirrored == {}
+        lane.posted.append((Posted(type("R", (), {"test": end.is_set})(), list), work("p2p")))
+        assert not lane.ahead_clear(0, 100)
+        lane.posted.clear()
+    finally:
+        lane.leave()
+
+
 SYNC_HERE = r"""
 import json, threading, torch, torch.distributed as dist
 import pycoll.torch_backend as tb

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,6 +67,10 @@ class GroupBase(dist.ProcessGroup):
         self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
         self._lane = (lane or Lane()).join()
         self._streams: dict[int, torch.cuda.Stream] = {}  # per device (see .streams)
+        # recorded on the caller's stream by a call that makes the group's stream
+        # wait for it on the caller's thread (.collectives, the mirrors)
+        self._ready: torch.cuda.Event | None = None
+        self._ready_lock = threading.Lock()
         self._staged_why = ""  # why CUDA tensors go through the host, once logged
         self._mirrors = Mirrors(comm, self._timeout)  # see .mirrors
         self._kept = Kept(rank)  # see .kept
@@ -179,6 +184,20 @@ class GroupBase(dist.ProcessGroup):
             return True
         return stream is not None and all(self._comm.returns_early(what, n) for n in sizes)
 
+    def _work(
+        self, what: str, stream: torch.cuda.Stream | None, sync: bool = False, after: bool = True
+    ) -> Work:
+        """The Work of a call; with ``stream``, its place there (:class:`OnStream`)."""
+        if self._closed:
+            raise RuntimeError(f"pycoll backend: {self!r} is shut down")
+        return Work(
+            what,
+            self._rank,
+            self._timeout,
+            self._lane.busy,
+            OnStream(stream, current=sync, after=after) if stream is not None else None,
+        )
+
     def _enqueue(
         self,
         what: str,
@@ -191,16 +210,8 @@ class GroupBase(dist.ProcessGroup):
         is idle, see :meth:`Lane.run_here`); with ``stream``, ordered on the device
         after the caller's current stream and before what ``Work.wait()`` orders
         after it (``sync``: ``stream`` is the caller's current stream)."""
-        if self._closed:
-            raise RuntimeError(f"pycoll backend: {self!r} is shut down")
+        work = self._work(what, stream, sync)
         lane = self._lane
-        work = Work(
-            what,
-            self._rank,
-            self._timeout,
-            lane.busy,
-            OnStream(stream, current=sync) if stream is not None else None,
-        )
         if not (here and lane.run_here(run, work)):
             lane.put(run, work)
         return work

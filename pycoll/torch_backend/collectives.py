@@ -11,7 +11,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pycoll.errors import InvalidArgumentError
 from pycoll.torch_backend.base import GroupBase, is_sync
-from pycoll.torch_backend.tensors import Staged, check_dtypes, check_one, reduce_op
+from pycoll.torch_backend.streams import current, keep
+from pycoll.torch_backend.tensors import Staged, check_dtype, check_dtypes, check_one, reduce_op
+from pycoll.torch_backend.work import Work
 
 
 def _there(t: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
@@ -24,7 +26,61 @@ class Collectives(GroupBase):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         check_one(tensors, "allreduce", self._rank)
+        if tensors[0].is_cuda and not is_sync(opts):
+            work = self._mirrored(tensors, opts)
+            if work is not None:
+                return work
         return self.allreduce_coalesced(tensors, opts)
+
+    def _mirrored(self, tensors: list[torch.Tensor], opts: Any) -> Work | None:
+        """DDP's bucket allreduce where every rank shares the GPU: an asynchronous
+        allreduce of one CUDA tensor through a pinned host mirror (:mod:`.mirrors`),
+        its copy in queued from this thread, as Gloo's is.  None where that does
+        not hold, and the general path takes the call: a tensor it cannot take as
+        it is (another device, not contiguous, empty), one over the limit, or
+        calls queued ahead that may still queue work in its memory."""
+        (t,) = tensors
+        rank, nbytes = self._rank, t.nbytes
+        if not (
+            nbytes
+            and t.layout == torch.strided
+            and t.is_contiguous()
+            and self._comm.async_via_host("allreduce", nbytes)
+        ):
+            return None
+        stream = self._stream(tensors, "allreduce")
+        lo = t.data_ptr()
+        lane = self._lane
+        if stream is None or not lane.ahead_clear(lo, lo + nbytes):
+            return None
+        check_dtype(t.dtype, rank)
+        op = reduce_op(opts, rank) if opts is not None else "sum"
+        # The copy in goes on the group's stream after the caller's work, which
+        # one event, kept, marks; the worker's part never waits on the device
+        # (each CUDA call here, and a new event most, costs the thread that
+        # runs DDP's hooks: benchmarks/RESULTS.md, "DDP's bucket allreduces").
+        work = self._work("allreduce", stream, after=False)
+        caller = torch.cuda.current_stream(t.device)
+        with self._ready_lock:
+            ready = self._ready
+            if ready is None:
+                ready = self._ready = torch.cuda.Event()
+            ready.record(caller)
+            stream.wait_event(ready)
+        mirrors = self._mirrors
+        with current(stream):
+            m = mirrors.copy_in(t, stream)
+        keep(stream, t)
+
+        def run() -> list[torch.Tensor]:
+            try:
+                mirrors.reduce(m, t, op)
+            finally:
+                lane.mirrored_done(work)
+            return tensors
+
+        lane.put_mirrored(run, work, (lo, lo + nbytes))
+        return work
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """All ``tensors`` reduced with one allreduce per dtype: the tensors of one

@@ -41,43 +41,34 @@ class OnStream:
     Args:
         stream: the group's stream on the tensors' device, or (``current``) the
             caller's current stream.
+        after: the group's stream waits for the caller's (False: the call orders
+            its work after the caller's itself, as the mirrors do).
     """
 
     __slots__ = ("caller", "device", "end", "ready", "stream")
 
-    def __init__(self, stream: torch.cuda.Stream, current: bool = False) -> None:
+    def __init__(
+        self, stream: torch.cuda.Stream, current: bool = False, after: bool = True
+    ) -> None:
         self.stream = stream
         self.device = stream.device
         self.ready: torch.cuda.Event | None = None
         self.caller = threading.get_ident() if current else None
-        if not current:
+        if not current and after:
             self.ready = torch.cuda.current_stream(self.device).record_event()
         self.end: torch.cuda.Event | None = None
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """The call's stream current on this thread, after the caller's work.
-
-        By hand rather than ``torch.cuda.device`` and ``torch.cuda.stream``: the
-        ``stream`` context alone took 9-14 us a call on the H200 machine's host,
-        and it sets the device even where it is already current."""
+        """The call's stream current on this thread, after the caller's work."""
         if self.caller == threading.get_ident():
             yield  # the caller's own stream, on its own thread
             return
-        idx = self.stream.device_index
-        old = torch.cuda.current_device()
-        if old != idx:
-            torch.cuda.set_device(idx)
-        prev = torch.cuda.current_stream(idx)
-        torch.cuda.set_stream(self.stream)
-        try:
+        with current(self.stream):
             if self.ready is not None:
                 self.stream.wait_event(self.ready)
+                self.ready = None
             yield
-        finally:
-            torch.cuda.set_stream(prev)
-            if old != idx:
-                torch.cuda.set_device(old)
 
     def ended(self) -> None:
         """Mark the end of the call's work on the group's stream (once).  On the
@@ -98,6 +89,28 @@ class OnStream:
         if self.end is None and self.caller is not None:
             self.end = self.stream.record_event()
         return self.end is not None and self.end.query()
+
+
+@contextmanager
+def current(stream: torch.cuda.Stream) -> Iterator[None]:
+    """``stream`` current on this thread (and its device, where another was),
+    as before afterwards.
+
+    By hand rather than ``torch.cuda.device`` and ``torch.cuda.stream``: the
+    ``stream`` context alone took 9-14 us a call on the H200 machine's host,
+    and it sets the device even where it is already current."""
+    idx = stream.device_index
+    old = torch.cuda.current_device()
+    if old != idx:
+        torch.cuda.set_device(idx)
+    prev = torch.cuda.current_stream(idx)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(prev)
+        if old != idx:
+            torch.cuda.set_device(old)
 
 
 def keep(stream: torch.cuda.Stream | None, *tensors: Any) -> None:

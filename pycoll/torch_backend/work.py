@@ -124,25 +124,36 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
             raise self._error
         return head.value()
 
+    @property
+    def cuda(self) -> OnStream | None:
+        """The call's place on its group's stream (None: host tensors)."""
+        return self._cuda
+
     def _run(self, run: Callable[[], Any]) -> Posted | None:
         """Run the call (on the worker thread) and complete this work, or return
-        the :class:`Posted` call that completes it later."""
+        the :class:`Posted` call that completes it later.  A call on the device
+        completes with its stream current: the future records its events there."""
         self._worker.what, self._worker.since = self._what, monotonic()
         try:
             with nullcontext() if self._cuda is None else self._cuda.running():
-                outputs = run()
-        except BaseException as exc:
-            self._fail(exc)
-            return None
+                try:
+                    outputs = run()
+                except BaseException as exc:
+                    self._fail(exc, current=True)
+                    return None
+                if isinstance(outputs, Posted):
+                    self._posted = monotonic()
+                    return outputs
+                self._complete(outputs, current=True)
+        except BaseException as exc:  # making the stream current, or leaving it
+            if not self._done.is_set():
+                self._fail(exc)
         finally:
             self._worker.since = None
-        if isinstance(outputs, Posted):
-            self._posted = monotonic()
-            return outputs
-        self._complete(outputs)
         return None
 
-    def _complete(self, outputs: Any) -> None:
+    def _complete(self, outputs: Any, current: bool = False) -> None:
+        """Complete the work (``current``: its stream is current, see :meth:`_resolve`)."""
         self._outputs = outputs
         if self._cuda is not None:
             self._cuda.ended()
@@ -152,23 +163,25 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
                 self._done.set()
                 return
         try:
-            self._resolve(head)
+            self._resolve(head, current)
         finally:
             self._done.set()
 
-    def _resolve(self, head: torch.futures.Future[Any]) -> None:
-        """Complete the future (once the call is over)."""
+    def _resolve(self, head: torch.futures.Future[Any], current: bool = False) -> None:
+        """Complete the future (once the call is over).  On the device it records
+        its events on the current stream, which must be the call's: ``current``
+        says it is (the worker runs the call there), else it is made so."""
         cuda = self._cuda
-        if cuda is None:
+        if cuda is None or current:
             head.set_result(self._outputs)
             return
-        with torch.cuda.device(cuda.device), torch.cuda.stream(cuda.stream):
-            head.set_result(self._outputs)  # records its events on the group's stream
+        with cuda.running():
+            head.set_result(self._outputs)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, current: bool = False) -> None:
         log.info("pycoll backend: %s (raised by the Work's wait)", exc)
         self._error = torch_error(exc)
-        self._complete(None)
+        self._complete(None, current)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective's host part is done; raise its error.  On

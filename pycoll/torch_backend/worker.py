@@ -51,6 +51,8 @@ class Lane:
         self.broken = False  # a call failed: the family is unusable, peers may be gone
         self.users = 0  # open process groups on this lane
         self.posted: list[tuple[Posted, Work]] = []
+        # the memory spans of queued mirrored allreduces (see ahead_clear), by Work
+        self.mirrored: dict[int, tuple[int, int]] = {}
         # held by whoever runs a job or progresses posted calls (the thread, or a
         # caller in run_here); pending counts jobs put and not yet run, so that a
         # caller holding _running and seeing 0 knows it is next in program order
@@ -79,6 +81,30 @@ class Lane:
     def put(self, run: Callable[[], Any], work: Work) -> None:
         """Queue ``run``, which completes ``work``."""
         self._queue((run, work))
+
+    def put_mirrored(self, run: Callable[[], Any], work: Work, span: tuple[int, int]) -> None:
+        """Queue a mirrored allreduce (:mod:`.mirrors`) whose caller queued its copy
+        in; ``run`` calls :meth:`mirrored_done` once it queued its copy back into
+        the memory ``span`` (or failed)."""
+        with self._count:
+            self.mirrored[id(work)] = span
+            self.pending += 1
+        self.jobs.put((run, work))
+
+    def mirrored_done(self, work: Work) -> None:
+        with self._count:
+            self.mirrored.pop(id(work), None)
+
+    def ahead_clear(self, lo: int, hi: int) -> bool:
+        """Whether a call may queue device work from the caller's thread, ahead of
+        the jobs queued before it: nothing is posted, and every job queued or
+        running is a mirrored allreduce that has no more device work to queue in
+        the memory ``[lo, hi)``.  The group's stream then orders the new work as if
+        the worker had queued it in program order."""
+        with self._count:
+            if self.posted or self.pending != len(self.mirrored):
+                return False
+            return all(hi <= a or b <= lo for a, b in self.mirrored.values())
 
     def _queue(self, job: Any) -> None:
         with self._count:

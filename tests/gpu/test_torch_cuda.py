@@ -232,7 +232,7 @@ def test_a_synchronous_call_runs_on_the_current_stream(dev):
         opts.asyncOp = True
         w = pg.allreduce([t], opts)
         w.wait()
-        assert w._cuda.stream != side and w._cuda.ready is not None
+        assert w._cuda.stream != side and w._cuda.caller is None
         second = t + 0
     torch.cuda.synchronize()
     assert float(first.min()) == float(first.max()) == TOTAL
@@ -286,13 +286,13 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
     shared = pg.communicator.async_via_host("allreduce", 4)
     assert shared == (SIZE > 1)  # every rank shares the one GPU here
     seen: list[int] = []
-    real = pg._mirrors.allreduce
+    real = pg._mirrors.copy_in
 
-    def spy(flat, op):
+    def spy(flat):
         seen.append(flat.numel())
-        return real(flat, op)
+        return real(flat)
 
-    monkeypatch.setattr(pg._mirrors, "allreduce", spy)
+    monkeypatch.setattr(pg._mirrors, "copy_in", spy)
     cases = [
         (torch.float32, dist.ReduceOp.SUM, np.sum, 1),
         (torch.float64, dist.ReduceOp.SUM, np.sum, 997),
@@ -328,6 +328,77 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
     pinned = torch.full((4,), RANK + 1, dtype=torch.bfloat16).pin_memory()  # a user's, on the host
     dist.all_reduce(pinned)
     assert pinned.tolist() == [TOTAL] * 4, pinned
+
+
+def test_mirrored_allreduces_keep_program_order(dev, monkeypatch):
+    """The caller's thread queues a mirrored allreduce's copy in (as Gloo's does)
+    only past queued calls that will write nothing more in its memory: a call on
+    a tensor a queued call has yet to write back, on an overlapping view, or
+    behind a queued broadcast reduces what those calls leave, as the worker's
+    program order gives; a call on other memory goes ahead, and so does a call
+    behind one whose host part is over, after that one's device work.  Every
+    rank checks the values every rank can compute."""
+    pg = dist.distributed_c10d._get_default_group()
+    if not pg.communicator.async_via_host("allreduce", 4):
+        pytest.skip("the host mirrors serve ranks that share the GPU")
+    ahead: list[int] = []
+    real = pg._lane.put_mirrored
+
+    def spy(run, work, span):
+        ahead.append(span[1] - span[0])
+        return real(run, work, span)
+
+    monkeypatch.setattr(pg._lane, "put_mirrored", spy)
+    t = torch.empty(1000, device=dev)
+    u = torch.empty(3, device=dev)
+    b = torch.empty(5, device=dev)
+    for rnd in range(3):
+        ahead.clear()
+        torch.cuda.synchronize()
+        _spin(20.0)  # the calls below queue up behind it
+        t.fill_(RANK + 1)
+        u.fill_(10.0 * (RANK + 1))
+        b.fill_(100.0 * (RANK + 1))
+        works = [dist.all_reduce(t, async_op=True)]  # goes ahead: nothing queued
+        works.append(dist.all_reduce(u, async_op=True))  # other memory: goes ahead
+        works.append(dist.all_reduce(t, async_op=True))  # after the first's write back
+        works.append(dist.all_reduce(t[250:750], async_op=True))  # overlaps
+        works.append(dist.broadcast(b, src=SIZE - 1, async_op=True))  # the device path
+        works.append(dist.all_reduce(b, async_op=True))  # after the broadcast
+        for w in works:
+            w.wait()
+        got_t, got_u, got_b = t * 1, u * 1, b * 1
+        torch.cuda.synchronize()
+        want = np.full(1000, TOTAL * SIZE)
+        want[250:750] *= SIZE
+        assert np.array_equal(got_t.cpu().numpy(), want), (rnd, got_t[::250].tolist())
+        assert got_u.tolist() == [10.0 * TOTAL] * 3, (rnd, got_u)
+        assert got_b.tolist() == [100.0 * SIZE * SIZE] * 5, (rnd, got_b)
+        assert ahead[:2] == [4000, 12], (rnd, ahead)  # the first two went ahead
+    # a call whose host part is over while its copy back still waits on the
+    # group's stream (behind a kernel there): the next call on the tensor goes
+    # ahead, and its copy in still follows that copy back
+    real_reduce = pg._mirrors.reduce
+
+    def late_copy_back(m, flat, op):  # on the worker, the group's stream current
+        _spin(50.0)
+        return real_reduce(m, flat, op)
+
+    monkeypatch.setattr(pg._mirrors, "reduce", late_copy_back)
+    t.fill_(RANK + 1)
+    first = dist.all_reduce(t, async_op=True)
+    end = time.monotonic() + 30
+    while pg._lane.pending:
+        assert time.monotonic() < end, "the first call's host part never ended"
+        time.sleep(0.001)
+    monkeypatch.setattr(pg._mirrors, "reduce", real_reduce)
+    ahead.clear()
+    dist.all_reduce(t, async_op=True).wait()
+    first.wait()
+    got = t * 1
+    torch.cuda.synchronize()
+    assert ahead == [4000], ahead
+    assert float(got.min()) == float(got.max()) == TOTAL * SIZE, float(got.min())
 
 
 def test_a_failure_reaches_the_caller(dev):
