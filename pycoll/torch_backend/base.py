@@ -123,6 +123,10 @@ class GroupBase(dist.ProcessGroup):
         Raises:
             InvalidArgumentError: CPU and CUDA tensors, or tensors of two devices.
         """
+        if not sync and len(tensors) == 1 and tensors[0].is_cuda:  # DDP's calls
+            known = self._streams.get(tensors[0].get_device())  # made for this device
+            if known is not None:
+                return known
         devices = {t.device for t in tensors}
         if not devices or all(d.type == "cpu" for d in devices):
             return None

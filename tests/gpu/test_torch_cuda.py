@@ -288,9 +288,9 @@ def test_async_allreduces_through_host_mirrors_on_a_shared_gpu(dev, monkeypatch)
     seen: list[int] = []
     real = pg._mirrors.copy_in
 
-    def spy(flat):
+    def spy(flat, *rest):
         seen.append(flat.numel())
-        return real(flat)
+        return real(flat, *rest)
 
     monkeypatch.setattr(pg._mirrors, "copy_in", spy)
     cases = [
