@@ -124,11 +124,6 @@ class Work(dist._Work):  # type: ignore[misc,name-defined]
             raise self._error
         return head.value()
 
-    @property
-    def cuda(self) -> OnStream | None:
-        """The call's place on its group's stream (None: host tensors)."""
-        return self._cuda
-
     def _run(self, run: Callable[[], Any]) -> Posted | None:
         """Run the call (on the worker thread) and complete this work, or return
         the :class:`Posted` call that completes it later.  A call on the device
