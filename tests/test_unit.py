@@ -854,6 +854,48 @@ def test_a_driver_call_on_a_thread_without_a_context_binds_one_and_retries(monke
     assert cuda_driver._call(fn, 3) == 201  # still no context: the error is the caller's
 
 
+def test_queuer_binds_the_devices_context_once_and_names_a_failed_call(monkeypatch):
+    """The driver calls made with the GIL held (torch's mirrored allreduces): one
+    answering CUDA_ERROR_INVALID_CONTEXT makes the device's primary context
+    current and runs again; a query's CUDA_ERROR_NOT_READY is an answer, not an
+    error; any other error raises, naming the call and the error."""
+    from transports import cuda_driver
+    from transports.base import TransportError
+
+    calls: list[tuple] = []
+    answers = {"cuEventRecord": [201, 0, 700], "cuEventQuery": [600, 0]}
+
+    class Fn:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args):
+            calls.append((self.name, *args))
+            todo = answers.get(self.name)
+            return todo.pop(0) if todo else 0
+
+    class Lib:
+        def __getattr__(self, name):
+            return Fn(name)
+
+    monkeypatch.setattr(cuda_driver.Queuer, "_lib", Lib())
+    cu = cuda_driver.Queuer(3)
+    cu.record(11, 22)
+    names = [c[0] for c in calls]
+    assert names == [
+        "cuEventRecord",
+        "cuDeviceGet",
+        "cuDevicePrimaryCtxRetain",
+        "cuCtxSetCurrent",
+        "cuEventRecord",
+    ]
+    assert calls[1][2] == 3 and calls[-1][1:] == (11, 22)
+    with pytest.raises(TransportError, match="cuEventRecord failed with CUDA error 700"):
+        cu.record(11, 22)
+    assert cu.done(5) is False
+    assert cu.done(5) is True
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["vm_copy", "ctypes"])
 def test_cross_memory_copies_move_the_bytes_and_name_the_errno(
     compiled: bool, monkeypatch: pytest.MonkeyPatch

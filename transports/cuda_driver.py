@@ -1,6 +1,7 @@
 """CUDA helpers that any transport (and the layer above) may use: which device is
 current, where an allocation starts, its IPC handle, 32-bit words that streams
-write and wait on, host memory the device can see, and whether a stream is idle.
+write and wait on, host memory the device can see, whether a stream is idle,
+and the few calls that only queue work (:class:`Queuer`).
 
 CuPy's runtime module and the driver library (``libcuda.so.1``, through ctypes,
 for the few calls CuPy lacks) are loaded on first use, never at import time, so
@@ -16,6 +17,7 @@ from transports.base import TransportError, UnshareableMemoryError
 
 __all__ = [
     "Launch",
+    "Queuer",
     "allocation_base",
     "driver",
     "export",
@@ -204,6 +206,101 @@ def export(ptr: int) -> tuple[bytes, int]:
             f"cuda: device memory at {ptr:#x} cannot be shared: {exc}"
         ) from exc
     return bytes(handle), ptr - base
+
+
+class Queuer:
+    """Driver calls that only queue work or look at an event, made with the GIL
+    held (``ctypes.PyDLL``): copies between pinned host memory and the device,
+    event records and queries, and a stream's wait for an event.
+
+    A call that releases the GIL must take it back, and while another thread of
+    the process runs Python (a progress thread polling) that costs more than
+    the call: the same eight calls through torch took 24-39 us alone and 40-75
+    us beside such a thread on the H200 machine (benchmarks/RESULTS.md, "DDP's
+    bucket allreduces").  None of these calls waits for the device, so holding
+    the GIL through them blocks no one for long.  A copy must involve pinned
+    host memory (or only device memory); a copy to or from pageable memory
+    waits for the stream.
+
+    Streams and events are raw handles (``cudaStream_t``, ``cudaEvent_t``: torch's
+    ``Stream.cuda_stream`` and ``Event.cuda_event`` are such handles).  A thread
+    without a current context (one that made no CUDA call yet) gets ``device``'s
+    primary context, as the runtime API would bind it.
+
+    Args:
+        device: the CUDA device ordinal the streams and events belong to.
+    """
+
+    _lib: Any = None
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        if Queuer._lib is None:
+            lib = ctypes.PyDLL("libcuda.so.1")
+            u64, vp, uint = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint
+            lib.cuMemcpyAsync.argtypes = [u64, u64, ctypes.c_size_t, vp]
+            lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), uint]
+            lib.cuEventRecord.argtypes = [vp, vp]
+            lib.cuEventQuery.argtypes = [vp]
+            lib.cuEventDestroy_v2.argtypes = [vp]
+            lib.cuStreamWaitEvent.argtypes = [vp, vp, uint]
+            lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+            lib.cuCtxSetCurrent.argtypes = [vp]
+            Queuer._lib = lib
+        self._lib = Queuer._lib
+
+    def _call(self, name: str, *args: Any) -> int:
+        fn = getattr(self._lib, name)
+        err = int(fn(*args))
+        if err == _INVALID_CONTEXT:
+            self._bind()
+            err = int(fn(*args))
+        if err and not (name == "cuEventQuery" and err == _NOT_READY):
+            raise TransportError(f"cuda: {name} failed with CUDA error {err}")
+        return err
+
+    def _bind(self) -> None:
+        """Make the device's primary context current on this thread."""
+        lib, dev, ctx = self._lib, ctypes.c_int(), ctypes.c_void_p()
+        err = lib.cuDeviceGet(ctypes.byref(dev), self.device)
+        if not err:
+            err = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        if not err:
+            err = lib.cuCtxSetCurrent(ctx)
+        if err:
+            raise TransportError(
+                f"cuda: cannot make device {self.device}'s context current (CUDA error {err})"
+            )
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` from address ``src`` to ``dst`` on ``stream``."""
+        self._call("cuMemcpyAsync", dst, src, nbytes, stream)
+
+    def event(self) -> int:
+        """A new event (no timing), freed with :meth:`free`."""
+        ev = ctypes.c_void_p()
+        self._call("cuEventCreate", ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+        return int(ev.value or 0)
+
+    def record(self, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream``: it fires once the work queued so far has run."""
+        self._call("cuEventRecord", event, stream)
+
+    def wait(self, stream: int, event: int) -> None:
+        """Make ``stream``'s later work wait for ``event`` (on the device)."""
+        self._call("cuStreamWaitEvent", stream, event, 0)
+
+    def done(self, event: int) -> bool:
+        """Whether ``event`` has fired (or was never recorded)."""
+        return not self._call("cuEventQuery", event)
+
+    def free(self, event: int) -> None:
+        """Free an event from :meth:`event` (errors ignored: at exit, the driver may be gone)."""
+        self._lib.cuEventDestroy_v2(event)
+
+
+_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 
 
 class on_device:  # lower case: used like a function, ``with on_device(d):``

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,10 +66,6 @@ class GroupBase(dist.ProcessGroup):
         self._monitored = 0  # monitored_barrier calls so far (their keys in the store)
         self._lane = (lane or Lane()).join()
         self._streams: dict[int, torch.cuda.Stream] = {}  # per device (see .streams)
-        # recorded on the caller's stream by a call that makes the group's stream
-        # wait for it on the caller's thread (.collectives, the mirrors)
-        self._ready: torch.cuda.Event | None = None
-        self._ready_lock = threading.Lock()
         self._staged_why = ""  # why CUDA tensors go through the host, once logged
         self._mirrors = Mirrors(comm, self._timeout)  # see .mirrors
         self._kept = Kept(rank)  # see .kept

@@ -11,7 +11,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pycoll.errors import InvalidArgumentError
 from pycoll.torch_backend.base import GroupBase, is_sync
-from pycoll.torch_backend.streams import current, keep
+from pycoll.torch_backend.streams import caller_stream, keep
 from pycoll.torch_backend.tensors import Staged, check_dtype, check_dtypes, check_one, reduce_op
 from pycoll.torch_backend.work import Work
 
@@ -55,26 +55,19 @@ class Collectives(GroupBase):
             return None
         check_dtype(t.dtype, rank)
         op = reduce_op(opts, rank) if opts is not None else "sum"
-        # The copy in goes on the group's stream after the caller's work, which
-        # one event, kept, marks; the worker's part never waits on the device
-        # (each CUDA call here, and a new event most, costs the thread that
-        # runs DDP's hooks: benchmarks/RESULTS.md, "DDP's bucket allreduces").
+        # The copy in goes on the group's stream after the caller's work, queued
+        # through the driver (each torch CUDA call here cost the thread that runs
+        # DDP's hooks: benchmarks/RESULTS.md, "DDP's bucket allreduces"); the
+        # worker's part never waits on the device.
         work = self._work("allreduce", stream, after=False)
-        caller = torch.cuda.current_stream(t.device)
-        with self._ready_lock:
-            ready = self._ready
-            if ready is None:
-                ready = self._ready = torch.cuda.Event()
-            ready.record(caller)
-            stream.wait_event(ready)
         mirrors = self._mirrors
-        with current(stream):
-            m = mirrors.copy_in(t, stream)
-        keep(stream, t)
+        raw = stream.cuda_stream
+        m = mirrors.copy_in(t, raw, caller_stream(t.get_device()))
 
         def run() -> list[torch.Tensor]:
             try:
-                mirrors.reduce(m, t, op)
+                keep(stream, t)  # the group's stream reads it and writes it back
+                mirrors.reduce(m, t, op, raw)
             finally:
                 lane.mirrored_done(work)
             return tensors

@@ -9,7 +9,10 @@ another process:
 1. the tensor is copied into a pinned host mirror of its own
    (:meth:`Mirrors.copy_in`).  The caller's thread queues that copy, as Gloo's
    does, on the group's stream after the caller's: so it is queued at once
-   rather than once the worker has woken;
+   rather than once the worker has woken.  Its few CUDA calls go straight to
+   the driver with the GIL held (:class:`transports.cuda_driver.Queuer`): the
+   thread that makes them runs DDP's hooks, and the torch calls they replace
+   cost it 140 us a bucket beside the worker;
 2. the worker waits on the host for that copy (polling its event with back-off,
    bounded by the group's timeout);
 3. the host allreduce runs in place on the mirror, as a prepared call
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,7 @@ import torch
 from pycoll.errors import CollectiveTimeout
 from pycoll.gpu.jobs import poll
 from pycoll.torch_backend.tensors import numpy_view
+from transports.cuda_driver import Queuer
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +57,18 @@ KEEP = 16
 class Mirror:
     """A pinned host tensor, its NumPy view and one prepared allreduce per op."""
 
-    __slots__ = ("array", "calls", "copied", "host", "key")
+    __slots__ = ("__weakref__", "addr", "array", "calls", "copied", "host", "key")
 
-    def __init__(self, numel: int, dtype: torch.dtype, rank: int) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, rank: int, cu: Queuer) -> None:
         self.key = (numel, dtype)
         self.host = torch.empty(numel, dtype=dtype, pin_memory=True)
+        self.addr = self.host.data_ptr()
         self.array: np.ndarray = numpy_view(self.host, False, rank)
         self.calls: dict[str, Any] = {}
         # recorded after each copy in: one event for the mirror's life (a new one
         # a call cost the caller's thread its creation)
-        self.copied = torch.cuda.Event()
+        self.copied = cu.event()
+        weakref.finalize(self, cu.free, self.copied)
 
 
 class Mirrors:
@@ -81,17 +88,29 @@ class Mirrors:
         self._free: dict[tuple[int, torch.dtype], list[Mirror]] = {}
         self._lock = threading.Lock()
         self._logged = False
+        self._cu: Queuer | None = None
+        self._stuck: list[Mirror] = []  # mirrors whose copies never ended: held
+        # recorded on the caller's stream, waited for by the group's (under _lock)
+        self._ready = 0
 
     def allreduce(self, flat: torch.Tensor, op: str) -> None:
         """Reduce the contiguous CUDA tensor ``flat`` in place through a mirror, on
         the current stream (the group's, on the worker thread)."""
-        self.reduce(self.copy_in(flat), flat, op)
+        stream = torch.cuda.current_stream(flat.device).cuda_stream
+        self.reduce(self.copy_in(flat, stream), flat, op, stream)
 
-    def copy_in(self, flat: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Mirror:
-        """Queue the copy of the contiguous CUDA tensor ``flat`` into a free mirror,
-        on ``stream`` (the current stream of its device), and record the mirror's
+    def copy_in(self, flat: torch.Tensor, stream: int, after: int | None = None) -> Mirror:
+        """Queue the copy of the contiguous CUDA tensor ``flat`` into a free mirror
+        on ``stream`` (a ``cudaStream_t`` of its device), after the work queued
+        so far on the stream ``after`` (when given; 0 is the legacy default
+        stream), and record the mirror's
         ``copied`` event after it.  The mirror is the call's until :meth:`reduce`
         frees it."""
+        cu = self._cu
+        if cu is None:
+            cu = self._cu = Queuer(flat.get_device())
+            self._ready = cu.event()
+            weakref.finalize(self, cu.free, self._ready)
         if not self._logged:
             self._logged = True
             log.info(
@@ -102,45 +121,74 @@ class Mirrors:
                 self._rank,
                 self._comm.config.device_async_host_bytes,
             )
-        m = self._take(flat.numel(), flat.dtype)
-        m.host.copy_(flat, non_blocking=True)
-        m.copied.record(stream or torch.cuda.current_stream(flat.device))
+        m = self._take(flat.numel(), flat.dtype, cu)
+        if after is not None:
+            with self._lock:  # one event: record and wait as a pair
+                cu.record(self._ready, after)
+                cu.wait(stream, self._ready)
+        cu.copy(m.addr, flat.data_ptr(), flat.nbytes, stream)
+        cu.record(m.copied, stream)
         return m
 
-    def reduce(self, m: Mirror, flat: torch.Tensor, op: str) -> None:
+    def reduce(self, m: Mirror, flat: torch.Tensor, op: str, stream: int) -> None:
         """Once the copy into ``m`` is done, reduce it on the host and queue its
-        copy back into ``flat`` on the current stream (the group's); ``m`` is free
-        again, also where the reduction raised (nothing of it is in flight)."""
+        copy back into ``flat`` on ``stream`` (the group's, a ``cudaStream_t``);
+        ``m`` is free again, also where the reduction raised (nothing of it is in
+        flight)."""
         try:
-            self._wait(m.copied)
+            cu = self._cu
+            assert cu is not None, "reduce() before copy_in()"
+            self._wait(cu, m.copied)
             call = m.calls.get(op)
             if call is None:
                 call = m.calls[op] = self._comm.prepare("allreduce", m.array, op=op)
             call()
-            flat.copy_(m.host, non_blocking=True)
+            cu.copy(flat.data_ptr(), m.addr, flat.nbytes, stream)
+            cu.record(m.copied, stream)  # now: once the copy back has read the mirror
         finally:
             self._give(m)
 
-    def _take(self, numel: int, dtype: torch.dtype) -> Mirror:
+    def _take(self, numel: int, dtype: torch.dtype, cu: Queuer) -> Mirror:
         with self._lock:
             free = self._free.get((numel, dtype))
             if free:
                 return free.pop()
-        return Mirror(numel, dtype, self._rank)
+        return Mirror(numel, dtype, self._rank, cu)
 
     def _give(self, m: Mirror) -> None:
         with self._lock:
             free = self._free.pop(m.key, [])
             free.append(m)
             self._free[m.key] = free  # most recently freed size last
-            if len(self._free) > KEEP:
-                self._free.pop(next(iter(self._free)))
+            gone = self._free.pop(next(iter(self._free))) if len(self._free) > KEEP else []
+        self._drop(gone)
 
-    def _wait(self, copied: torch.cuda.Event) -> None:
-        """Until the copy into the mirror is done: it follows the caller's work
-        queued before the call (the gradients), so it may take a while."""
+    def _drop(self, mirrors: list[Mirror]) -> None:
+        """Let ``mirrors`` go once their last copies are done: their pinned memory
+        goes back to torch, which would hand it out again (torch's own copies
+        mark it in use; these, made through the driver, do not)."""
+        cu = self._cu
+        for m in mirrors:
+            if cu is None:
+                continue
+            try:
+                self._wait(cu, m.copied)
+            except CollectiveTimeout:
+                log.warning(
+                    "pycoll backend, rank %d: a host mirror's copy did not end within %g s; "
+                    "its %d bytes of pinned memory stay held",
+                    self._rank,
+                    self._timeout,
+                    m.host.nbytes,
+                )
+                self._stuck.append(m)
+
+    def _wait(self, cu: Queuer, copied: int) -> None:
+        """Until the copies into or out of a mirror are done: a copy in follows the
+        caller's work queued before the call (the gradients), so it may take a
+        while."""
         poll(
-            copied.query,
+            lambda: cu.done(copied),
             self._timeout,
             lambda: CollectiveTimeout(
                 f"pycoll backend, rank {self._rank}: the work queued on the stream "
@@ -154,4 +202,6 @@ class Mirrors:
     def clear(self) -> None:
         """Drop the mirrors (the group is shutting down)."""
         with self._lock:
+            gone = [m for free in self._free.values() for m in free]
             self._free.clear()
+        self._drop(gone)

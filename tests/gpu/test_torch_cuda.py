@@ -380,9 +380,9 @@ def test_mirrored_allreduces_keep_program_order(dev, monkeypatch):
     # ahead, and its copy in still follows that copy back
     real_reduce = pg._mirrors.reduce
 
-    def late_copy_back(m, flat, op):  # on the worker, the group's stream current
+    def late_copy_back(m, flat, op, stream):  # on the worker
         _spin(50.0)
-        return real_reduce(m, flat, op)
+        return real_reduce(m, flat, op, stream)
 
     monkeypatch.setattr(pg._mirrors, "reduce", late_copy_back)
     t.fill_(RANK + 1)
