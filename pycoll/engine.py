@@ -71,7 +71,6 @@ from transports.base import (
     PeerClosedError,
     TagMismatchError,
     TransportTimeout,
-    precise_naps,
 )
 from transports.base import TransportError as WireError
 
@@ -367,12 +366,7 @@ class Engine:
         """Queue ``fn(*args)`` on the worker (the caller holds the family's lock)."""
         fam = self.fam
         if fam.executor is None:
-            # its waits nap on time (transports.base.precise_naps): an 8 B
-            # asynchronous allreduce and its wait at n = 4 on the 2-core VM took
-            # 155-180 us against 217-223 with Linux's default timer slack
-            fam.executor = ThreadPoolExecutor(
-                1, thread_name_prefix=WORKER, initializer=precise_naps
-            )
+            fam.executor = ThreadPoolExecutor(1, thread_name_prefix=WORKER)
         fut = fam.executor.submit(fn, *args)
         fam.inflight += 1
         return fut

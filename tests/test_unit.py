@@ -854,41 +854,6 @@ def test_a_driver_call_on_a_thread_without_a_context_binds_one_and_retries(monke
     assert cuda_driver._call(fn, 3) == 201  # still no context: the error is the caller's
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's timer slack")
-def test_the_librarys_own_threads_nap_on_time() -> None:
-    """pycoll's worker thread and the torch backend's make their naps end within
-    about a microsecond (Linux's timer slack, 50 us by default); the caller's
-    thread keeps its own."""
-    import ctypes
-
-    from pycoll.stores import HashStore
-    from pycoll.torch_backend.worker import Lane
-    from transports.base import NAP_SLACK_NS
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def slack() -> int:
-        return int(prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
-
-    mine = slack()
-    assert mine != NAP_SLACK_NS  # else the test below could not fail
-    comm = pycoll.init(store=HashStore(), rank=0, size=1)
-    try:
-        x = np.arange(5, dtype=np.float32)
-        comm.allreduce(x, async_op=True).wait()  # starts the worker
-        executor = comm._engine.fam.executor
-        assert executor is not None
-        assert executor.submit(slack).result() == NAP_SLACK_NS
-    finally:
-        comm.close()
-    lane = Lane().join()
-    try:
-        assert lane.call(slack) == NAP_SLACK_NS
-    finally:
-        lane.leave()
-    assert slack() == mine
-
-
 def test_queuer_binds_the_devices_context_once_and_names_a_failed_call(monkeypatch):
     """The driver calls made with the GIL held (torch's mirrored allreduces): one
     answering CUDA_ERROR_INVALID_CONTEXT makes the device's primary context

@@ -48,7 +48,6 @@ both sides keep calling ``test``/``wait`` on their requests (:func:`wait_all`).
 from __future__ import annotations
 
 import abc
-import ctypes
 import enum
 import os
 import time
@@ -171,26 +170,6 @@ class Backoff:
             return
         k = n - self.spins - self.yields
         (block or time.sleep)(min(self.max_sleep, 20e-6 * (1 << min(k, 10))))
-
-
-#: Linux's ``prctl`` option that sets how late a thread's sleeps may end (its
-#: timer slack: 50 us unless set).
-_PR_SET_TIMERSLACK = 29
-#: The timer slack of the threads a library runs its waits on (a back-off's naps
-#: start at 20 us): on the 2-core VM a 20 us ``time.sleep`` took 94-95 us with
-#: the default slack and 39-45 us with this one.
-NAP_SLACK_NS = 1000
-
-
-def precise_naps() -> bool:
-    """Let the calling thread's sleeps end within :data:`NAP_SLACK_NS` of their
-    time (Linux), for a thread that waits with :class:`Backoff` and nothing else:
-    a library's own progress thread, never the user's.  Whether it took."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: naps stay as the system makes them
-        return False
-    return int(prctl(_PR_SET_TIMERSLACK, NAP_SLACK_NS, 0, 0, 0)) == 0
 
 
 @dataclass

@@ -29,7 +29,6 @@ from typing import Any
 
 from pycoll.errors import CommunicatorClosedError, InvalidArgumentError, PycollError
 from pycoll.torch_backend.work import Busy, Posted, Work
-from transports.base import precise_naps
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +149,6 @@ class Lane:
 
     # ------------------------------------------------------------------ the thread
     def _serve(self) -> None:
-        precise_naps()  # pycoll's waits on this thread nap on time (see there)
         nap = 0.0
         while True:
             try:
