@@ -9,11 +9,14 @@ both backends must produce bitwise-identical weights (tolerance: zero).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +155,7 @@ def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
             FAILURES_TIMEOUT=str(TIMEOUT),
             **env,
         )
-        proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=150)
+        proc = _run_scenario(cmd, e, d)
         out = {
             r: json.loads((d / f"rank{r}.json").read_text())
             for r in range(2)
@@ -164,6 +167,37 @@ def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
     raise AssertionError(
         f"rank 0 did not report (rc={proc.returncode})\n{proc.stderr[-2000:]}\n{logs}"
     )
+
+
+def _run_scenario(
+    cmd: list[str], env: dict[str, str], d: Path, limit: float = 150.0
+) -> subprocess.CompletedProcess:
+    """Run the launcher; one that has not ended after 150 s (every scenario bounds
+    its waits well below that) is killed with its ranks, each live rank first
+    made to write its threads' stacks to its log (faulthandler, SIGABRT), so
+    that the test's failure shows where it was.  What the ranks reported before
+    stands: a launcher that outlives ranks that reported is not pycoll's."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        for pid_file in d.glob("rank*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGABRT)
+        time.sleep(1.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err = f"the launcher had not ended after {limit:g} s; killed\n{err}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _raised(o: dict, error: str, within: float) -> None:

@@ -37,7 +37,8 @@ signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 _log = os.open(os.path.join(OUTDIR, f"rank{RANK}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 os.dup2(_log, 2)
 os.close(_log)
-faulthandler.enable()
+faulthandler.enable()  # a SIGABRT from the test writes every thread's stack to the log
+Path(OUTDIR, f"rank{RANK}.pid").write_text(str(os.getpid()))
 
 
 def report(**kw: object) -> None:
