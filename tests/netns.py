@@ -33,6 +33,7 @@ Needs root, ``ip``, ``tc`` (only when shaping), ``unshare`` and ``nsenter``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -40,7 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -331,9 +332,11 @@ def run_command(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     cwd: str | None = None,
+    before_kill: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` (a launcher and its ranks) with ``env`` added to ours; on a
-    timeout kill its whole process group.
+    timeout kill its whole process group (``before_kill`` first, say to make
+    the ranks write their stacks).
 
     Raises:
         subprocess.TimeoutExpired: after killing the whole process group.
@@ -352,7 +355,10 @@ def run_command(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if before_kill is not None:
+            before_kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.launch import mpiexec, reports
+from tests.netns import run_command
 
 pytest.importorskip(
     "torch", reason="torch is not installed (pip install 'pycoll-collectives[torch]')"
@@ -172,32 +173,24 @@ def _failure(name: str, tmp_path: Path, **env: str) -> dict[int, dict]:
 def _run_scenario(
     cmd: list[str], env: dict[str, str], d: Path, limit: float = 150.0
 ) -> subprocess.CompletedProcess:
-    """Run the launcher; one that has not ended after 150 s (every scenario bounds
-    its waits well below that) is killed with its ranks, each live rank first
-    made to write its threads' stacks to its log (faulthandler, SIGABRT), so
-    that the test's failure shows where it was.  What the ranks reported before
-    stands: a launcher that outlives ranks that reported is not pycoll's."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
+    """Run the launcher; one that has not ended after ``limit`` seconds (every
+    scenario bounds its waits well below that) is killed with its ranks, each
+    live rank first made to write its threads' stacks to its log (faulthandler,
+    SIGABRT), so that the test's failure shows where it was.  What the ranks
+    reported before stands: a launcher that outlives ranks that reported is not
+    pycoll's."""
+
+    def dump_stacks() -> None:
         for pid_file in d.glob("rank*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid_file.read_text()), signal.SIGABRT)
         time.sleep(1.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err = f"the launcher had not ended after {limit:g} s; killed\n{err}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    try:
+        return run_command(cmd, env=env, timeout=limit, cwd=str(ROOT), before_kill=dump_stacks)
+    except subprocess.TimeoutExpired as exc:
+        err = f"the launcher had not ended after {limit:g} s; killed\n{exc.stderr or ''}"
+        return subprocess.CompletedProcess(cmd, -signal.SIGKILL, exc.output, err)
 
 
 def _raised(o: dict, error: str, within: float) -> None:
@@ -527,6 +520,38 @@ def test_lane_runs_a_call_here_only_when_it_would_be_next() -> None:
         assert posts.wait() and posts.result() == ["out"]
     finally:
         lane.leave()
+
+
+def test_a_mirror_whose_copy_never_ends_is_held_not_handed_back(caplog) -> None:
+    """The mirrors' copies go through the driver, which torch's host allocator
+    does not see: a mirror dropped at shutdown (or from a full free list) goes
+    back to torch only once its last copy is done.  One whose copy does not end
+    within the group's timeout stays held, and a warning says so; one whose copy
+    ended is let go."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from pycoll.torch_backend.mirrors import Mirrors
+
+    mirrors = Mirrors(SimpleNamespace(rank=1), 0.05)
+    asked: list[str] = []
+
+    def done(event: str) -> bool:
+        asked.append(event)
+        return event == "ended"
+
+    mirrors._cu = SimpleNamespace(done=done)  # type: ignore[assignment]
+    ended = SimpleNamespace(copied="ended", host=SimpleNamespace(nbytes=32))
+    stuck = SimpleNamespace(copied="stuck", host=SimpleNamespace(nbytes=64))
+    mirrors._free = {(8, torch.float32): [ended], (16, torch.float32): [stuck]}  # type: ignore[dict-item]
+    with caplog.at_level(logging.WARNING, logger="pycoll.torch_backend.mirrors"):
+        mirrors.clear()
+    assert mirrors._stuck == [stuck]
+    assert "ended" in asked and asked.count("stuck") > 1  # polled until the timeout
+    assert "rank 1" in caplog.text and "64 bytes" in caplog.text, caplog.text
+    assert mirrors._free == {}
 
 
 def test_lane_lets_a_mirrored_call_queue_work_ahead_only_past_other_mirrored_calls() -> None:

@@ -77,13 +77,17 @@ def driver() -> Any:
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
-def _call(fn: Any, *args: Any) -> int:
+def _call(fn: Any, *args: Any, bind: Any = None) -> int:
     """``fn(*args)``, a driver call, on the calling thread's current context.  A
     thread that has made no runtime call yet (a progress thread) has none: then
-    ``cudaFree(NULL)`` makes the current device's primary context current, once."""
+    ``bind()`` makes one current, once, and the call runs again; by default
+    ``cudaFree(NULL)`` binds the current device's primary context."""
     err = fn(*args)
     if err == _INVALID_CONTEXT:
-        runtime().free(0)
+        if bind is None:
+            runtime().free(0)
+        else:
+            bind()
         err = fn(*args)
     return int(err)
 
@@ -251,11 +255,7 @@ class Queuer:
         self._lib = Queuer._lib
 
     def _call(self, name: str, *args: Any) -> int:
-        fn = getattr(self._lib, name)
-        err = int(fn(*args))
-        if err == _INVALID_CONTEXT:
-            self._bind()
-            err = int(fn(*args))
+        err = _call(getattr(self._lib, name), *args, bind=self._bind)
         if err and not (name == "cuEventQuery" and err == _NOT_READY):
             raise TransportError(f"cuda: {name} failed with CUDA error {err}")
         return err

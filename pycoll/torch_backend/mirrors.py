@@ -168,9 +168,9 @@ class Mirrors:
         goes back to torch, which would hand it out again (torch's own copies
         mark it in use; these, made through the driver, do not)."""
         cu = self._cu
+        if cu is None:  # no copy was ever queued
+            return
         for m in mirrors:
-            if cu is None:
-                continue
             try:
                 self._wait(cu, m.copied)
             except CollectiveTimeout:
