@@ -401,6 +401,48 @@ def test_mirrored_allreduces_keep_program_order(dev, monkeypatch):
     assert float(got.min()) == float(got.max()) == TOTAL * SIZE, float(got.min())
 
 
+def test_groups_sharing_the_worker_each_run_on_their_own_stream(dev):
+    """The worker leaves a call's stream current for the next call; calls of two
+    groups that share it (the world and a group split from it) alternate, on a
+    side stream of the caller's, mirrored and on the device: each group's calls
+    run on its own stream, after the caller's queued work, and the caller's
+    ``wait()``, ``is_completed()`` and futures see the end of each (the mirrored
+    ones' end events are the driver's).  The caller's current stream is never
+    changed."""
+    world = dist.distributed_c10d._get_default_group()
+    sub = dist.new_group(list(range(SIZE)), backend="pycoll")
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        for rnd in range(4):
+            ts = [torch.empty(1 << 10, device=dev) for _ in range(4)]
+            big = torch.empty(3 << 20, device=dev)  # over the mirrors' limit: on the device
+            _spin(10.0)  # on the side stream: the calls queue behind it
+            for i, t in enumerate(ts):
+                t.fill_(RANK + 1 + i)
+            big.fill_(RANK + 1)
+            works = []
+            for i, t in enumerate(ts):
+                g = world if i % 2 == 0 else sub
+                works.append(dist.all_reduce(t, group=g, async_op=True))
+            works.append(dist.all_reduce(big, group=sub, async_op=True))
+            fut = works[0].get_future().then(lambda f: f.value()[0] * 2)
+            for w in works:
+                w.wait()
+                assert torch.cuda.current_stream(dev) == side
+            doubled = fut.wait()
+            got = [t * 1 for t in ts]
+            got_big = big[::4096] * 1
+            side.synchronize()
+            assert all(w.is_completed() for w in works)
+            for i, g in enumerate(got):
+                want = TOTAL + SIZE * i
+                assert float(g.min()) == float(g.max()) == want, (rnd, i, g[:3].tolist())
+            assert float(doubled.min()) == float(doubled.max()) == 2 * TOTAL, rnd
+            assert float(got_big.min()) == float(got_big.max()) == TOTAL, rnd
+    assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)
+    dist.destroy_process_group(sub)
+
+
 def test_a_failure_reaches_the_caller(dev):
     """An input of a dtype pycoll does not reduce raises at the call, naming it."""
     with pytest.raises(pycoll.InvalidArgumentError, match="float8"):
