@@ -8,7 +8,8 @@ caller's current stream, as ProcessGroupNCCL does.  Checked here: every
 collective against values every rank can compute (dtypes, ops, non-contiguous
 tensors), no host copy, the host not held by the GPU, two streams, the stream
 each kind of call runs on, futures chained with ``then``, tensors the caller
-drops, a failure that reaches the caller, and DDP on CUDA over pycoll against
+drops, groups that share the worker thread, a failure that reaches the
+caller, and DDP on CUDA over pycoll against
 DDP over Gloo.
 Runs at n = 1 and under mpiexec (ranks share the GPU).
 """
