@@ -32,10 +32,6 @@ from mpi4py import MPI
 
 import pycoll
 
-#: The caller's back-off (``Engine.backoff``'s defaults), set on the family's
-#: polite one for the "caller's back-off" conditions.
-CALLER_BACKOFF = (50, 2000, 1e-3)
-
 CONDITIONS: list[tuple[str, bool, dict[str, Any]]] = [
     # name, on a second thread, options
     ("first thread, back to back", False, {}),
@@ -96,6 +92,8 @@ def main() -> None:
 
     comm = pycoll.init()
     polite = comm._engine.fam.polite  # the back-off of calls off the caller's thread
+    caller = comm._engine.backoff  # ... and of the caller's, set on polite by "eager"
+    eager = (caller.spins, caller.yields, caller.max_sleep)
     if rank == 0:
         print(
             f"# n = {size}, a prepared float32 allreduce of {args.bytes} bytes, {calls} calls a "
@@ -112,7 +110,7 @@ def main() -> None:
         def body(o: dict[str, Any] = o, t0: Any = t0, t1: Any = t1, cpu: Any = cpu) -> None:
             saved = (polite.spins, polite.yields, polite.max_sleep)
             if o.get("eager"):
-                polite.spins, polite.yields, polite.max_sleep = CALLER_BACKOFF
+                polite.spins, polite.yields, polite.max_sleep = eager
             try:
                 call = comm.prepare("allreduce", arr[:], op="sum")  # a new object: its own plan
                 for _ in range(20):
@@ -135,8 +133,8 @@ def main() -> None:
         if o.get("switch"):
             sys.setswitchinterval(o["switch"])
         stop = threading.Event()
-        side = threading.Thread(target=burner, args=(stop,), daemon=True)
-        if o.get("burn"):
+        side = threading.Thread(target=burner, args=(stop,), daemon=True) if o.get("burn") else None
+        if side is not None:
             side.start()
         world.Barrier()
         if threaded:
@@ -146,7 +144,7 @@ def main() -> None:
         else:
             body()
         stop.set()
-        if o.get("burn"):
+        if side is not None:
             side.join()
         sys.setswitchinterval(interval)
         T0, T1, C = (np.array(world.gather(a, root=0)) for a in (t0, t1, cpu))

@@ -403,13 +403,11 @@ def test_mirrored_allreduces_keep_program_order(dev, monkeypatch):
 
 
 def test_groups_sharing_the_worker_each_run_on_their_own_stream(dev):
-    """The worker leaves a call's stream current for the next call; calls of two
-    groups that share it (the world and a group split from it) alternate, on a
-    side stream of the caller's, mirrored and on the device: each group's calls
-    run on its own stream, after the caller's queued work, and the caller's
-    ``wait()``, ``is_completed()`` and futures see the end of each (the mirrored
-    ones' end events are the driver's).  The caller's current stream is never
-    changed."""
+    """Calls of two groups that share the worker thread (the world and a group
+    split from it) alternate, on a side stream of the caller's, mirrored and on
+    the device: each group's calls run on its own stream, after the caller's
+    queued work, and the caller's ``wait()``, ``is_completed()`` and futures see
+    the end of each.  The caller's current stream is never changed."""
     world = dist.distributed_c10d._get_default_group()
     sub = dist.new_group(list(range(SIZE)), backend="pycoll")
     side = torch.cuda.Stream(dev)
