@@ -1,6 +1,7 @@
 from typing import Any
 
 def reduce(op: int, kind: int, out: Any, count: int, rows: tuple[int, ...]) -> bool: ...
+def stream_copy(dst: int, src: int, nbytes: int) -> None: ...
 
 class Step:
     def __init__(

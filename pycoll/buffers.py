@@ -102,6 +102,40 @@ def data_ptr(a: Any) -> int:
     return int(a.data.ptr)
 
 
+_stream_copy: Any
+try:  # pycoll/_step.c, built by pip install where a C compiler is found
+    from pycoll._step import stream_copy as _stream_copy
+except ImportError:  # pragma: no cover - an install without a compiler
+    _stream_copy = None
+
+#: A host copy of at least this many bytes stores past the caches
+#: (``_step.stream_copy``).  On the 2-core Intel VM, one process copied 32 MiB
+#: at memcpy's rate that way and 64 MiB 1.7x faster; two processes at once,
+#: 24 MiB each 1.1x and 48 MiB 1.6x; 16 MiB 0.9x (benchmarks/RESULTS.md,
+#: "Streaming copies").  glibc's memcpy makes the same switch from the cache
+#: size the CPU reports, which a VM may overstate (480 MiB there).
+STREAM_COPY_BYTES = 32 << 20
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` for host arrays of one dtype; at least
+    :data:`STREAM_COPY_BYTES` of contiguous memory go through the compiled
+    streaming copy, without the GIL."""
+    if (
+        dst.nbytes >= STREAM_COPY_BYTES
+        and _stream_copy is not None
+        and isinstance(dst, np.ndarray)
+        and isinstance(src, np.ndarray)
+        and dst.nbytes == src.nbytes
+        and dst.dtype == src.dtype
+        and dst.flags.c_contiguous
+        and src.flags.c_contiguous
+    ):
+        _stream_copy(data_ptr(dst), data_ptr(src), dst.nbytes)
+    else:
+        dst[...] = src
+
+
 def is_device_array(obj: object) -> bool:
     """True for CUDA arrays, decided without importing CuPy."""
     if isinstance(obj, np.ndarray):

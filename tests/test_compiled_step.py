@@ -102,6 +102,66 @@ def test_reduce_in_place_and_sizes_checked() -> None:
     assert not step.reduce(0, ord("i"), a, 5, (_addr(a),))  # one row: not here
 
 
+@needs_step
+def test_stream_copy_copies_every_byte_at_any_alignment() -> None:
+    """The streaming copy's aligned body, its unaligned head and its tail, and
+    overlapping ranges (a memmove then)."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 9000, dtype=np.uint8)
+    for off in (0, 1, 7, 15, 16, 33):
+        for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 4096, 8191):
+            dst = np.zeros(9000, np.uint8)
+            step.stream_copy(_addr(dst) + off, _addr(src) + 3, n)
+            assert dst[off : off + n].tobytes() == src[3 : 3 + n].tobytes(), (off, n)
+            assert not dst[:off].any() and not dst[off + n :].any(), (off, n)
+    buf = np.arange(4096, dtype=np.uint8)
+    want = buf[:4000].copy()
+    step.stream_copy(_addr(buf) + 50, _addr(buf), 4000)  # overlapping, forward
+    assert buf[50:4050].tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="negative"):
+        step.stream_copy(_addr(buf), _addr(buf), -1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_agree_through_the_streaming_copy(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's own block of an allgather, alltoall, gather and scatter, and a
+    lone rank's allreduce, go through :func:`pycoll.buffers.copy_into`: with its
+    threshold at 64 bytes every such copy of these calls streams (where the
+    extension was built), and every result must still be NumPy's."""
+    from pycoll import buffers
+
+    monkeypatch.setattr(buffers, "STREAM_COPY_BYTES", 64)
+    k = 1009  # a prime, odd bytes past the 64-byte lines
+
+    def run(r: int, comm: pycoll.Communicator) -> None:
+        rng = np.random.default_rng(r)
+        xs = [np.random.default_rng(j).standard_normal(n * k) for j in range(n)]
+        x = xs[r]
+        out = np.full(n * k, np.nan)
+        comm.allgather(x[:k], out)
+        np.testing.assert_array_equal(out, np.concatenate([v[:k] for v in xs]))
+        out = np.full(n * k, np.nan)
+        comm.alltoall(x, out)
+        np.testing.assert_array_equal(out, np.concatenate([v[r * k : (r + 1) * k] for v in xs]))
+        out = np.full(n * k, np.nan) if r == 0 else None
+        comm.gather(x[:k], out, root=0)
+        if r == 0:
+            np.testing.assert_array_equal(out, np.concatenate([v[:k] for v in xs]))
+        got = np.full(k, np.nan)
+        comm.scatter(xs[0] if r == 0 else None, got, root=0)
+        np.testing.assert_array_equal(got, xs[0][r * k : (r + 1) * k])
+        y = rng.standard_normal(k)
+        got = np.full(k, np.nan)
+        comm.allreduce(y, got)
+        if n == 1:
+            np.testing.assert_array_equal(got, y)
+
+    with communicators(n) as comms:
+        run_ranks(n, lambda r: run(r, comms[r]))
+
+
 class _Group:
     """The attributes of a group that a Step reads and writes."""
 

@@ -63,7 +63,7 @@ class Allgather(Collective):
         r, k = spec.r, spec.x.count
         if spec.in_place:  # the rank's own block is already there
             return nothing if step is None else partial(partial, step)
-        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x))
+        return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 
 ALLGATHER = Allgather()

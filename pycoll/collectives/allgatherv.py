@@ -70,7 +70,7 @@ class Allgatherv(Counted):
         hi = lo + spec.counts[r]
         if spec.in_place:
             return nothing if step is None else partial(partial, step)
-        return own_then(step, lambda x, out: (out[lo:hi], x))
+        return own_then(step, ops, lambda x, out: (out[lo:hi], x))
 
 
 ALLGATHERV = Allgatherv()

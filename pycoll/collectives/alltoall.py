@@ -59,7 +59,9 @@ class Alltoall(Collective):
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
         r, k = spec.r, spec.x.count // spec.n
-        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x[r * k : (r + 1) * k]))
+        return own_then(
+            step, ops, lambda x, out: (out[r * k : (r + 1) * k], x[r * k : (r + 1) * k])
+        )
 
 
 ALLTOALL = Alltoall()

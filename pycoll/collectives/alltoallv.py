@@ -72,7 +72,7 @@ class Alltoallv(Counted):
         sc, rc = spec.counts
         s0, r0 = sum(sc[:r]), sum(rc[:r])
         m = sc[r]
-        return own_then(step, lambda x, out: (out[r0 : r0 + m], x[s0 : s0 + m]))
+        return own_then(step, ops, lambda x, out: (out[r0 : r0 + m], x[s0 : s0 + m]))
 
 
 ALLTOALLV = Alltoallv()

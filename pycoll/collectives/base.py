@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pycoll.buffers import Buffer, as_buffer, data_ptr, is_torch
+from pycoll.buffers import Buffer, as_buffer, copy_into, data_ptr, is_torch
 from pycoll.errors import InvalidArgumentError
 from pycoll.reduce import ReduceOp, finish_avg
 
@@ -40,6 +40,10 @@ class ArrayOps(Protocol):
         """Scratch memory like ``a``, where ``a`` lives."""
         ...
 
+    def copy(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src``, as fast as the memory allows."""
+        ...
+
 
 class _HostOps:
     @staticmethod
@@ -49,6 +53,10 @@ class _HostOps:
     @staticmethod
     def empty_like(a: Any) -> Any:
         return np.empty_like(a)
+
+    @staticmethod
+    def copy(dst: Any, src: Any) -> None:
+        copy_into(dst, src)
 
 
 HOST: ArrayOps = _HostOps()
@@ -165,15 +173,18 @@ class Collective:
         return f"<collective {self.name}>"
 
 
-def own_then(step: Step | None, part: Callable[[Any, Any], tuple[Any, Any]]) -> Prepare:
+def own_then(
+    step: Step | None, ops: ArrayOps, part: Callable[[Any, Any], tuple[Any, Any]]
+) -> Prepare:
     """The envelope of a collective whose rank keeps a part of its own: ``part(x,
     out)`` gives (where in the output, what of the input), copied before ``step``."""
+    copy = ops.copy
 
     def prepare(x: Any, out: Any) -> Callable[[], None]:
         dst, src = part(x, out)
 
         def run() -> None:
-            dst[...] = src
+            copy(dst, src)
             if step is not None:
                 step(x, out)
 
@@ -202,7 +213,7 @@ def reducing(
         if scratch and out is None:
             out = ops.empty_like(x)
         if copy:
-            out[...] = x
+            ops.copy(out, x)
         elif step is not None:
             step(x, out)
         if avg:

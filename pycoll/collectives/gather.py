@@ -73,7 +73,7 @@ class Gather(Collective):
         r, k = spec.r, spec.x.count
         if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
-        return own_then(step, lambda x, out: (out[r * k : (r + 1) * k], x))
+        return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 
 GATHER = Gather()

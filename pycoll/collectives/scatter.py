@@ -83,7 +83,7 @@ class Scatter(Collective):
         r, k = spec.r, spec.fp_count
         if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
-        return own_then(step, lambda x, out: (out, x[r * k : (r + 1) * k]))
+        return own_then(step, ops, lambda x, out: (out, x[r * k : (r + 1) * k]))
 
 
 SCATTER = Scatter()
