@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -538,10 +537,7 @@ class DeviceCall(Job):
     def prepare(self, spec: Spec, algo: str, W: Windows | None = None) -> Any:
         """The collective's envelope around the device algorithm ``algo``
         (``W``: the windows every call of ``direct`` uses, else fresh ones)."""
-        coll = spec.coll
-        if algo == "direct" and coll.name == "allgather":
-            spec = replace(spec, in_place=True)  # the windows write our own block too
-        return coll.envelope(spec, self._step(spec, algo, W), self)
+        return spec.coll.envelope(spec, self._step(spec, algo, W), self)
 
     def _step(
         self, spec: Spec, algo: str, W: Windows | None = None
