@@ -179,9 +179,9 @@ step_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* Non-temporal stores write whole lines without reading them first and leave
    the caches to the source; the VM this was measured on copied 64 MiB at
-   12.6 GB/s this way against 7.9 with memcpy (whose own switch to such stores
-   comes from the cache size the CPU reports, 480 MiB there), and 32 MiB at
-   0.92x memcpy's rate (benchmarks/RESULTS.md, "Streaming copies"). */
+   12.1 GB/s this way against 8.7 with memcpy (whose own switch to such stores
+   comes from the cache size the CPU reports, 480 MiB there), and 8-32 MiB at
+   0.91-0.93x memcpy's rate (benchmarks/RESULTS.md, "Streaming copies"). */
 static void
 copy_streaming(char *dst, const char *src, size_t n)
 {

@@ -109,11 +109,12 @@ except ImportError:  # pragma: no cover - an install without a compiler
     _stream_copy = None
 
 #: A host copy of at least this many bytes stores past the caches
-#: (``_step.stream_copy``).  On the 2-core Intel VM, one process copied 32 MiB
-#: at memcpy's rate that way and 64 MiB 1.7x faster; two processes at once,
-#: 24 MiB each 1.1x and 48 MiB 1.6x; 16 MiB 0.9x (benchmarks/RESULTS.md,
-#: "Streaming copies").  glibc's memcpy makes the same switch from the cache
-#: size the CPU reports, which a VM may overstate (480 MiB there).
+#: (``_step.stream_copy``).  On the 2-core Intel VM two processes copying at
+#: once (the ranks of an allgather) copied 32 MiB each 1.11x as fast that way
+#: and 64 MiB 1.66x, one process alone 32 MiB 0.92x and 64 MiB 1.40x; 8-24 MiB
+#: 0.91-0.95x (benchmarks/stream_copy.py; benchmarks/RESULTS.md, "Streaming
+#: copies").  glibc's memcpy makes the same switch from the cache size the CPU
+#: reports, which a VM may overstate (480 MiB there).
 STREAM_COPY_BYTES = 32 << 20
 
 

@@ -372,6 +372,16 @@ def test_cma_pages_times_every_mix_of_page_kinds() -> None:
     assert all(int(r[4]) == 2 << 20 and float(r[5]) > 0 for r in rows)
 
 
+@pytest.mark.timeout(60)
+def test_stream_copy_times_both_copies_on_every_rank() -> None:
+    pytest.importorskip("pycoll._step")
+    cmd = mpiexec(2) + [sys.executable, str(BENCH / "stream_copy.py"), "--sizes", "1M,3K",
+                        "--rounds", "1"]  # fmt: skip
+    rows = _rows(_run(cmd, 50).stdout)
+    assert [int(r[0]) for r in rows] == [1 << 20, 3 << 10], rows
+    assert all(float(v.rstrip("x")) > 0 for r in rows for v in r[1:]), rows
+
+
 def test_versus_refuses_an_unknown_system() -> None:
     cmd = mpiexec(2) + [sys.executable, str(BENCH / "versus.py"), "allreduce", "8",
                         "--systems", "auto,nccl"]  # fmt: skip
