@@ -73,9 +73,9 @@ except ImportError:  # pragma: no cover - an install without a compiler
 #: Peers' bytes are reduced in pieces of this size (they stay in cache).
 PIECE_BYTES = 256 << 10
 #: An allgather by address copies its own block and writes it to the peers in
-#: pieces of this size: on the 2-core Intel VM, allgathers of 4 MiB took 7-15%
-#: less time at n = 2-4 than with one copy and one write a peer, of 16 MiB 5-7%
-#: less (benchmarks/RESULTS.md, "The own block in the same pass").
+#: pieces of this size: on the 2-core Intel VM, 2 and 4 MiB blocks took 8-14%
+#: less time than as one copy and one write a peer, 8 MiB 0-8% less
+#: (benchmarks/RESULTS.md, "Streaming copies").
 OWN_PIECE_BYTES = 256 << 10
 
 
