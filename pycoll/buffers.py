@@ -119,7 +119,7 @@ STREAM_COPY_BYTES = 32 << 20
 
 
 def copy_into(dst: Any, src: Any) -> None:
-    """``dst[...] = src`` for arrays of one dtype; on the host, at least
+    """``dst[...] = src`` for host arrays of one dtype; at least
     :data:`STREAM_COPY_BYTES` of contiguous memory go through the compiled
     streaming copy, without the GIL."""
     if (

@@ -36,9 +36,7 @@ allreduce: slots: everyone reduces every contribution.  By address: rank r
     then writes it into every peer's output (an allgather).  Per rank (n-1)/n N
     read and reduced, (n-1)/n N written.
 allgather: slots: rank r copies every peer's block out of the slots.  By
-    address: rank r writes its block into every peer's output; (n-1) k.  Out
-    of place it copies its own block into its output too (every allgather
-    algorithm places it), by address in the same pass as those writes.
+    address: rank r writes its block into every peer's output; (n-1) k.
 broadcast: every non-root reads the root's buffer; N read.
 reduce_scatter: rank r reads block r of every peer's input and reduces; (n-1) k.
 reduce: a reduce-scatter into segments, then every rank writes its segment
@@ -57,10 +55,10 @@ from typing import Any
 import numpy as np
 
 from pycoll.algorithms.cost import ALLGATHER_SLOT_ROUNDS, ALLTOALL_BY_ADDRESS_MIN, split_allreduce
-from pycoll.algorithms.links import Group, Links, own_block, place_own
+from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
-from pycoll.buffers import STREAM_COPY_BYTES, copy_into, data_ptr
+from pycoll.buffers import data_ptr
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
@@ -72,11 +70,6 @@ except ImportError:  # pragma: no cover - an install without a compiler
 
 #: Peers' bytes are reduced in pieces of this size (they stay in cache).
 PIECE_BYTES = 256 << 10
-#: An allgather by address copies its own block and writes it to the peers in
-#: pieces of this size: on the 2-core Intel VM, 2 and 4 MiB blocks took 8-14%
-#: less time than as one copy and one write a peer, 8 MiB 0-8% less
-#: (benchmarks/RESULTS.md, "Streaming copies").
-OWN_PIECE_BYTES = 256 << 10
 
 
 #: The algorithms that run over the group segment, so need every rank on one
@@ -357,34 +350,17 @@ def allgather_cma(L: Links, x: Any, out: Any) -> None:
 
 
 def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
-    """Through the slots for blocks up to ``slot_rounds`` slots, else by address.
-
-    By address, out of place, a rank copies its block into its own output and
-    writes it into the peers' in pieces of :data:`OWN_PIECE_BYTES`, each piece
-    read once from memory for all of them (the later copies find it in the
-    cache); a block that streams (:data:`~pycoll.buffers.STREAM_COPY_BYTES`)
-    goes whole, which was 5% faster at 32 MiB.
-    """
+    """Through the slots for blocks up to ``slot_rounds`` slots, else by address."""
     G = _group(L)
     if not (G.cma and x.nbytes > slot_rounds * G.slot_bytes):
-        place_own(L.rank, x, out)
         _slot_allgather(L, G, x, out)
         return
     dl, bo = L.deadline, L.backoff
     s = _post_buffer(L, G, out)
-    isz, at = x.itemsize, L.rank * x.nbytes
-    others = _others(L.size, L.rank)
-    own = own_block(L.rank, x, out)
-    whole = own is None or x.nbytes >= STREAM_COPY_BYTES  # a streaming copy goes whole
-    p = x.size if whole else max(1, OWN_PIECE_BYTES // isz)
-    for lo in range(0, x.size, p):
-        piece = x[lo : lo + p]
-        if own is not None:
-            copy_into(own[lo : lo + p], piece)
-        for j in others:
-            if not lo:
-                G.wait((j,), s, dl, bo)
-            G.write(j, s, at + lo * isz, piece)
+    at = L.rank * x.nbytes
+    for j in _others(L.size, L.rank):
+        G.wait((j,), s, dl, bo)
+        G.write(j, s, at, x)
     _finish(L, G, s)
 
 
@@ -778,7 +754,7 @@ def prepare(
 
     if collective == "allgather":
         k = count
-        blocks = tuple((j, j * k, (j + 1) * k) for j in (*others, r))  # our own block too
+        blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
         def run_allgather(x: Any, out: Any) -> None:
             s = G.seq = G.seq + 1
@@ -880,7 +856,8 @@ def _compiled_step(
     if collective in ("allreduce", "reduce"):
         mode = _READ if collective == "allreduce" or r == root else _WRITE
     elif collective == "allgather":
-        mode = _GATHER  # every rank's slot, this rank's own too (see allgather)
+        mode = _GATHER  # every rank's slot but this rank's own block (the envelope copies it)
+        rows = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
     elif collective == "reduce_scatter":
         mode = _SCATTER
         red_count = k = count // n

@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from pycoll.buffers import copy_into, data_ptr
-
 # Group is the node-wide segment's protocol (transports.shm_group implements it);
 # the algorithms import it from here.
 from transports.base import (
@@ -38,21 +36,6 @@ from transports.base import (
 
 def _bytes(a: Any) -> memoryview:
     return memoryview(a.view(np.uint8))
-
-
-def own_block(rank: int, x: Any, out: Any) -> Any | None:
-    """Block ``rank`` of an allgather's ``out``, which the algorithm fills from
-    ``x``; None where ``x`` already is that block (in place)."""
-    k = x.size
-    own = out[rank * k : (rank + 1) * k]
-    return None if data_ptr(own) == data_ptr(x) else own
-
-
-def place_own(rank: int, x: Any, out: Any) -> None:
-    """An allgather's own block, copied first (the algorithms that send it from ``out``)."""
-    own = own_block(rank, x, out)
-    if own is not None:
-        copy_into(own, x)
 
 
 class Links:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pycoll.algorithms.links import Links, place_own
+from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.tree import pipelined_broadcast
 
@@ -75,7 +75,6 @@ def allgather(L: Links, x: Any, out: Any) -> None:
         b %= n
         return out[b * k : (b + 1) * k]
 
-    place_own(r, x, out)
     for s in range(n - 1):
         L.send(right, blk(r - s))
         L.wait(L.recv(left, blk(r - s - 1)))

@@ -2,11 +2,8 @@
 
 The output holds ``n * k`` elements; ``recvbuf=None`` allocates one of shape
 ``(n, *sendbuf.shape)`` each call.  In place, ``sendbuf`` is block ``rank`` of
-``recvbuf`` itself.  Unlike the other collectives with a block of a rank's own
-(:func:`~pycoll.collectives.base.own_then`), the algorithms place it too: the
-one that writes its block into the peers' outputs copies it in the same pass
-(:func:`pycoll.algorithms.direct.allgather`); the envelope copies it only where
-no algorithm runs (one rank).
+``recvbuf`` itself; otherwise the envelope copies a rank's own block, and the
+algorithm moves the others.
 """
 
 from __future__ import annotations
@@ -63,12 +60,10 @@ class Allgather(Collective):
         return None if spec.given else (spec.n, *spec.x.shape)
 
     def envelope(self, spec: Spec, step: Step | None, ops: ArrayOps) -> Prepare:
-        if step is not None:  # it places our own block too
-            return partial(partial, step)
-        if spec.in_place:
-            return nothing
         r, k = spec.r, spec.x.count
-        return own_then(None, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
+        if spec.in_place:  # the rank's own block is already there
+            return nothing if step is None else partial(partial, step)
+        return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 
 ALLGATHER = Allgather()

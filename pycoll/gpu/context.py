@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -537,7 +538,10 @@ class DeviceCall(Job):
     def prepare(self, spec: Spec, algo: str, W: Windows | None = None) -> Any:
         """The collective's envelope around the device algorithm ``algo``
         (``W``: the windows every call of ``direct`` uses, else fresh ones)."""
-        return spec.coll.envelope(spec, self._step(spec, algo, W), self)
+        coll = spec.coll
+        if algo == "direct" and coll.name == "allgather":
+            spec = replace(spec, in_place=True)  # the windows write our own block too
+        return coll.envelope(spec, self._step(spec, algo, W), self)
 
     def _step(
         self, spec: Spec, algo: str, W: Windows | None = None
