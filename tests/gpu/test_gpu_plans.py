@@ -117,22 +117,30 @@ def test_another_stream_or_shape_is_an_ordinary_call(comm, replays):
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     x = cp.full(1 << 18, float(RANK + 1), cp.float32)
     total = SIZE * (SIZE + 1) / 2
+
+    def refill(s: cp.cuda.Stream) -> None:
+        # on the stream of the call that follows: a call is ordered after its
+        # stream's work, and these streams do not wait for the default one
+        with s:
+            x.fill(float(RANK + 1))
+
+    cp.cuda.Device().synchronize()
     comm.allreduce(x, stream=a)  # makes the plan
     a.synchronize()
-    x.fill(float(RANK + 1))
+    refill(b)
     comm.allreduce(x, stream=b)  # another stream: not the plan's
     b.synchronize()
     assert float(x.min()) == float(x.max()) == total
     assert replays[0] == 0
     x.shape = (2, 1 << 17)  # another shape: not the plan's either
-    x.fill(float(RANK + 1))
+    refill(a)
     comm.allreduce(x, stream=a)
     a.synchronize()
     assert float(x.min()) == float(x.max()) == total
     assert replays[0] == 0
     x.shape = (1 << 18,)
     for _ in range(2):  # a plan again (the latest call's), then its replay
-        x.fill(float(RANK + 1))
+        refill(a)
         comm.allreduce(x, stream=a)
         a.synchronize()
         assert float(x.min()) == float(x.max()) == total
