@@ -17,19 +17,19 @@ and ``stream``'s speed-up.  Where the two cross on a machine is where
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import parse_size  # (puts the repository on sys.path)
+
 from pycoll._step import stream_copy
 from pycoll.buffers import data_ptr
-
-
-def _size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper()
-    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         print(f"# {n} process(es) copying at once; GB/s of one process, best of {args.rounds}")
         print(f"# {'bytes':>10} {'numpy':>8} {'stream':>8} {'speed-up':>9}")
     rng = np.random.default_rng(rank)
-    for size in map(_size, args.sizes.split(",")):
+    for size in map(parse_size, args.sizes.split(",")):
         src = rng.integers(0, 256, size, dtype=np.uint8)
         dst = np.ones(size, np.uint8)
         reps = max(3, (256 << 20) // size)

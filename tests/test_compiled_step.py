@@ -129,14 +129,14 @@ def test_collectives_agree_through_the_streaming_copy(
     """A rank's own block of an allgather, alltoall, gather and scatter, and a
     lone rank's allreduce, go through :func:`pycoll.buffers.copy_into`: with its
     threshold at 64 bytes every such copy of these calls streams (where the
-    extension was built), and every result must still be NumPy's."""
+    extension was built), and every result must still be NumPy's (the
+    allreduce's too, at every n)."""
     from pycoll import buffers
 
     monkeypatch.setattr(buffers, "STREAM_COPY_BYTES", 64)
     k = 1009  # a prime, odd bytes past the 64-byte lines
 
     def run(r: int, comm: pycoll.Communicator) -> None:
-        rng = np.random.default_rng(r)
         xs = [np.random.default_rng(j).standard_normal(n * k) for j in range(n)]
         x = xs[r]
         out = np.full(n * k, np.nan)
@@ -152,11 +152,13 @@ def test_collectives_agree_through_the_streaming_copy(
         got = np.full(k, np.nan)
         comm.scatter(xs[0] if r == 0 else None, got, root=0)
         np.testing.assert_array_equal(got, xs[0][r * k : (r + 1) * k])
-        y = rng.standard_normal(k)
+        ys = [v[:k] for v in xs]
         got = np.full(k, np.nan)
-        comm.allreduce(y, got)
-        if n == 1:
-            np.testing.assert_array_equal(got, y)
+        comm.allreduce(ys[r], got)
+        want = ys[0].copy()
+        for v in ys[1:]:  # rank order, as the collective reduces
+            want += v
+        np.testing.assert_array_equal(got, want)
 
     with communicators(n) as comms:
         run_ranks(n, lambda r: run(r, comms[r]))
