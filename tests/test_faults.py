@@ -411,10 +411,12 @@ _THREAD_ERRORS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "gather-shm"])
 def test_two_threads_at_once_never_return_a_wrong_result(tmp_path, transport):
     """Two threads x 200 allreduces on one communicator, at once: every result
-    a thread gets is right, and a thread that stops says why with a pycoll error."""
+    a thread gets is right, and a thread that stops says why with a pycoll error.
+    ``gather-shm``: allgathers whose own-block copies release the GIL (the
+    streaming copy), where the other thread's call can come in mid-copy."""
     res = run(f"threads-{transport}", 2, tmp_path)
     assert set(res) == {0, 1}, res
     errors = set()
@@ -429,9 +431,10 @@ def test_two_threads_at_once_never_return_a_wrong_result(tmp_path, transport):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "gather-shm"])
 def test_two_threads_taking_turns_share_a_communicator(tmp_path, transport):
-    """The same calls, each after the other thread's returned: all 400 are right."""
+    """The same calls, each after the other thread's returned: all 400 are right
+    (``gather-shm``: allgathers through the streaming copy, see above)."""
     res = run(f"turns-{transport}", 2, tmp_path)
     assert set(res) == {0, 1}, res
     for r, o in res.items():

@@ -275,10 +275,16 @@ def check() -> None:
     report(**res)
 
 
-def threads(transport: str, turns: bool) -> None:
+def threads(transport: str, turns: bool, gather: bool = False) -> None:
     """Two threads make 200 allreduces each on one communicator: at once, or
     taking turns (each call after the other thread's returned).  Each thread
-    reports its correct and wrong results and the error that stopped it."""
+    reports its correct and wrong results and the error that stopped it.
+    ``gather``: allgathers instead, every own-block copy through the streaming
+    copy, which runs without the GIL (its threshold lowered to 64 bytes)."""
+    if gather:
+        from pycoll import buffers
+
+        buffers.STREAM_COPY_BYTES = 64
     comm = pycoll.init(timeout=10, transports=(transport,))
     calls, k = 200, 16
     weight = sum(r + 1 for r in range(SIZE))
@@ -299,8 +305,12 @@ def threads(transport: str, turns: bool) -> None:
                 # the same array each call replays a plan; every third call a fresh one
                 a = x if i % 3 else np.empty(k, np.float64)
                 a[:] = v * (RANK + 1)
-                res = comm.allreduce(a)
-                if np.array_equal(res, np.full(k, v * weight)):
+                if gather:
+                    res = comm.allgather(a).reshape(-1)
+                    want = np.repeat(v * np.arange(1, SIZE + 1), k)
+                else:
+                    res, want = comm.allreduce(a), np.full(k, v * weight)
+                if np.array_equal(res, want):
                     got["ok"] += 1  # type: ignore[operator]
                 else:
                     got["wrong"] += 1  # type: ignore[operator]
@@ -370,6 +380,8 @@ def progress(transport: str, mib: int) -> None:
     "threads-tcp": lambda: threads("tcp", False),
     "turns-shm": lambda: threads("shm", True),
     "turns-tcp": lambda: threads("tcp", True),
+    "threads-gather-shm": lambda: threads("shm", False, gather=True),
+    "turns-gather-shm": lambda: threads("shm", True, gather=True),
     "kill-shm": lambda: kill("shm", "ring"),
     "kill-direct": lambda: kill("shm", "direct"),
     "kill-tcp": lambda: kill("tcp"),
