@@ -33,6 +33,10 @@
        where the ranges overlap).  For copies far larger than the caches,
        whose destination is not read again soon: pycoll.buffers.copy_into
        decides when.
+
+   allreduce_by_address(...)
+       pycoll.algorithms.direct's allreduce by address, whole, without the
+       GIL; below, where it is defined.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -567,11 +571,340 @@ static PyTypeObject StepType = {
     .tp_new = step_new,
 };
 
+/* ------------------------------------------------------------------ by address
+
+   allreduce_by_address(mem, ctrl0, line, done_off, closed_off, ranges_off, K,
+                        rank, pids, x, out, lo, hi, kind, op, piece, s, w1, t, w2,
+                        phase, k, spin_ns, yields, nap_ns, budget_ns)
+       -> (code, phase, k, peer, value)
+
+   pycoll.algorithms.direct's allreduce by address, whole, without the GIL: the
+   same words and bytes as its Python steps, so ranks may mix the two.  mem
+   exports the group segment (held for the call: a close() on another thread
+   leaves it mapped until the call returns); ctrl0 and the offsets place each
+   rank's control line in it (transports/shm_group.py); pids are the ranks'
+   pids.  x and out (out may be x) are the flat input and output, [lo, hi) this
+   rank's block in elements of kind (see reduce above; op and kind must be ones
+   it reduces).  Steps s and t, with posted words w1 and w2, are taken by the
+   caller.  Phases, from `phase` (and peer index k within it, peers taken in
+   the order rank + 1, rank + 2, ...):
+
+     0 claim s: every peer's done >= s - K;  1 post x as range s % K, done =
+     s - 1, word = w1;  2 wait for every peer's word w1;  3 reduce the block,
+     reading each peer's x in pieces of `piece` bytes (process_vm_readv), in
+     rank order into out;  4 claim t;  5 post out as range t % K, done = s,
+     word = w2;  6 for each peer: wait for its word w2, write the block into its
+     out (process_vm_writev);  7 done = t, wait until every peer's done >= t.
+
+   Each wait spins spin_ns, yields `yields` times, then naps (20 us doubling
+   up to nap_ns).  The call returns rather than decide anything:
+     (0, ...)                          done;
+     (1, phase, k, peer, need)         peer's done is short of need after
+                                       budget_ns, or a closed word is set: the
+                                       caller waits (timeouts, liveness) and
+                                       calls again from phase, k;
+     (2, phase, k, peer, word)         the same for a posted word, returned at
+                                       once where the peer's word is another
+                                       one of this step or later (a mismatch);
+     (3, phase, k, peer, errno)        a read (phase 3) or write (6) failed;
+     (4, phase, k, peer, nbytes)       the peer's posted range has only nbytes.
+   Phases 0-2 and 4-7 may be run again; after 3 or 6 fails, nothing is. */
+
+#if defined(__linux__)
+#include <errno.h>
+#include <sched.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define STEP_MASK ((UINT64_C(1) << 40) - 1)
+
+typedef struct {
+    long long spin_ns, nap_ns, budget_ns;
+    long yields;
+} Patience;
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Until *w >= want (eq: == want): 0; else 1 once the budget is spent, a closed
+   word is set or (eq) the word holds another word of this step or a later one. */
+static int
+await_word(const uint64_t *w, uint64_t want, int eq, const uint64_t *closed_peer,
+           const uint64_t *closed_self, const Patience *pt)
+{
+    long long t0 = 0, nap = 20000;
+    long yields = 0;
+    for (;;) {
+        uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+        if (eq ? v == want : v >= want)
+            return 0;
+        if (eq && (v & STEP_MASK) >= (want & STEP_MASK))
+            return 1;
+        long long t = now_ns();
+        if (!t0)
+            t0 = t;
+        else if (t - t0 < pt->spin_ns) {
+            for (int i = 0; i < 32; i++)
+                RELAX();
+            continue;
+        } else if (t - t0 >= pt->budget_ns || __atomic_load_n(closed_peer, __ATOMIC_ACQUIRE) ||
+                   __atomic_load_n(closed_self, __ATOMIC_ACQUIRE))
+            return 1;
+        if (yields < pt->yields) {
+            yields++;
+            sched_yield();
+        } else {
+            struct timespec ts = {0, nap};
+            nanosleep(&ts, NULL);
+            if (nap < pt->nap_ns)
+                nap = nap * 2 < pt->nap_ns ? nap * 2 : pt->nap_ns;
+        }
+    }
+}
+
+/* n bytes between our local and the peer's remote address; 0 or an errno. */
+static int
+vm_move(pid_t pid, char *local, uint64_t remote, size_t n, int write)
+{
+    size_t done = 0;
+    while (done < n) {
+        struct iovec l = {local + done, n - done};
+        struct iovec r = {(void *)(uintptr_t)(remote + done), n - done};
+        ssize_t got = write ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (got < 0)
+            return errno ? errno : EIO;
+        if (got == 0)
+            return EFAULT;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+typedef struct {
+    char *ctrl;
+    Py_ssize_t line, done_off, closed_off, ranges_off;
+    int K, rank, n;
+    pid_t pids[MAXN];
+} Layout;
+
+#define WORD(L, j, i) ((uint64_t *)((L)->ctrl + (Py_ssize_t)(j) * (L)->line + 8 * (i)))
+#define DONE(L, j) ((uint64_t *)((L)->ctrl + (Py_ssize_t)(j) * (L)->line + (L)->done_off))
+#define CLOSED(L, j) ((uint64_t *)((L)->ctrl + (Py_ssize_t)(j) * (L)->line + (L)->closed_off))
+#define RANGE(L, j, i) \
+    ((uint64_t *)((L)->ctrl + (Py_ssize_t)(j) * (L)->line + (L)->ranges_off + 16 * (i)))
+
+typedef struct {
+    int code, phase, k, peer;
+    uint64_t value;
+} Outcome;
+
+static Outcome
+by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo,
+           Py_ssize_t hi, int kind, int op, Py_ssize_t piece, uint64_t s, uint64_t w1,
+           uint64_t t, uint64_t w2, int phase, int k, const Patience *pt, char *tmp)
+{
+    Outcome o = {0, phase, k, -1, 0};
+    int n = L->n, r = L->rank, K = L->K, wd = width(kind);
+    const uint64_t *me_closed = CLOSED(L, r);
+    for (; o.phase < 8; o.phase++, o.k = 0) {
+        int ph = o.phase;
+        if (ph == 0 || ph == 4) { /* claim */
+            uint64_t st = ph == 0 ? s : t;
+            if (st <= (uint64_t)K)
+                continue;
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_word(DONE(L, j), st - K, 0, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 1, o.peer = j, o.value = st - K;
+                    return o;
+                }
+            }
+        } else if (ph == 1 || ph == 5) { /* post */
+            uint64_t st = ph == 1 ? s : t;
+            int i = (int)(st % (uint64_t)K);
+            uint64_t *rg = RANGE(L, r, i);
+            rg[0] = (uint64_t)(uintptr_t)(ph == 1 ? x : out);
+            rg[1] = (uint64_t)nbytes;
+            __atomic_store_n(DONE(L, r), st - 1, __ATOMIC_RELEASE);
+            __atomic_store_n(WORD(L, r, i), ph == 1 ? w1 : w2, __ATOMIC_RELEASE);
+        } else if (ph == 2) { /* wait for the inputs */
+            int i = (int)(s % (uint64_t)K);
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_word(WORD(L, j, i), w1, 1, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 2, o.peer = j, o.value = w1;
+                    return o;
+                }
+            }
+        } else if (ph == 3) { /* reduce this rank's block, in rank order, piece by piece */
+            int i = (int)(s % (uint64_t)K);
+            Py_ssize_t per = piece / wd;
+            char *own = tmp + piece; /* a copy of x's piece, in place */
+            /* in place off rank 0, the first row lands on our operand before its turn */
+            int overlap = r && out + lo * wd < x + hi * wd && x + lo * wd < out + hi * wd;
+            for (Py_ssize_t a = lo; a < hi; a += per) {
+                Py_ssize_t b = a + per < hi ? a + per : hi, m = b - a;
+                size_t len = (size_t)(m * wd);
+                char *mine = x + a * wd, *acc = out + a * wd;
+                if (overlap) {
+                    memcpy(own, mine, len);
+                    mine = own;
+                }
+                /* as the Python steps: acc = row 0 OP row 1, then acc = acc OP row q */
+                char *first = mine;
+                for (int q = 0; q < n; q++) {
+                    char *row = mine;
+                    if (q != r) {
+                        uint64_t *rg = RANGE(L, q, i);
+                        uint64_t addr = __atomic_load_n(&rg[0], __ATOMIC_RELAXED);
+                        uint64_t have = __atomic_load_n(&rg[1], __ATOMIC_RELAXED);
+                        if ((uint64_t)(a * wd) + len > have) {
+                            o.code = 4, o.peer = q, o.value = have;
+                            return o;
+                        }
+                        row = q == 0 ? acc : tmp;
+                        int e = vm_move(L->pids[q], row, addr + (uint64_t)(a * wd), len, 0);
+                        if (e) {
+                            o.code = 3, o.peer = q, o.value = (uint64_t)e;
+                            return o;
+                        }
+                    }
+                    if (q == 0) {
+                        first = row;
+                        continue;
+                    }
+                    char *rows[2] = {q == 1 ? first : acc, row};
+                    reduce_kind(op, kind, acc, rows, 2, m);
+                }
+            }
+        } else if (ph == 6) { /* our block into every peer's output */
+            int i = (int)(t % (uint64_t)K);
+            size_t len = (size_t)((hi - lo) * wd);
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_word(WORD(L, j, i), w2, 1, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 2, o.peer = j, o.value = w2;
+                    return o;
+                }
+                uint64_t *rg = RANGE(L, j, i);
+                uint64_t addr = __atomic_load_n(&rg[0], __ATOMIC_RELAXED);
+                uint64_t have = __atomic_load_n(&rg[1], __ATOMIC_RELAXED);
+                if ((uint64_t)(lo * wd) + len > have) {
+                    o.code = 4, o.peer = j, o.value = have;
+                    return o;
+                }
+                int e = len ? vm_move(L->pids[j], out + lo * wd, addr + (uint64_t)(lo * wd), len, 1)
+                            : 0;
+                if (e) {
+                    o.code = 3, o.peer = j, o.value = (uint64_t)e;
+                    return o;
+                }
+            }
+        } else { /* 7: done, and every peer done with our buffers */
+            if (o.k == 0)
+                __atomic_store_n(DONE(L, r), t, __ATOMIC_RELEASE);
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_word(DONE(L, j), t, 0, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 1, o.peer = j, o.value = t;
+                    return o;
+                }
+            }
+        }
+    }
+    o.phase = 8;
+    return o;
+}
+
+static PyObject *
+step_allreduce_by_address(PyObject *self, PyObject *args)
+{
+    PyObject *mem, *pids, *xo, *outo;
+    Layout L;
+    Py_ssize_t ctrl0, lo, hi, piece;
+    unsigned long long s, w1, t, w2;
+    int kind, op, phase, k;
+    Patience pt;
+    if (!PyArg_ParseTuple(args, "OnnnnniiOOOnniinKKKKiiLlLL:allreduce_by_address", &mem, &ctrl0,
+                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &L.K, &L.rank,
+                          &pids, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2,
+                          &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+        return NULL;
+    int wd = width(kind);
+    if (op < 0 || op > 6 || ((kind == 'f' || kind == 'd') && op > 1))
+        wd = 0; /* an op reduce_kind does not do for this kind */
+    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) < 2 || PyTuple_GET_SIZE(pids) > MAXN ||
+        !wd || piece < wd || L.K < 2 || L.rank < 0 || L.rank >= PyTuple_GET_SIZE(pids) ||
+        phase < 0 || phase > 7 || k < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "allreduce_by_address: bad pids, kind, op, piece or phase");
+        return NULL;
+    }
+    L.n = (int)PyTuple_GET_SIZE(pids);
+    for (int j = 0; j < L.n; j++) {
+        long v = PyLong_AsLong(PyTuple_GET_ITEM(pids, j));
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        L.pids[j] = (pid_t)v;
+    }
+    Py_buffer seg, xb, ob;
+    if (PyObject_GetBuffer(mem, &seg, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(xo, &xb, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(outo, &ob, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    Outcome o = {0, 0, 0, -1, 0};
+    char *tmp = NULL;
+    if (xb.len != ob.len || xb.len % wd || lo < 0 || hi < lo || hi * wd > xb.len ||
+        ctrl0 + L.n * L.line > seg.len) {
+        PyErr_SetString(PyExc_ValueError, "allreduce_by_address: sizes do not agree");
+        goto out;
+    }
+    piece -= piece % wd;
+    tmp = PyMem_RawMalloc(2 * (size_t)piece); /* a peer's piece, our own */
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    L.ctrl = (char *)seg.buf + ctrl0;
+    Py_BEGIN_ALLOW_THREADS
+    o = by_address(&L, xb.buf, ob.buf, xb.len, lo, hi, kind, op, piece, s, w1, t, w2, phase, k,
+                   &pt, tmp);
+    Py_END_ALLOW_THREADS
+out:
+    PyMem_RawFree(tmp);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&seg);
+    if (PyErr_Occurred())
+        return NULL;
+    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+}
+#define BY_ADDRESS                                                                          \
+    {"allreduce_by_address", (PyCFunction)step_allreduce_by_address, METH_VARARGS,          \
+     "A direct allreduce by address, whole, without the GIL (see _step.c)."},
+#else
+#define BY_ADDRESS
+#endif
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))step_reduce, METH_FASTCALL,
      "Reduce rows at addresses into a buffer, in rank order; False: not here."},
     {"stream_copy", (PyCFunction)(void (*)(void))step_stream_copy, METH_FASTCALL,
      "Copy bytes between addresses without the GIL, past the caches."},
+    BY_ADDRESS
     {NULL, NULL, 0, NULL},
 };
 

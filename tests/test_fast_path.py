@@ -634,9 +634,9 @@ def _count_calls(c: pycoll.Communicator, name: str, tally: list[int]) -> None:
     assert c._engine.group is not None and c._engine.group.cma
     real = getattr(c._engine.group, name)
 
-    def counted(*args: Any) -> None:
+    def counted(*args: Any) -> Any:
         tally[c.rank] += 1
-        real(*args)
+        return real(*args)
 
     setattr(c._engine.group, name, counted)
 
@@ -681,17 +681,24 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
 
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("crowded", [False, True])
+@pytest.mark.parametrize("compiled", [True, False])
 def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_limit(
-    n: int, crowded: bool
+    n: int, crowded: bool, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Above the slot size a direct allreduce or reduce reads the peers' buffers
     by address (and writes the finished segments into the outputs); where ranks
     outnumber cores it goes through the slots in rounds
     while a rank's (n - 1) N stays within ROUNDS_CROWDED_*.  Either way every
     rank (the root, for reduce) gets the rank-order reduction, bit for bit, in
-    place and out of place."""
+    place and out of place, from the Python steps and from the compiled
+    allreduce by address (which reads and writes on its own: counted once a
+    call, as one read and one write)."""
     from pycoll.algorithms import direct
 
+    if not compiled:
+        monkeypatch.setattr(direct, "compiled", None)
+    elif direct.compiled is None:
+        pytest.skip("pycoll._step was not built")
     with communicators(n) as comms:
         slot = comms[0]._engine.group.slot_bytes
         reads = [0] * n
@@ -701,6 +708,8 @@ def test_direct_reductions_where_ranks_outnumber_cores_go_by_slots_up_to_their_l
         def body(c: pycoll.Communicator) -> None:
             _count_calls(c, "read", reads)
             _count_calls(c, "write", writes)
+            _count_calls(c, "control", reads)  # the compiled allreduce reads
+            _count_calls(c, "control", writes)  # ... and writes
             r = c.rank
             for coll, limit in [
                 ("allreduce", direct.ROUNDS_CROWDED_ALLREDUCE),

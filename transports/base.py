@@ -789,6 +789,24 @@ class Group(Protocol):
         reads them as :meth:`post_word`, :meth:`wait_word` and :meth:`done` do)."""
         ...
 
+    def control(self) -> Any:
+        """Where the control words lie (``memory``, ``ctrl0``, ``line``, ``done``,
+        ``closed``, ``ranges``), for a compiled step that loads and stores them
+        itself as these methods do."""
+        ...
+
+    def pid(self, j: int) -> int:
+        """Rank ``j``'s pid in this pid namespace (0: unknown)."""
+        ...
+
+    def range_error(self, what: str, j: int, offset: int, n: int, nbytes: int) -> TransportError:
+        """The error of a ``what`` (read, write) outside rank ``j``'s posted range."""
+        ...
+
+    def copy_error(self, what: str, j: int, n: int, err: int) -> TransportError:
+        """The error of a direct ``what`` of ``n`` bytes with rank ``j`` that failed with ``err``."""
+        ...
+
     def wait_done(
         self, peers: Iterable[int], seq: int, deadline: Deadline, backoff: Backoff
     ) -> None:

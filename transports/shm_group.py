@@ -64,7 +64,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -139,6 +139,20 @@ def segment_bytes(size: int, slot_bytes: int, slots: int = SLOTS) -> int:
 
 
 _HANDLE = struct.Struct("<QQ8s")  # the creator's pid, its descriptor, the token
+
+
+class ControlLayout(NamedTuple):
+    """The control lines in the segment: rank j's posted word i at ``ctrl0 + j *
+    line + 8 i``, its done, closed and range i (address, length) words at
+    offsets ``done``, ``closed`` and ``ranges + 16 i`` of its line; ``memory``
+    exports the segment."""
+
+    memory: Any
+    ctrl0: int
+    line: int
+    done: int
+    closed: int
+    ranges: int
 
 
 class ShmGroup:
@@ -353,6 +367,14 @@ class ShmGroup:
         slot = base + self._data0 + (self.slots * j + i) * self.slot_bytes
         return slot, self._posted[j][i].address, self._done[j].address
 
+    def control(self) -> ControlLayout:
+        """Where the control lines lie, for compiled steps that load and store the
+        words themselves (``pycoll._step.allreduce_by_address``)."""
+        if self._mm is None:
+            raise TransportError("group segment is closed", transport=TRANSPORT)
+        done, _, _, closed, _, ranges, _ = _offsets(self.slots)
+        return ControlLayout(self._mm, _CTRL0, self._line, done, closed, ranges)
+
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
         """Wait until this rank may overwrite its slot and posted word for step ``seq``.
 
@@ -494,24 +516,32 @@ class ShmGroup:
             self._mm, _CTRL0 + j * self._line + self._ranges_off + (seq % self.slots) * _RANGE.size
         )
         if offset < 0 or offset + n > nbytes:
-            raise TransportError(
-                f"group: {what} of bytes [{offset}, {offset + n}) of rank {j}'s posted "
-                f"{nbytes}-byte range (mismatched collectives: do all ranks run the same one?)",
-                peer=j,
-                transport=TRANSPORT,
-            )
+            raise self.range_error(what, j, offset, n, nbytes)
         if not n:
             return
         try:
             copy(self.pid(j), addr + offset, at, n)
         except OSError as exc:
-            cls = PeerClosedError if exc.errno == errno.ESRCH else TransportError
-            raise cls(
-                f"group: direct {what} of {n} bytes with rank {j}: {exc.strerror}",
-                peer=j,
-                transport=TRANSPORT,
-                errno=exc.errno,
-            ) from exc
+            raise self.copy_error(what, j, n, exc.errno or errno.EIO) from exc
+
+    def range_error(self, what: str, j: int, offset: int, n: int, nbytes: int) -> TransportError:
+        """A read or write of ``[offset, offset + n)`` beyond rank ``j``'s posted range."""
+        return TransportError(
+            f"group: {what} of bytes [{offset}, {offset + n}) of rank {j}'s posted "
+            f"{nbytes}-byte range (mismatched collectives: do all ranks run the same one?)",
+            peer=j,
+            transport=TRANSPORT,
+        )
+
+    def copy_error(self, what: str, j: int, n: int, err: int) -> TransportError:
+        """A direct read or write of ``n`` bytes with rank ``j`` that failed with ``err``."""
+        cls = PeerClosedError if err == errno.ESRCH else TransportError
+        return cls(
+            f"group: direct {what} of {n} bytes with rank {j}: {os.strerror(err)}",
+            peer=j,
+            transport=TRANSPORT,
+            errno=err,
+        )
 
     # ------------------------------------------------------------------ waiting
     def _wait_posted(self, j: int, i: int, word: int, deadline: Deadline, bo: Backoff) -> None:

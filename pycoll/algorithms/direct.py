@@ -312,6 +312,8 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
     if not _reduces_by_address(L, G, x.nbytes, ROUNDS_CROWDED_ALLREDUCE):
         _slot_reduce(L, G, x, out, None)
         return
+    if _allreduce_compiled(L, G, x, out):
+        return
     n, r = L.size, L.rank
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
@@ -327,6 +329,83 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
         G.wait((j,), t, dl, bo)
         G.write(j, t, b[r] * isz, seg)
     _finish(L, G, t)
+
+
+#: How long the compiled allreduce waits for a peer without the GIL before it
+#: hands the wait to the group's (which checks the deadline and the peer's life).
+BY_ADDRESS_PATIENCE_NS = 50_000_000
+
+
+def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
+    """:func:`allreduce` by address as one call of
+    ``pycoll._step.allreduce_by_address``, which releases the GIL from its first
+    claim to its last wait: the same steps, words and bytes.  A wait that
+    outlasts ``BY_ADDRESS_PATIENCE_NS`` (or finds a peer closed, or another
+    word of the step) is finished here by the group's own, which raises what
+    it finds wrong; then the call goes on.  False, touching nothing, where it
+    does not apply (no compiled module, or an op or dtype C does not reduce).
+
+    Where ranks share a process with other Python threads (DDP's hooks beside
+    the torch backend's worker), a wait that keeps the GIL makes each thread
+    queue for the other: on the H200, n = 2, a 1 MiB allreduce took 120-170 us
+    alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The bucket's host
+    allreduce without the GIL")."""
+    if compiled is None or not hasattr(compiled, "allreduce_by_address"):
+        return False
+    code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
+    if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
+        return False
+    n, r = L.size, L.rank
+    lay = G.control()
+    pids = tuple(G.pid(j) if j != r else 0 for j in range(n))
+    b = segments(0, x.size, n)
+    s, t = _step(L, G), _step(L, G)
+    K = G.slots
+    w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
+    dl, bo = L.deadline, L.backoff
+    spin_ns, naps_ns = int(bo.spins * 300), int(bo.max_sleep * 1e9)
+    phase = k = 0
+    while True:
+        rc, phase, k, j, v = compiled.allreduce_by_address(
+            lay.memory,
+            lay.ctrl0,
+            lay.line,
+            lay.done,
+            lay.closed,
+            lay.ranges,
+            K,
+            r,
+            pids,
+            x,
+            out,
+            b[r],
+            b[r + 1],
+            kind,
+            code,
+            PIECE_BYTES,
+            s,
+            w1,
+            t,
+            w2,
+            phase,
+            k,
+            spin_ns,
+            bo.yields,
+            naps_ns,
+            BY_ADDRESS_PATIENCE_NS,
+        )
+        if rc == 0:
+            return True
+        if rc == 1:  # a peer's done word: the group's wait, then on
+            G.wait_done((j,), v, dl, bo)
+        elif rc == 2:  # a peer's posted word: the group's wait raises on a mismatch
+            G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % K, v, dl, bo)
+        else:
+            what = "read" if phase == 3 else "write"
+            lo = b[r] * x.itemsize
+            if rc == 3:
+                raise G.copy_error(what, j, (b[r + 1] - b[r]) * x.itemsize, v)
+            raise G.range_error(what, j, lo, (b[r + 1] - b[r]) * x.itemsize, v)
 
 
 @register("allgather", "direct")

@@ -1,0 +1,255 @@
+"""The compiled allreduce by address (``pycoll._step.allreduce_by_address``):
+the same steps, words and bytes as the Python ones of pycoll.algorithms.direct,
+run without the GIL, handing slow waits, mismatches and failed copies to the
+group.  4 KiB group slots: direct goes by address from 4 KiB a rank."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll.algorithms import direct
+from tests.inproc import communicators, run_ranks
+
+pytestmark = pytest.mark.skipif(
+    direct.compiled is None or not hasattr(direct.compiled, "allreduce_by_address"),
+    reason="pycoll._step was not built",
+)
+
+TIMEOUT = 10.0
+SLOTS = {"transports": ("shm",), "group_slot_bytes": 4096, "tune": False}
+#: dtypes and the ops C reduces for each (float min and max go by Python)
+CASES = [
+    (np.float32, ("sum", "prod")),
+    (np.float64, ("sum",)),
+    (np.int8, ("sum", "prod", "min", "max", "band", "bor", "bxor")),
+    (np.uint16, ("sum", "max")),
+    (np.int32, ("sum", "min")),
+    (np.uint64, ("sum", "bxor")),
+    (np.float32, ("min", "max")),
+]
+#: elements: primes past a 4 KiB slot for every dtype
+COUNTS = [4099, 8209]
+
+
+def _reference(xs: list[np.ndarray], op: str) -> np.ndarray:
+    f = {
+        "sum": np.add,
+        "prod": np.multiply,
+        "min": np.minimum,
+        "max": np.maximum,
+        "band": np.bitwise_and,
+        "bor": np.bitwise_or,
+        "bxor": np.bitwise_xor,
+    }[op]
+    acc = xs[0]
+    for a in xs[1:]:
+        acc = f(acc, a)
+    return acc
+
+
+def _inputs(dtype: Any, count: int, n: int, op: str) -> list[np.ndarray]:
+    out = []
+    for q in range(n):
+        g = np.random.default_rng([count, q, n])
+        if np.dtype(dtype).kind == "f":
+            out.append(g.standard_normal(count).astype(dtype))
+        else:
+            hi = 3 if op == "prod" else 100
+            out.append(g.integers(0, hi, count).astype(dtype))
+    return out
+
+
+def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
+    """Count each rank's compiled calls; ranks in ``python_ranks`` take the Python steps."""
+    real = direct._allreduce_compiled
+    used: dict[int, int] = {}
+
+    def counted(L: Any, G: Any, x: Any, out: Any) -> bool:
+        if L.rank in python_ranks:
+            return False
+        ran = real(L, G, x, out)
+        used[L.rank] = used.get(L.rank, 0) + ran
+        return ran
+
+    monkeypatch.setattr(direct, "_allreduce_compiled", counted)
+    return used
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_compiled_and_python_ranks_agree_bit_for_bit(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every dtype and op, in place and out of place, at primes of elements: the
+    odd ranks take the Python steps and the even ones the compiled call (they
+    pair, step for step), and every rank holds the rank-order reduction."""
+    used = _count_compiled(monkeypatch, python_ranks={1, 3})
+    with communicators(n, timeout=TIMEOUT, **SLOTS) as comms:
+        for c in comms:  # by address also where ranks outnumber cores
+            c._engine.crowded = False
+            c._engine.links_cache.clear()
+
+        def body(r: int) -> None:
+            c = comms[r]
+            for (dtype, ops), count in itertools.product(CASES, COUNTS):
+                for op, inplace in itertools.product(ops, (False, True)):
+                    xs = _inputs(dtype, count, n, op)
+                    ref = _reference(xs, op)
+                    what = (np.dtype(dtype).name, op, count, inplace, r)
+                    if inplace:
+                        y = xs[r].copy()
+                        c.allreduce(y, op=op, algorithm="direct")
+                    else:
+                        y = np.full(count, 7, dtype)  # poisoned
+                        c.allreduce(xs[r], y, op=op, algorithm="direct")
+                        assert xs[r].tobytes() == _inputs(dtype, count, n, op)[r].tobytes(), what
+                    assert y.tobytes() == ref.tobytes(), what
+
+        run_ranks(n, body, timeout=120)
+    compiled_ops = sum(
+        sum(np.dtype(d).kind != "f" or op in ("sum", "prod") for op in ops) for d, ops in CASES
+    )  # float min and max go by Python on every rank
+    calls = compiled_ops * 2 * len(COUNTS)
+    assert used == {r: calls for r in range(0, n, 2)}, used
+
+
+def test_a_peer_slower_than_the_patience_is_waited_for_by_the_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 1 ms of patience, a peer 200 ms late: the compiled call hands the
+    wait to the group's (which checks the deadline and the peer's life), then
+    goes on from where it stopped; the result is right."""
+    monkeypatch.setattr(direct, "BY_ADDRESS_PATIENCE_NS", 1_000_000)
+    used = _count_compiled(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+        handed = [0, 0]
+        for r, c in enumerate(comms):
+            G = c._engine.group
+            for name in ("wait_word", "wait_done"):
+                real = getattr(G, name)
+
+                def counted(*a: Any, _real: Any = real, _r: int = r) -> Any:
+                    handed[_r] += 1
+                    return _real(*a)
+
+                setattr(G, name, counted)
+
+        def body(r: int) -> np.ndarray:
+            x = np.arange(4099, dtype=np.float32) * (r + 1)
+            for late in (0.2, 0.0, 0.2):
+                if r == 1:
+                    time.sleep(late)
+                comms[r].allreduce(x, algorithm="direct")
+            return x
+
+        outs = run_ranks(2, body, timeout=60)
+    ref = np.arange(4099, dtype=np.float32) * 12  # 1 + 2, then doubled twice
+    for out in outs:
+        assert out.tobytes() == ref.tobytes()
+    assert used == {0: 3, 1: 3}, used
+    assert handed[0] >= 2, handed  # rank 0 waited for rank 1 twice past the patience
+
+
+def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
+    """Waiting for a word no peer posts, the call returns after its patience
+    with the wait to finish (code 2, the peer, the word), and meanwhile another
+    Python thread runs; a peer whose group closes ends the wait at once."""
+    from pycoll import _step
+
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+        G = comms[0]._engine.group
+        lay = G.control()
+        x = np.ones(4096, np.float32)
+        out = np.empty_like(x)
+        s = G.seq + 1
+        w = G.chains[s % G.slots] | s  # never posted: rank 1 makes no call
+
+        def wait(budget_ns: int) -> tuple[Any, float]:
+            t0 = time.monotonic()
+            got = _step.allreduce_by_address(
+                lay.memory, lay.ctrl0, lay.line, lay.done, lay.closed, lay.ranges, G.slots, 0,
+                (0, G.pid(1)), x, out, 0, 2048, ord("f"), 0, 1 << 16,
+                s, w, s + 1, w, 2, 0, 0, 16, 200_000, budget_ns,
+            )  # fmt: skip
+            return got, time.monotonic() - t0
+
+        ticks = [0]
+        stop = threading.Event()
+
+        def count() -> None:
+            while not stop.is_set():
+                ticks[0] += 1
+
+        t = threading.Thread(target=count)
+        t.start()
+        try:
+            time.sleep(0.01)
+            before = ticks[0]
+            got, took = wait(300_000_000)
+            during = ticks[0] - before
+        finally:
+            stop.set()
+            t.join()
+        assert got == (2, 2, 0, 1, w), got
+        assert 0.25 < took < 5, took
+        assert during > 1000, f"another thread ran {during} rounds in the call's {took:.3f} s"
+
+        closer = threading.Timer(0.1, comms[1]._engine.group.close)
+        closer.start()
+        got, took = wait(30_000_000_000)
+        closer.join()
+        assert got[0] == 2 and took < 5, (got, took)
+
+
+def test_a_peer_that_closes_mid_call_raises_and_returns_nothing_wrong() -> None:
+    """Rank 1 closes after a few calls; rank 0's next allreduce by address, which
+    waits for rank 1's posted range without the GIL, raises within the timeout
+    and never returns as if all were well."""
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> Any:
+            c = comms[r]
+            x = np.full(4099, r + 1, np.int32)
+            for _ in range(3):
+                c.allreduce(x.copy(), algorithm="direct")
+            if r == 1:
+                c.close()
+                return None
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(pycoll.PycollError) as ei:
+                c.allreduce(x, algorithm="direct")
+            return type(ei.value).__name__, time.monotonic() - t0
+
+        res = run_ranks(2, body, timeout=TIMEOUT + 30)
+    name, waited = res[0]
+    assert name in ("PeerAbortedError", "CollectiveTimeout"), res
+    assert waited < TIMEOUT + 3, res
+
+
+@pytest.mark.parametrize("other", ["another op", "another count", "an allgather"])
+def test_mismatched_calls_by_address_raise(other: str) -> None:
+    """Rank 1 runs another call than rank 0's compiled allreduce by address: the
+    mismatch surfaces at once on some rank, and no rank returns twice."""
+    from tests.test_mismatch import _run_case
+
+    k = 4099
+
+    def make(r: int, n: int) -> tuple[Any, Any]:
+        x = np.full(k, r + 1, np.int32)
+        if r == 0 or other == "another op":
+            op = "sum" if r == 0 else "max"
+            return (lambda c, a: c.allreduce(x, op=op, algorithm=a)), None
+        if other == "another count":
+            y = np.full(k + 1, r + 1, np.int32)
+            return (lambda c, a: c.allreduce(y, algorithm=a)), None
+        out = np.empty(2 * k, np.int32)
+        return (lambda c, a: c.allgather(x, out, algorithm=a)), None
+
+    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
