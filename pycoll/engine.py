@@ -264,6 +264,7 @@ class Engine:
         L.tag, L.fp = self.tag, self.fp  # the running call's (see execute)
         fam = self.fam
         L._backoff = fam.polite if threading.current_thread() is not fam.caller else self.backoff
+        L.patient = self.backoff
         return L
 
     def make_step(self, key: tuple[Any, ...]) -> Callable[[Any, Any], None]:

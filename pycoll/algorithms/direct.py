@@ -334,6 +334,9 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
 #: How long the compiled allreduce waits for a peer without the GIL before it
 #: hands the wait to the group's (which checks the deadline and the peer's life).
 BY_ADDRESS_PATIENCE_NS = 50_000_000
+#: A back-off's spin round in Python, about: the compiled wait spins a policy's
+#: ``spins`` rounds for that many nanoseconds each.
+ROUND_NS = 300
 
 
 def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
@@ -362,8 +365,13 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     s, t = _step(L, G), _step(L, G)
     K = G.slots
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
-    dl, bo = L.deadline, L.backoff
-    spin_ns, naps_ns = int(bo.spins * 300), int(bo.max_sleep * 1e9)
+    # It waits as a caller's thread does, also on the worker, whose back-off
+    # naps almost at once to leave the GIL to the caller's computation: this
+    # wait holds no GIL.  DDP on the H200, n = 2, went from 1.04-1.06x Gloo's
+    # step with the worker's back-off to 0.95-0.99x (benchmarks/RESULTS.md).
+    dl, bo = L.deadline, L.patient
+    spin_ns = int(bo.spins * ROUND_NS)
+    naps_ns = int(bo.max_sleep * 1e9)
     phase = k = 0
     while True:
         rc, phase, k, j, v = compiled.allreduce_by_address(

@@ -66,6 +66,7 @@ class Links:
         "dtype",
         "fp",
         "group",
+        "patient",
         "rank",
         "reduce",
         "size",
@@ -94,6 +95,10 @@ class Links:
         self.reduce = reduce
         self._pending: list[Request] = []
         self._backoff = backoff
+        #: how a wait that holds no GIL waits: the communicator's own policy,
+        #: also on the worker thread, whose ``backoff`` naps almost at once to
+        #: leave the GIL to the caller's computation (the engine sets it)
+        self.patient = backoff
         self.group = group
         self.crowded = crowded
         #: the tag of this call's messages, and its fingerprint for the group's
