@@ -34,10 +34,9 @@
        whose destination is not read again soon: pycoll.buffers.copy_into
        decides when.
 
-   allreduce_by_address(...), await_u32(...)
+   allreduce_by_address(...)
        pycoll.algorithms.direct's allreduce by address, whole, without the
-       GIL, and a wait for a word without the GIL; below, where they are
-       defined.
+       GIL; below, where it is defined.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -893,61 +892,9 @@ out:
         return NULL;
     return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
 }
-/* await_u32(addr, value, spin_ns, yields, nap_ns, budget_ns) -> bool
-
-   Without the GIL, until the 32-bit word at addr equals value (True), or for
-   budget_ns at most (False): spin, yield, then nap as allreduce_by_address's
-   waits do.  For a word a CUDA stream writes into pinned host memory after
-   work the caller waits for (pycoll.torch_backend.mirrors); the caller keeps
-   the word's memory alive and polls what it cannot wait out here. */
-static PyObject *
-step_await_u32(PyObject *self, PyObject *args)
-{
-    unsigned long long addr;
-    unsigned int value;
-    Patience pt;
-    if (!PyArg_ParseTuple(args, "KILlLL:await_u32", &addr, &value, &pt.spin_ns, &pt.yields,
-                          &pt.nap_ns, &pt.budget_ns))
-        return NULL;
-    if (!addr) {
-        PyErr_SetString(PyExc_ValueError, "await_u32: a null address");
-        return NULL;
-    }
-    const uint32_t *w = (const uint32_t *)(uintptr_t)addr;
-    int met = 0;
-    Py_BEGIN_ALLOW_THREADS
-    long long t0 = now_ns(), nap = 20000;
-    long yields = 0;
-    for (;;) {
-        if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == value) {
-            met = 1;
-            break;
-        }
-        long long t = now_ns();
-        if (t - t0 >= pt.budget_ns)
-            break;
-        if (t - t0 < pt.spin_ns) {
-            for (int i = 0; i < 32; i++)
-                RELAX();
-        } else if (yields < pt.yields) {
-            yields++;
-            sched_yield();
-        } else {
-            struct timespec ts = {0, nap};
-            nanosleep(&ts, NULL);
-            if (nap < pt.nap_ns)
-                nap = nap * 2 < pt.nap_ns ? nap * 2 : pt.nap_ns;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(met);
-}
-
 #define BY_ADDRESS                                                                          \
     {"allreduce_by_address", (PyCFunction)step_allreduce_by_address, METH_VARARGS,          \
-     "A direct allreduce by address, whole, without the GIL (see _step.c)."},                \
-    {"await_u32", (PyCFunction)step_await_u32, METH_VARARGS,                                 \
-     "Wait without the GIL, for a while, until a 32-bit word holds a value."},
+     "A direct allreduce by address, whole, without the GIL (see _step.c)."},
 #else
 #define BY_ADDRESS
 #endif

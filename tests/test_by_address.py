@@ -253,31 +253,3 @@ def test_mismatched_calls_by_address_raise(other: str) -> None:
         return (lambda c, a: c.allgather(x, out, algorithm=a)), None
 
     _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
-
-
-def test_a_wait_for_a_word_without_the_gil() -> None:
-    """``await_u32`` (the torch backend's wait for a copy into a pinned mirror):
-    False after its budget when the word never comes, True once another thread
-    stores it, and that thread runs Python meanwhile."""
-    from pycoll import _step
-
-    word = np.zeros(16, np.uint32)
-    at = int(word.__array_interface__["data"][0])
-    t0 = time.monotonic()
-    assert _step.await_u32(at, 5, 1000, 16, 200_000, 50_000_000) is False
-    assert 0.045 < time.monotonic() - t0 < 5
-    ran = [0]
-
-    def later() -> None:
-        deadline = time.monotonic() + 0.1
-        while time.monotonic() < deadline:  # Python, which needs the GIL
-            ran[0] += 1
-        word[0] = 5
-
-    t = threading.Thread(target=later)
-    t.start()
-    assert _step.await_u32(at, 5, 1000, 16, 200_000, 10_000_000_000) is True
-    t.join()
-    assert ran[0] > 1000, ran
-    with pytest.raises(ValueError, match="null"):
-        _step.await_u32(0, 5, 0, 0, 0, 0)

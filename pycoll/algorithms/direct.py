@@ -367,8 +367,9 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
     # It waits as a caller's thread does, also on the worker, whose back-off
     # naps almost at once to leave the GIL to the caller's computation: this
-    # wait holds no GIL.  DDP on the H200, n = 2, went from 1.04-1.06x Gloo's
-    # step with the worker's back-off to 0.95-0.99x (benchmarks/RESULTS.md).
+    # wait holds no GIL.  DDP on the H200, n = 2, alternating jobs in one
+    # machine start: 1.04-1.06x Gloo's step with the worker's back-off, 0.95-0.99x
+    # with this one (benchmarks/RESULTS.md, "The allreduce by address without the GIL").
     dl, bo = L.deadline, L.patient
     spin_ns = int(bo.spins * ROUND_NS)
     naps_ns = int(bo.max_sleep * 1e9)
