@@ -265,6 +265,7 @@ class Engine:
         fam = self.fam
         L._backoff = fam.polite if threading.current_thread() is not fam.caller else self.backoff
         L.patient = self.backoff
+        L.use_compiled = self.config.compiled
         return L
 
     def make_step(self, key: tuple[Any, ...]) -> Callable[[Any, Any], None]:

@@ -253,3 +253,19 @@ def test_mismatched_calls_by_address_raise(other: str) -> None:
         return (lambda c, a: c.allgather(x, out, algorithm=a)), None
 
     _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
+
+
+def test_compiled_off_takes_the_python_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PYCOLL_COMPILED=0`` (``compiled=False``): the allreduce by address runs
+    the Python steps, with the same result."""
+    used = _count_compiled(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, compiled=False, **SLOTS) as comms:
+
+        def body(r: int) -> bytes:
+            x = np.arange(4099, dtype=np.int32) * (r + 1)
+            comms[r].allreduce(x, algorithm="direct")
+            return x.tobytes()
+
+        outs = run_ranks(2, body, timeout=60)
+    assert outs == [(np.arange(4099, dtype=np.int32) * 3).tobytes()] * 2
+    assert used == {0: 0, 1: 0}, used

@@ -346,14 +346,15 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     outlasts ``BY_ADDRESS_PATIENCE_NS`` (or finds a peer closed, or another
     word of the step) is finished here by the group's own, which raises what
     it finds wrong; then the call goes on.  False, touching nothing, where it
-    does not apply (no compiled module, or an op or dtype C does not reduce).
+    does not apply (no compiled module, ``PYCOLL_COMPILED=0``, or an op or dtype
+    C does not reduce).
 
     Where ranks share a process with other Python threads (DDP's hooks beside
     the torch backend's worker), a wait that keeps the GIL makes each thread
     queue for the other: on the H200, n = 2, a 1 MiB allreduce took 120-170 us
     alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The bucket's host
     allreduce without the GIL")."""
-    if compiled is None or not hasattr(compiled, "allreduce_by_address"):
+    if not L.use_compiled or compiled is None or not hasattr(compiled, "allreduce_by_address"):
         return False
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):

@@ -71,6 +71,7 @@ class Links:
         "reduce",
         "size",
         "tag",
+        "use_compiled",
     )
 
     def __init__(
@@ -99,6 +100,8 @@ class Links:
         #: also on the worker thread, whose ``backoff`` naps almost at once to
         #: leave the GIL to the caller's computation (the engine sets it)
         self.patient = backoff
+        #: whether the compiled pieces may run (``PYCOLL_COMPILED``; the engine sets it)
+        self.use_compiled = True
         self.group = group
         self.crowded = crowded
         #: the tag of this call's messages, and its fingerprint for the group's
