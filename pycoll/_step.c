@@ -704,6 +704,23 @@ typedef struct {
     uint64_t value;
 } Outcome;
 
+/* len bytes between local and offset off of rank q's posted range i (write:
+   into the range); 0, or 1 with o's code, peer and value set (3: the copy
+   failed, value its errno; 4: the range is short, value its length). */
+static int
+move_range(const Layout *L, int q, int i, uint64_t off, char *local, size_t len, int write,
+           Outcome *o)
+{
+    const uint64_t *rg = RANGE(L, q, i);
+    uint64_t addr = __atomic_load_n(&rg[0], __ATOMIC_RELAXED);
+    uint64_t have = __atomic_load_n(&rg[1], __ATOMIC_RELAXED);
+    int e = off + len > have ? -1 : len ? vm_move(L->pids[q], local, addr + off, len, write) : 0;
+    if (!e)
+        return 0;
+    o->code = e < 0 ? 4 : 3, o->peer = q, o->value = e < 0 ? have : (uint64_t)e;
+    return 1;
+}
+
 static Outcome
 by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo,
            Py_ssize_t hi, int kind, int op, Py_ssize_t piece, uint64_t s, uint64_t w1,
@@ -761,19 +778,9 @@ by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo
                 for (int q = 0; q < n; q++) {
                     char *row = mine;
                     if (q != r) {
-                        uint64_t *rg = RANGE(L, q, i);
-                        uint64_t addr = __atomic_load_n(&rg[0], __ATOMIC_RELAXED);
-                        uint64_t have = __atomic_load_n(&rg[1], __ATOMIC_RELAXED);
-                        if ((uint64_t)(a * wd) + len > have) {
-                            o.code = 4, o.peer = q, o.value = have;
-                            return o;
-                        }
                         row = q == 0 ? acc : tmp;
-                        int e = vm_move(L->pids[q], row, addr + (uint64_t)(a * wd), len, 0);
-                        if (e) {
-                            o.code = 3, o.peer = q, o.value = (uint64_t)e;
+                        if (move_range(L, q, i, (uint64_t)(a * wd), row, len, 0, &o))
                             return o;
-                        }
                     }
                     if (q == 0) {
                         first = row;
@@ -792,19 +799,8 @@ by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo
                     o.code = 2, o.peer = j, o.value = w2;
                     return o;
                 }
-                uint64_t *rg = RANGE(L, j, i);
-                uint64_t addr = __atomic_load_n(&rg[0], __ATOMIC_RELAXED);
-                uint64_t have = __atomic_load_n(&rg[1], __ATOMIC_RELAXED);
-                if ((uint64_t)(lo * wd) + len > have) {
-                    o.code = 4, o.peer = j, o.value = have;
+                if (move_range(L, j, i, (uint64_t)(lo * wd), out + lo * wd, len, 1, &o))
                     return o;
-                }
-                int e = len ? vm_move(L->pids[j], out + lo * wd, addr + (uint64_t)(lo * wd), len, 1)
-                            : 0;
-                if (e) {
-                    o.code = 3, o.peer = j, o.value = (uint64_t)e;
-                    return o;
-                }
             }
         } else { /* 7: done, and every peer done with our buffers */
             if (o.k == 0)

@@ -16,6 +16,7 @@ import pytest
 import pycoll
 from pycoll.algorithms import direct
 from tests.inproc import communicators, run_ranks
+from tests.reference import _UFUNCS, data
 
 pytestmark = pytest.mark.skipif(
     direct.compiled is None or not hasattr(direct.compiled, "allreduce_by_address"),
@@ -39,31 +40,15 @@ COUNTS = [4099, 8209]
 
 
 def _reference(xs: list[np.ndarray], op: str) -> np.ndarray:
-    f = {
-        "sum": np.add,
-        "prod": np.multiply,
-        "min": np.minimum,
-        "max": np.maximum,
-        "band": np.bitwise_and,
-        "bor": np.bitwise_or,
-        "bxor": np.bitwise_xor,
-    }[op]
+    """The rank-order reduction in the inputs' own dtype (what every rank must hold)."""
     acc = xs[0]
     for a in xs[1:]:
-        acc = f(acc, a)
+        acc = _UFUNCS[op](acc, a)
     return acc
 
 
 def _inputs(dtype: Any, count: int, n: int, op: str) -> list[np.ndarray]:
-    out = []
-    for q in range(n):
-        g = np.random.default_rng([count, q, n])
-        if np.dtype(dtype).kind == "f":
-            out.append(g.standard_normal(count).astype(dtype))
-        else:
-            hi = 3 if op == "prod" else 100
-            out.append(g.integers(0, hi, count).astype(dtype))
-    return out
+    return [data(q, count, np.dtype(dtype), op) for q in range(n)]
 
 
 def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
