@@ -34,9 +34,9 @@
        whose destination is not read again soon: pycoll.buffers.copy_into
        decides when.
 
-   allreduce_by_address(...)
-       pycoll.algorithms.direct's allreduce by address, whole, without the
-       GIL; below, where it is defined.
+   reduction_by_address(...)
+       pycoll.algorithms.direct's allreduce and reduce_scatter by address,
+       whole, without the GIL; below, where it is defined.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -573,28 +573,31 @@ static PyTypeObject StepType = {
 
 /* ------------------------------------------------------------------ by address
 
-   allreduce_by_address(mem, ctrl0, line, done_off, closed_off, ranges_off, K,
+   reduction_by_address(mem, ctrl0, line, done_off, closed_off, ranges_off, K,
                         rank, pids, x, out, lo, hi, kind, op, piece, s, w1, t, w2,
-                        phase, k, spin_ns, yields, nap_ns, budget_ns)
+                        two, phase, k, spin_ns, yields, nap_ns, budget_ns)
        -> (code, phase, k, peer, value)
 
-   pycoll.algorithms.direct's allreduce by address, whole, without the GIL: the
-   same words and bytes as its Python steps, so ranks may mix the two.  mem
-   exports the group segment (held for the call: a close() on another thread
-   leaves it mapped until the call returns); ctrl0 and the offsets place each
-   rank's control line in it (transports/shm_group.py); pids are the ranks'
-   pids.  x and out (out may be x) are the flat input and output, [lo, hi) this
-   rank's block in elements of kind (see reduce above; op and kind must be ones
-   it reduces).  Steps s and t, with posted words w1 and w2, are taken by the
-   caller.  Phases, from `phase` (and peer index k within it, peers taken in
-   the order rank + 1, rank + 2, ...):
+   pycoll.algorithms.direct's allreduce (two = 1) or reduce_scatter (two = 0)
+   by address, whole, without the GIL: the same words and bytes as its Python
+   steps, so ranks may mix the two.  mem exports the group segment (held for
+   the call: a close() on another thread leaves it mapped until the call
+   returns); ctrl0 and the offsets place each rank's control line in it
+   (transports/shm_group.py); pids are the ranks' pids.  x is the flat input,
+   [lo, hi) this rank's block in elements of kind (see reduce above; op and
+   kind must be ones it reduces); out the flat output, as long as x for an
+   allreduce (it may be x), the block's length for a reduce_scatter.  Steps s
+   and t, with posted words w1 and w2, are taken by the caller (t, w2 unused
+   with one step).  Phases, from `phase` (and peer index k within it, peers
+   taken in the order rank + 1, rank + 2, ...):
 
      0 claim s: every peer's done >= s - K;  1 post x as range s % K, done =
      s - 1, word = w1;  2 wait for every peer's word w1;  3 reduce the block,
      reading each peer's x in pieces of `piece` bytes (process_vm_readv), in
-     rank order into out;  4 claim t;  5 post out as range t % K, done = s,
-     word = w2;  6 for each peer: wait for its word w2, write the block into its
-     out (process_vm_writev);  7 done = t, wait until every peer's done >= t.
+     rank order into out;  with two steps: 4 claim t;  5 post out as range
+     t % K, done = s, word = w2;  6 for each peer: wait for its word w2, write
+     the block into its out (process_vm_writev);  then 7 done = the last step,
+     wait until every peer's done reaches it.
 
    Each wait spins spin_ns, yields `yields` times, then naps (20 us doubling
    up to nap_ns).  The call returns rather than decide anything:
@@ -722,15 +725,18 @@ move_range(const Layout *L, int q, int i, uint64_t off, char *local, size_t len,
 }
 
 static Outcome
-by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo,
+by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py_ssize_t lo,
            Py_ssize_t hi, int kind, int op, Py_ssize_t piece, uint64_t s, uint64_t w1,
-           uint64_t t, uint64_t w2, int phase, int k, const Patience *pt, char *tmp)
+           uint64_t t, uint64_t w2, int two, int phase, int k, const Patience *pt, char *tmp)
 {
     Outcome o = {0, phase, k, -1, 0};
     int n = L->n, r = L->rank, K = L->K, wd = width(kind);
     const uint64_t *me_closed = CLOSED(L, r);
+    uint64_t last = two ? t : s;
     for (; o.phase < 8; o.phase++, o.k = 0) {
         int ph = o.phase;
+        if (!two && ph >= 4 && ph <= 6)
+            continue; /* a reduce-scatter: one step */
         if (ph == 0 || ph == 4) { /* claim */
             uint64_t st = ph == 0 ? s : t;
             if (st <= (uint64_t)K)
@@ -764,11 +770,11 @@ by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo
             Py_ssize_t per = piece / wd;
             char *own = tmp + piece; /* a copy of x's piece, in place */
             /* in place off rank 0, the first row lands on our operand before its turn */
-            int overlap = r && out + lo * wd < x + hi * wd && x + lo * wd < out + hi * wd;
+            int overlap = r && dst < x + hi * wd && x + lo * wd < dst + (hi - lo) * wd;
             for (Py_ssize_t a = lo; a < hi; a += per) {
                 Py_ssize_t b = a + per < hi ? a + per : hi, m = b - a;
                 size_t len = (size_t)(m * wd);
-                char *mine = x + a * wd, *acc = out + a * wd;
+                char *mine = x + a * wd, *acc = dst + (a - lo) * wd;
                 if (overlap) {
                     memcpy(own, mine, len);
                     mine = own;
@@ -799,16 +805,16 @@ by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo
                     o.code = 2, o.peer = j, o.value = w2;
                     return o;
                 }
-                if (move_range(L, j, i, (uint64_t)(lo * wd), out + lo * wd, len, 1, &o))
+                if (move_range(L, j, i, (uint64_t)(lo * wd), dst, len, 1, &o))
                     return o;
             }
         } else { /* 7: done, and every peer done with our buffers */
             if (o.k == 0)
-                __atomic_store_n(DONE(L, r), t, __ATOMIC_RELEASE);
+                __atomic_store_n(DONE(L, r), last, __ATOMIC_RELEASE);
             for (; o.k < n - 1; o.k++) {
                 int j = (r + 1 + o.k) % n;
-                if (await_word(DONE(L, j), t, 0, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 1, o.peer = j, o.value = t;
+                if (await_word(DONE(L, j), last, 0, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 1, o.peer = j, o.value = last;
                     return o;
                 }
             }
@@ -819,18 +825,18 @@ by_address(const Layout *L, char *x, char *out, Py_ssize_t nbytes, Py_ssize_t lo
 }
 
 static PyObject *
-step_allreduce_by_address(PyObject *self, PyObject *args)
+step_reduction_by_address(PyObject *self, PyObject *args)
 {
     PyObject *mem, *pids, *xo, *outo;
     Layout L;
     Py_ssize_t ctrl0, lo, hi, piece;
     unsigned long long s, w1, t, w2;
-    int kind, op, phase, k;
+    int kind, op, two, phase, k;
     Patience pt;
-    if (!PyArg_ParseTuple(args, "OnnnnniiOOOnniinKKKKiiLlLL:allreduce_by_address", &mem, &ctrl0,
+    if (!PyArg_ParseTuple(args, "OnnnnniiOOOnniinKKKKiiiLlLL:reduction_by_address", &mem, &ctrl0,
                           &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &L.K, &L.rank,
                           &pids, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2,
-                          &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+                          &two, &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
         return NULL;
     int wd = width(kind);
     if (op < 0 || op > 6 || ((kind == 'f' || kind == 'd') && op > 1))
@@ -839,7 +845,7 @@ step_allreduce_by_address(PyObject *self, PyObject *args)
         !wd || piece < wd || L.K < 2 || L.rank < 0 || L.rank >= PyTuple_GET_SIZE(pids) ||
         phase < 0 || phase > 7 || k < 0) {
         PyErr_SetString(PyExc_ValueError,
-                        "allreduce_by_address: bad pids, kind, op, piece or phase");
+                        "reduction_by_address: bad pids, kind, op, piece or phase");
         return NULL;
     }
     L.n = (int)PyTuple_GET_SIZE(pids);
@@ -863,9 +869,10 @@ step_allreduce_by_address(PyObject *self, PyObject *args)
     }
     Outcome o = {0, 0, 0, -1, 0};
     char *tmp = NULL;
-    if (xb.len != ob.len || xb.len % wd || lo < 0 || hi < lo || hi * wd > xb.len ||
+    if (ob.len != (two ? xb.len : (hi - lo) * wd) || xb.len % wd || lo < 0 || hi < lo ||
+        hi * wd > xb.len ||
         ctrl0 + L.n * L.line > seg.len) {
-        PyErr_SetString(PyExc_ValueError, "allreduce_by_address: sizes do not agree");
+        PyErr_SetString(PyExc_ValueError, "reduction_by_address: sizes do not agree");
         goto out;
     }
     piece -= piece % wd;
@@ -876,8 +883,9 @@ step_allreduce_by_address(PyObject *self, PyObject *args)
     }
     L.ctrl = (char *)seg.buf + ctrl0;
     Py_BEGIN_ALLOW_THREADS
-    o = by_address(&L, xb.buf, ob.buf, xb.len, lo, hi, kind, op, piece, s, w1, t, w2, phase, k,
-                   &pt, tmp);
+    char *dst = two ? (char *)ob.buf + lo * wd : ob.buf;
+    o = by_address(&L, xb.buf, ob.buf, dst, xb.len, lo, hi, kind, op, piece, s, w1, t, w2, two,
+                   phase, k, &pt, tmp);
     Py_END_ALLOW_THREADS
 out:
     PyMem_RawFree(tmp);
@@ -889,8 +897,8 @@ out:
     return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
 }
 #define BY_ADDRESS                                                                          \
-    {"allreduce_by_address", (PyCFunction)step_allreduce_by_address, METH_VARARGS,          \
-     "A direct allreduce by address, whole, without the GIL (see _step.c)."},
+    {"reduction_by_address", (PyCFunction)step_reduction_by_address, METH_VARARGS,          \
+     "A direct allreduce or reduce_scatter by address, whole, without the GIL."},
 #else
 #define BY_ADDRESS
 #endif

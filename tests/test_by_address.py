@@ -1,5 +1,6 @@
-"""The compiled allreduce by address (``pycoll._step.allreduce_by_address``):
-the same steps, words and bytes as the Python ones of pycoll.algorithms.direct,
+"""The compiled allreduce and reduce_scatter by address
+(``pycoll._step.reduction_by_address``): the same steps, words and bytes as
+the Python ones of pycoll.algorithms.direct,
 run without the GIL, handing slow waits, mismatches and failed copies to the
 group.  4 KiB group slots: direct goes by address from 4 KiB a rank."""
 
@@ -19,7 +20,7 @@ from tests.inproc import communicators, run_ranks
 from tests.reference import _UFUNCS, data
 
 pytestmark = pytest.mark.skipif(
-    direct.compiled is None or not hasattr(direct.compiled, "allreduce_by_address"),
+    direct.compiled is None or not hasattr(direct.compiled, "reduction_by_address"),
     reason="pycoll._step was not built",
 )
 
@@ -53,17 +54,17 @@ def _inputs(dtype: Any, count: int, n: int, op: str) -> list[np.ndarray]:
 
 def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
     """Count each rank's compiled calls; ranks in ``python_ranks`` take the Python steps."""
-    real = direct._allreduce_compiled
+    real = direct._compiled
     used: dict[int, int] = {}
 
-    def counted(L: Any, G: Any, x: Any, out: Any) -> bool:
+    def counted(L: Any, G: Any, *args: Any, **kw: Any) -> bool:
         if L.rank in python_ranks:
             return False
-        ran = real(L, G, x, out)
+        ran = real(L, G, *args, **kw)
         used[L.rank] = used.get(L.rank, 0) + ran
         return ran
 
-    monkeypatch.setattr(direct, "_allreduce_compiled", counted)
+    monkeypatch.setattr(direct, "_compiled", counted)
     return used
 
 
@@ -71,9 +72,10 @@ def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> 
 def test_compiled_and_python_ranks_agree_bit_for_bit(
     n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every dtype and op, in place and out of place, at primes of elements: the
-    odd ranks take the Python steps and the even ones the compiled call (they
-    pair, step for step), and every rank holds the rank-order reduction."""
+    """Allreduce (in place and out of place) and reduce_scatter, every dtype and
+    op, at primes of elements: the odd ranks take the Python steps and the
+    even ones the compiled call (they pair, step for step), and every rank
+    holds the rank-order reduction (its block of it)."""
     used = _count_compiled(monkeypatch, python_ranks={1, 3})
     with communicators(n, timeout=TIMEOUT, **SLOTS) as comms:
         for c in comms:  # by address also where ranks outnumber cores
@@ -95,12 +97,20 @@ def test_compiled_and_python_ranks_agree_bit_for_bit(
                         c.allreduce(xs[r], y, op=op, algorithm="direct")
                         assert xs[r].tobytes() == _inputs(dtype, count, n, op)[r].tobytes(), what
                     assert y.tobytes() == ref.tobytes(), what
+                    if inplace:  # reduce_scatter has no in-place form
+                        continue
+                    # reduce_scatter of blocks of count elements: block r
+                    xs = _inputs(dtype, n * count, n, op)
+                    ref = _reference(xs, op)[r * count : (r + 1) * count]
+                    y = np.full(count, 7, dtype)
+                    c.reduce_scatter(xs[r], y, op=op, algorithm="direct")
+                    assert y.tobytes() == ref.tobytes(), ("reduce_scatter", *what)
 
         run_ranks(n, body, timeout=120)
     compiled_ops = sum(
         sum(np.dtype(d).kind != "f" or op in ("sum", "prod") for op in ops) for d, ops in CASES
     )  # float min and max go by Python on every rank
-    calls = compiled_ops * 2 * len(COUNTS)
+    calls = compiled_ops * 3 * len(COUNTS)  # allreduces twice, reduce_scatters once
     assert used == {r: calls for r in range(0, n, 2)}, used
 
 
@@ -157,10 +167,10 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
 
         def wait(budget_ns: int) -> tuple[Any, float]:
             t0 = time.monotonic()
-            got = _step.allreduce_by_address(
+            got = _step.reduction_by_address(
                 lay.memory, lay.ctrl0, lay.line, lay.done, lay.closed, lay.ranges, G.slots, 0,
                 (0, G.pid(1)), x, out, 0, 2048, ord("f"), 0, 1 << 16,
-                s, w, s + 1, w, 2, 0, 0, 16, 200_000, budget_ns,
+                s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
             )  # fmt: skip
             return got, time.monotonic() - t0
 
@@ -218,7 +228,9 @@ def test_a_peer_that_closes_mid_call_raises_and_returns_nothing_wrong() -> None:
     assert waited < TIMEOUT + 3, res
 
 
-@pytest.mark.parametrize("other", ["another op", "another count", "an allgather"])
+@pytest.mark.parametrize(
+    "other", ["another op", "another count", "an allgather", "a reduce_scatter"]
+)
 def test_mismatched_calls_by_address_raise(other: str) -> None:
     """Rank 1 runs another call than rank 0's compiled allreduce by address: the
     mismatch surfaces at once on some rank, and no rank returns twice."""
@@ -234,6 +246,10 @@ def test_mismatched_calls_by_address_raise(other: str) -> None:
         if other == "another count":
             y = np.full(k + 1, r + 1, np.int32)
             return (lambda c, a: c.allreduce(y, algorithm=a)), None
+        if other == "a reduce_scatter":
+            half = np.empty(k // 2, np.int32)
+            z = x[: 2 * (k // 2)]
+            return (lambda c, a: c.reduce_scatter(z, half, algorithm=a)), None
         out = np.empty(2 * k, np.int32)
         return (lambda c, a: c.allgather(x, out, algorithm=a)), None
 

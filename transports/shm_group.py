@@ -369,7 +369,7 @@ class ShmGroup:
 
     def control(self) -> ControlLayout:
         """Where the control lines lie, for compiled steps that load and store the
-        words themselves (``pycoll._step.allreduce_by_address``)."""
+        words themselves (``pycoll._step.reduction_by_address``)."""
         if self._mm is None:
             raise TransportError("group segment is closed", transport=TRANSPORT)
         done, _, _, closed, _, ranges, _ = _offsets(self.slots)

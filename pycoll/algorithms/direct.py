@@ -312,13 +312,13 @@ def allreduce(L: Links, x: Any, out: Any) -> None:
     if not _reduces_by_address(L, G, x.nbytes, ROUNDS_CROWDED_ALLREDUCE):
         _slot_reduce(L, G, x, out, None)
         return
-    if _allreduce_compiled(L, G, x, out):
-        return
     n, r = L.size, L.rank
+    b = segments(0, x.size, n)
+    if _compiled(L, G, x, out, b[r], b[r + 1], two=True):
+        return
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     isz = x.itemsize
-    b = segments(0, x.size, n)
     s = _post_buffer(L, G, x)
     G.wait(others, s, dl, bo)
     _reduce_range(L, G, s, x, b[r], b[r + 1], out[b[r] : b[r + 1]])
@@ -339,10 +339,11 @@ BY_ADDRESS_PATIENCE_NS = 50_000_000
 ROUND_NS = 300
 
 
-def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
-    """:func:`allreduce` by address as one call of
-    ``pycoll._step.allreduce_by_address``, which releases the GIL from its first
-    claim to its last wait: the same steps, words and bytes.  A wait that
+def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool) -> bool:
+    """:func:`allreduce` (``two`` steps) or :func:`reduce_scatter` by address, this
+    rank's block ``[lo, hi)`` of ``x``, as one call of
+    ``pycoll._step.reduction_by_address``, which releases the GIL from its
+    first claim to its last wait: the same steps, words and bytes.  A wait that
     outlasts ``BY_ADDRESS_PATIENCE_NS`` (or finds a peer closed, or another
     word of the step) is finished here by the group's own, which raises what
     it finds wrong; then the call goes on.  False, touching nothing, where it
@@ -354,7 +355,7 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     queue for the other: on the H200, n = 2, a 1 MiB allreduce took 120-170 us
     alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The bucket's host
     allreduce without the GIL")."""
-    if not L.use_compiled or compiled is None or not hasattr(compiled, "allreduce_by_address"):
+    if not L.use_compiled or compiled is None or not hasattr(compiled, "reduction_by_address"):
         return False
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
@@ -362,9 +363,9 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     n, r = L.size, L.rank
     lay = G.control()
     pids = tuple(G.pid(j) if j != r else 0 for j in range(n))
-    b = segments(0, x.size, n)
-    s, t = _step(L, G), _step(L, G)
     K = G.slots
+    s = _step(L, G)
+    t = _step(L, G) if two else s
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
     # It waits as a caller's thread does, also on the worker, whose back-off
     # naps almost at once to leave the GIL to the caller's computation: this
@@ -376,7 +377,7 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
     naps_ns = int(bo.max_sleep * 1e9)
     phase = k = 0
     while True:
-        rc, phase, k, j, v = compiled.allreduce_by_address(
+        rc, phase, k, j, v = compiled.reduction_by_address(
             lay.memory,
             lay.ctrl0,
             lay.line,
@@ -388,8 +389,8 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
             pids,
             x,
             out,
-            b[r],
-            b[r + 1],
+            lo,
+            hi,
             kind,
             code,
             PIECE_BYTES,
@@ -397,6 +398,7 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
             w1,
             t,
             w2,
+            int(two),
             phase,
             k,
             spin_ns,
@@ -412,10 +414,10 @@ def _allreduce_compiled(L: Links, G: Group, x: Any, out: Any) -> bool:
             G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % K, v, dl, bo)
         else:
             what = "read" if phase == 3 else "write"
-            lo = b[r] * x.itemsize
+            nbytes = (hi - lo) * x.itemsize
             if rc == 3:
-                raise G.copy_error(what, j, (b[r + 1] - b[r]) * x.itemsize, v)
-            raise G.range_error(what, j, lo, (b[r + 1] - b[r]) * x.itemsize, v)
+                raise G.copy_error(what, j, nbytes, v)
+            raise G.range_error(what, j, lo * x.itemsize, nbytes, v)
 
 
 @register("allgather", "direct")
@@ -501,6 +503,8 @@ def reduce_scatter(L: Links, x: Any, out: Any) -> None:
         _slot_reduce_scatter(L, G, x, out)
         return
     r, k = L.rank, out.size
+    if _compiled(L, G, x, out, r * k, (r + 1) * k, two=False):
+        return
     s = _post_buffer(L, G, x)
     G.wait(_others(L.size, r), s, L.deadline, L.backoff)
     _reduce_range(L, G, s, x, r * k, (r + 1) * k, out)
