@@ -353,8 +353,8 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     Where ranks share a process with other Python threads (DDP's hooks beside
     the torch backend's worker), a wait that keeps the GIL makes each thread
     queue for the other: on the H200, n = 2, a 1 MiB allreduce took 120-170 us
-    alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The bucket's host
-    allreduce without the GIL")."""
+    alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The worker's host
+    allreduce, four experiments", and "The allreduce by address without the GIL")."""
     if not L.use_compiled or compiled is None or not hasattr(compiled, "reduction_by_address"):
         return False
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
