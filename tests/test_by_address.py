@@ -169,7 +169,7 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
             t0 = time.monotonic()
             got = _step.reduction_by_address(
                 lay.memory, lay.ctrl0, lay.line, lay.done, lay.closed, lay.ranges, G.slots, 0,
-                (0, G.pid(1)), x, out, 0, 2048, ord("f"), 0, 1 << 16,
+                lay.pids, x, out, 0, 2048, ord("f"), 0, 1 << 16,
                 s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
             )  # fmt: skip
             return got, time.monotonic() - t0

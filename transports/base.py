@@ -791,8 +791,8 @@ class Group(Protocol):
 
     def control(self) -> Any:
         """Where the control words lie (``memory``, ``ctrl0``, ``line``, ``done``,
-        ``closed``, ``ranges``), for a compiled step that loads and stores them
-        itself as these methods do."""
+        ``closed``, ``ranges``) and the ranks' ``pids``, for a compiled step that
+        loads and stores the words itself as these methods do."""
         ...
 
     def pid(self, j: int) -> int:

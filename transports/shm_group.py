@@ -145,7 +145,7 @@ class ControlLayout(NamedTuple):
     """The control lines in the segment: rank j's posted word i at ``ctrl0 + j *
     line + 8 i``, its done, closed and range i (address, length) words at
     offsets ``done``, ``closed`` and ``ranges + 16 i`` of its line; ``memory``
-    exports the segment."""
+    exports the segment; ``pids`` are the ranks' pids (0 for this rank's own)."""
 
     memory: Any
     ctrl0: int
@@ -153,6 +153,7 @@ class ControlLayout(NamedTuple):
     done: int
     closed: int
     ranges: int
+    pids: tuple[int, ...]
 
 
 class ShmGroup:
@@ -211,6 +212,7 @@ class ShmGroup:
         self.cma = False
         self.seq = 0
         self._closed = False
+        self._control: ControlLayout | None = None  # made by control(), once
         self._mapaddr_off = mapaddr_off
         line = _CTRL0 + rank * ln
         struct.pack_into("<Q", mm, line + pidns_off, _segment.ns_inode("pid"))
@@ -369,11 +371,18 @@ class ShmGroup:
 
     def control(self) -> ControlLayout:
         """Where the control lines lie, for compiled steps that load and store the
-        words themselves (``pycoll._step.reduction_by_address``)."""
-        if self._mm is None:
+        words themselves (``pycoll._step.reduction_by_address``).  Call it once
+        :meth:`probe` succeeded (every peer's pid is known then)."""
+        if self._closed:
             raise TransportError("group segment is closed", transport=TRANSPORT)
-        done, _, _, closed, _, ranges, _ = _offsets(self.slots)
-        return ControlLayout(self._mm, _CTRL0, self._line, done, closed, ranges)
+        c = self._control
+        if c is None:
+            done, _, _, closed, _, ranges, _ = _offsets(self.slots)
+            pids = tuple(0 if j == self.rank else self.pid(j) for j in range(self.size))
+            c = self._control = ControlLayout(
+                self._mm, _CTRL0, self._line, done, closed, ranges, pids
+            )
+        return c
 
     def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
         """Wait until this rank may overwrite its slot and posted word for step ``seq``.
@@ -663,6 +672,7 @@ class ShmGroup:
         self._my_posted = [_closed] * self.slots  # they held the counters' memory
         self._my_done = _closed
         self._views.clear()
+        self._control = None
         self._buf = None  # type: ignore[assignment]
         try:
             self._mm.close()

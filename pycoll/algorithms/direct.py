@@ -360,9 +360,8 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
         return False
-    n, r = L.size, L.rank
+    r = L.rank
     lay = G.control()
-    pids = tuple(G.pid(j) if j != r else 0 for j in range(n))
     K = G.slots
     s = _step(L, G)
     t = _step(L, G) if two else s
@@ -386,7 +385,7 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
             lay.ranges,
             K,
             r,
-            pids,
+            lay.pids,
             x,
             out,
             lo,
