@@ -614,10 +614,10 @@ static PyTypeObject StepType = {
    Phases 0-2 and 4-7 may be run again; after 3 or 6 fails, nothing is. */
 
 #if defined(__linux__)
-#include <errno.h>
 #include <sched.h>
-#include <sys/uio.h>
 #include <time.h>
+
+#include "../transports/_vm.h"
 
 #define STEP_MASK ((UINT64_C(1) << 40) - 1)
 
@@ -668,25 +668,6 @@ await_word(const uint64_t *w, uint64_t want, int eq, const uint64_t *closed_peer
                 nap = nap * 2 < pt->nap_ns ? nap * 2 : pt->nap_ns;
         }
     }
-}
-
-/* n bytes between our local and the peer's remote address; 0 or an errno. */
-static int
-vm_move(pid_t pid, char *local, uint64_t remote, size_t n, int write)
-{
-    size_t done = 0;
-    while (done < n) {
-        struct iovec l = {local + done, n - done};
-        struct iovec r = {(void *)(uintptr_t)(remote + done), n - done};
-        ssize_t got = write ? process_vm_writev(pid, &l, 1, &r, 1, 0)
-                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
-        if (got < 0)
-            return errno ? errno : EIO;
-        if (got == 0)
-            return EFAULT;
-        done += (size_t)got;
-    }
-    return 0;
 }
 
 typedef struct {

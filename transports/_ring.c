@@ -84,7 +84,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/types.h>
-#include <sys/uio.h>
+
+#include "_vm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -490,20 +491,9 @@ ring_vm_copy(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "vm_copy: nbytes < 0");
         return NULL;
     }
-    Py_ssize_t done = 0;
-    int err = 0;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    while (done < nbytes) {
-        struct iovec lv = {(void *)(uintptr_t)(local + done), (size_t)(nbytes - done)};
-        struct iovec rv = {(void *)(uintptr_t)(remote + done), (size_t)(nbytes - done)};
-        ssize_t got = write ? process_vm_writev((pid_t)pid, &lv, 1, &rv, 1, 0)
-                            : process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
-        if (got <= 0) {
-            err = got < 0 ? errno : EFAULT;
-            break;
-        }
-        done += got;
-    }
+    err = vm_move((pid_t)pid, (char *)(uintptr_t)local, remote, (size_t)nbytes, write);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
