@@ -531,7 +531,8 @@ class PointToPoint:
 class _Idle(Request):
     """What a wait for messages not yet arrived (nothing posted for them) gives
     :func:`idle_round`: never done, the first awaited peer named in a timeout,
-    and every awaited peer's connection asked whether it is alive."""
+    and every awaited peer's connection asked whether it is alive (or has left
+    a message to take, :meth:`Connection.check_incoming`)."""
 
     def __init__(self, peers: list[int], conns: dict[int, Connection]) -> None:
         self.peer = peers[0] if peers else -1
@@ -542,7 +543,7 @@ class _Idle(Request):
 
     def check_peer(self) -> None:
         for c in self._conns:
-            c.check_peer()
+            c.check_incoming()
 
 
 # ---------------------------------------------------------------------- the calls

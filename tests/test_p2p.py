@@ -452,6 +452,50 @@ def test_replayed_recv_from_a_rank_that_is_gone_raises_peer_aborted(transports, 
         assert run_ranks(2, body)[0] < 10
 
 
+class _BlindProbe:
+    """A connection whose probe sees nothing until ``until`` (monotonic)."""
+
+    def __init__(self, conn: Any, until: float) -> None:
+        self.conn, self.until = conn, until
+
+    def probe(self) -> int | None:
+        return None if time.monotonic() < self.until else self.conn.probe()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=lambda t: t[0])
+def test_the_last_message_of_a_rank_that_aborts_is_received(transports):
+    """A rank sends and aborts while the receiver's wait is between a probe that
+    saw nothing and its liveness check (forced here: the probe is blind for a
+    while): the message is still received whole, and the next receive raises
+    PeerAbortedError."""
+    with communicators(2, **_cfg(transports)) as comms:
+        sent = threading.Event()
+
+        def body(r: int) -> object:
+            c = comms[r]
+            if r == 1:
+                c.send(np.arange(7.0), 0)
+                c.abort()
+                sent.set()
+                return None
+            conns = c._peers.p2p.conns
+            assert sent.wait(20)
+            time.sleep(0.2)  # the abort is visible
+            conns[1] = _BlindProbe(conns[1], time.monotonic() + 0.5)
+            buf = np.full(7, -1.0)
+            c.recv(buf, 1)
+            conns[1] = conns[1].conn
+            assert np.array_equal(buf, np.arange(7.0))
+            with pytest.raises(pycoll.PeerAbortedError):
+                c.recv(buf, 1)
+            return True
+
+        assert run_ranks(2, body)[0] is True
+
+
 def test_bad_arguments_raise_before_anything_moves():
     with communicators(2, timeout=10) as comms:
         c = comms[0]

@@ -681,3 +681,30 @@ def test_a_copy_from_both_ends_whose_sender_stops_with_a_piece_taken_times_out(
             wait_all([recv], Deadline.after(0.5))
         assert time.monotonic() - start < 5
         assert recv.help is not None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("nbytes", [8, 5000])
+def test_a_message_sent_before_the_peer_closed_is_still_delivered(name: str, nbytes: int) -> None:
+    """The peer sends its last message and closes before this end looks: while
+    the message waits with no receive posted, check_incoming (a wait's liveness
+    check between a probe that saw nothing and the arrival) does not call the
+    peer gone; the message is probed and received whole, and only then does
+    check_incoming raise."""
+    x = np.arange(nbytes, dtype=np.uint8)
+    with _pair(name, slot_bytes=4096, nslots=2) as (a, b):
+        wait_all([b.isend(memoryview(x), T1)], Deadline.after(10))
+        b.close()
+        time.sleep(0.2)  # the close is visible to a
+        for _ in range(3):
+            a.check_incoming()
+        if Cap.PROBE in a.caps:
+            assert a.probe() == T1
+            a.check_incoming()
+        got = np.zeros_like(x)
+        wait_all([a.irecv_into(memoryview(got), T1)], Deadline.after(10))
+        assert np.array_equal(got, x)
+        end = time.monotonic() + 10
+        with pytest.raises(PeerClosedError):
+            while time.monotonic() < end:
+                a.check_incoming()
+                time.sleep(0.01)

@@ -649,6 +649,14 @@ class Connection(abc.ABC):
     def check_peer(self) -> None:  # noqa: B027 - optional hook
         """Raise :class:`PeerClosedError` if the peer is known to be gone."""
 
+    def check_incoming(self) -> None:
+        """:meth:`check_peer` for a wait for the peer's next message with no
+        receive posted: a peer that sent a message and then closed is not gone
+        while that message waits to be taken (a liveness check between a
+        :meth:`probe` that saw nothing and the message's arrival must not lose
+        it); it raises once nothing the peer sent is left."""
+        self.check_peer()
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything; idempotent."""

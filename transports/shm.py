@@ -978,6 +978,17 @@ class ShmConnection(Connection):
             there=self._bytes_wait,
         )
 
+    def check_incoming(self) -> None:
+        self._check_open()
+        _segment.check_alive(
+            self._closed_peer,
+            self._peer_pid,
+            f"shm: peer {self.peer}",
+            peer=self.peer,
+            transport="shm",
+            there=lambda: not self._recvs and self._in.head.load() > self._recvd,
+        )
+
     def _bytes_wait(self) -> bool:
         """Whether the receive at the head of the queue has bytes in our inbound ring."""
         q = self._recvs

@@ -318,6 +318,13 @@ class RdmaConnection(Connection):
     def check_peer(self) -> None:
         self._raise_if_broken()
 
+    def check_incoming(self) -> None:
+        if not self.closed and not self.recvq:
+            self._progress()
+            if self.arrivals and not self.recvq:
+                return  # a message that arrived before the goodbye or the break
+        self._raise_if_broken()
+
     def post_goodbye(self, cause: int | None = None) -> bool:
         """Tell the peer that nothing more comes from here (a zero-byte write with
         :data:`IMM_GOODBYE`), after everything already posted; best effort.

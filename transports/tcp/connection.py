@@ -486,6 +486,12 @@ class TcpConnection(Connection):
             self._fail(err)
             raise err
 
+    def check_incoming(self) -> None:
+        self._usable()
+        if self._hung_up() and not self._recvq and self.probe() is not None:
+            return  # the header of a message sent before the close: it is taken first
+        self.check_peer()
+
     def _check_pending(self, done: Callable[[], bool]) -> None:
         """A request's liveness check: drain what already arrived, then judge."""
         if done():
