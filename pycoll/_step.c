@@ -34,9 +34,9 @@
        whose destination is not read again soon: pycoll.buffers.copy_into
        decides when.
 
-   reduction_by_address(...)
-       pycoll.algorithms.direct's allreduce and reduce_scatter by address,
-       whole, without the GIL; below, where it is defined.
+   reduction_by_address(...), broadcast_by_address(...)
+       pycoll.algorithms.direct's allreduce, reduce_scatter and broadcast by
+       address, whole, without the GIL; below, where they are defined.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -573,17 +573,18 @@ static PyTypeObject StepType = {
 
 /* ------------------------------------------------------------------ by address
 
-   reduction_by_address(mem, ctrl0, line, done_off, closed_off, ranges_off, K,
-                        rank, pids, x, out, lo, hi, kind, op, piece, s, w1, t, w2,
-                        two, phase, k, spin_ns, yields, nap_ns, budget_ns)
+   reduction_by_address(layout, K, rank, x, out, lo, hi, kind, op, piece, s, w1, t,
+                        w2, two, phase, k, spin_ns, yields, nap_ns, budget_ns)
        -> (code, phase, k, peer, value)
 
    pycoll.algorithms.direct's allreduce (two = 1) or reduce_scatter (two = 0)
    by address, whole, without the GIL: the same words and bytes as its Python
-   steps, so ranks may mix the two.  mem exports the group segment (held for
-   the call: a close() on another thread leaves it mapped until the call
-   returns); ctrl0 and the offsets place each rank's control line in it
-   (transports/shm_group.py); pids are the ranks' pids.  x is the flat input,
+   steps, so ranks may mix the two.  layout: the group's ControlLayout
+   (transports/shm_group.py), (mem, ctrl0, line, done_off, closed_off,
+   ranges_off, pids): mem exports the group segment (held for the call: a
+   close() on another thread leaves it mapped until the call returns); ctrl0
+   and the offsets place each rank's control line in it; pids are the ranks'
+   pids.  x is the flat input,
    [lo, hi) this rank's block in elements of kind (see reduce above; op and
    kind must be ones it reduces); out the flat output, as long as x for an
    allreduce (it may be x), the block's length for a reduce_scatter.  Steps s
@@ -805,6 +806,35 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
     return o;
 }
 
+/* L's ranks and their pids from the tuple pids; seg: the segment mem exports,
+   L->ctrl its control lines from ctrl0.  0, or -1 with an exception set (seg
+   then released). */
+static int
+open_layout(PyObject *mem, Py_ssize_t ctrl0, PyObject *pids, Layout *L, Py_buffer *seg)
+{
+    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) < 2 || PyTuple_GET_SIZE(pids) > MAXN ||
+        L->K < 2 || L->rank < 0 || L->rank >= PyTuple_GET_SIZE(pids)) {
+        PyErr_SetString(PyExc_ValueError, "by address: bad pids, K or rank");
+        return -1;
+    }
+    L->n = (int)PyTuple_GET_SIZE(pids);
+    for (int j = 0; j < L->n; j++) {
+        long v = PyLong_AsLong(PyTuple_GET_ITEM(pids, j));
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        L->pids[j] = (pid_t)v;
+    }
+    if (PyObject_GetBuffer(mem, seg, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (ctrl0 < 0 || ctrl0 + L->n * L->line > seg->len) {
+        PyBuffer_Release(seg);
+        PyErr_SetString(PyExc_ValueError, "by address: the control lines lie past the segment");
+        return -1;
+    }
+    L->ctrl = (char *)seg->buf + ctrl0;
+    return 0;
+}
+
 static PyObject *
 step_reduction_by_address(PyObject *self, PyObject *args)
 {
@@ -814,30 +844,20 @@ step_reduction_by_address(PyObject *self, PyObject *args)
     unsigned long long s, w1, t, w2;
     int kind, op, two, phase, k;
     Patience pt;
-    if (!PyArg_ParseTuple(args, "OnnnnniiOOOnniinKKKKiiiLlLL:reduction_by_address", &mem, &ctrl0,
-                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &L.K, &L.rank,
-                          &pids, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2,
+    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiOOnniinKKKKiiiLlLL:reduction_by_address", &mem,
+                          &ctrl0, &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
+                          &L.rank, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2,
                           &two, &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
         return NULL;
     int wd = width(kind);
     if (op < 0 || op > 6 || ((kind == 'f' || kind == 'd') && op > 1))
         wd = 0; /* an op reduce_kind does not do for this kind */
-    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) < 2 || PyTuple_GET_SIZE(pids) > MAXN ||
-        !wd || piece < wd || L.K < 2 || L.rank < 0 || L.rank >= PyTuple_GET_SIZE(pids) ||
-        phase < 0 || phase > 7 || k < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "reduction_by_address: bad pids, kind, op, piece or phase");
+    if (!wd || piece < wd || phase < 0 || phase > 7 || k < 0) {
+        PyErr_SetString(PyExc_ValueError, "reduction_by_address: bad kind, op, piece or phase");
         return NULL;
     }
-    L.n = (int)PyTuple_GET_SIZE(pids);
-    for (int j = 0; j < L.n; j++) {
-        long v = PyLong_AsLong(PyTuple_GET_ITEM(pids, j));
-        if (v == -1 && PyErr_Occurred())
-            return NULL;
-        L.pids[j] = (pid_t)v;
-    }
     Py_buffer seg, xb, ob;
-    if (PyObject_GetBuffer(mem, &seg, PyBUF_WRITABLE) < 0)
+    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
         return NULL;
     if (PyObject_GetBuffer(xo, &xb, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&seg);
@@ -851,8 +871,7 @@ step_reduction_by_address(PyObject *self, PyObject *args)
     Outcome o = {0, 0, 0, -1, 0};
     char *tmp = NULL;
     if (ob.len != (two ? xb.len : (hi - lo) * wd) || xb.len % wd || lo < 0 || hi < lo ||
-        hi * wd > xb.len ||
-        ctrl0 + L.n * L.line > seg.len) {
+        hi * wd > xb.len) {
         PyErr_SetString(PyExc_ValueError, "reduction_by_address: sizes do not agree");
         goto out;
     }
@@ -862,7 +881,6 @@ step_reduction_by_address(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto out;
     }
-    L.ctrl = (char *)seg.buf + ctrl0;
     Py_BEGIN_ALLOW_THREADS
     char *dst = two ? (char *)ob.buf + lo * wd : ob.buf;
     o = by_address(&L, xb.buf, ob.buf, dst, xb.len, lo, hi, kind, op, piece, s, w1, t, w2, two,
@@ -877,9 +895,126 @@ out:
         return NULL;
     return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
 }
+/* broadcast_by_address(layout, K, rank, addr, nbytes, cut, root, s, w, phase, k,
+                        spin_ns, yields, nap_ns, budget_ns)
+
+   pycoll.algorithms.direct's broadcast by address, whole, without the GIL:
+   the same words and bytes as its Python steps.  [addr, addr + nbytes): this
+   rank's buffer (the root's input, a reader's output), which the caller keeps
+   alive for the call; every reader reads bytes [0, cut) of the
+   root's, and the root writes [cut, len) into every reader's (none where cut
+   is the whole length: then a reader neither claims nor posts).  Step s has
+   posted word w.  Phases, from `phase` (and peer index k within it):
+
+     0 claim s (the root, or a reader with a tail): every peer's done >= s - K;
+     1 post buf as range s % K, done = s - 1, word = w;
+     2 the root: for each reader (root + 1, root + 2, ...), wait for its word
+       w and write the tail into it; a reader: wait for the root's word w and
+       read [0, cut) of its buffer;
+     3 done = s; the root waits until every reader's done reaches s, a reader
+       with a tail until the root's does (its tail is written).
+
+   It returns as reduction_by_address does (codes 3 and 4 in phase 2 are the
+   root's write or a reader's read). */
+static Outcome
+broadcast_by(const Layout *L, char *buf, Py_ssize_t nbytes, Py_ssize_t cut, int root,
+             uint64_t s, uint64_t w, int phase, int k, const Patience *pt)
+{
+    Outcome o = {0, phase, k, -1, 0};
+    int n = L->n, r = L->rank, K = L->K, i = (int)(s % (uint64_t)K);
+    int tail = cut < nbytes, poster = r == root || tail;
+    const uint64_t *me_closed = CLOSED(L, r);
+    for (; o.phase < 4; o.phase++, o.k = 0) {
+        int ph = o.phase;
+        if (ph == 0) {
+            if (!poster || s <= (uint64_t)K)
+                continue;
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_word(DONE(L, j), s - K, 0, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 1, o.peer = j, o.value = s - K;
+                    return o;
+                }
+            }
+        } else if (ph == 1) {
+            if (!poster)
+                continue;
+            uint64_t *rg = RANGE(L, r, i);
+            rg[0] = (uint64_t)(uintptr_t)buf;
+            rg[1] = (uint64_t)nbytes;
+            __atomic_store_n(DONE(L, r), s - 1, __ATOMIC_RELEASE);
+            __atomic_store_n(WORD(L, r, i), w, __ATOMIC_RELEASE);
+        } else if (ph == 2 && r == root) {
+            for (; tail && o.k < n - 1; o.k++) {
+                int j = (root + 1 + o.k) % n;
+                if (await_word(WORD(L, j, i), w, 1, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 2, o.peer = j, o.value = w;
+                    return o;
+                }
+                if (move_range(L, j, i, (uint64_t)cut, buf + cut, (size_t)(nbytes - cut), 1, &o))
+                    return o;
+            }
+        } else if (ph == 2) {
+            if (await_word(WORD(L, root, i), w, 1, CLOSED(L, root), me_closed, pt)) {
+                o.code = 2, o.peer = root, o.value = w;
+                return o;
+            }
+            if (move_range(L, root, i, 0, buf, (size_t)cut, 0, &o))
+                return o;
+        } else {
+            if (o.k == 0)
+                __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
+            int waits = r == root ? n - 1 : tail;
+            for (; o.k < waits; o.k++) {
+                int j = r == root ? (root + 1 + o.k) % n : root;
+                if (await_word(DONE(L, j), s, 0, CLOSED(L, j), me_closed, pt)) {
+                    o.code = 1, o.peer = j, o.value = s;
+                    return o;
+                }
+            }
+        }
+    }
+    o.phase = 4;
+    return o;
+}
+
+static PyObject *
+step_broadcast_by_address(PyObject *self, PyObject *args)
+{
+    PyObject *mem, *pids;
+    Layout L;
+    Py_ssize_t ctrl0, nbytes, cut;
+    unsigned long long addr, s, w;
+    int root, phase, k;
+    Patience pt;
+    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiKnniKKiiLlLL:broadcast_by_address", &mem, &ctrl0,
+                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
+                          &L.rank, &addr, &nbytes, &cut, &root, &s, &w, &phase, &k, &pt.spin_ns,
+                          &pt.yields, &pt.nap_ns, &pt.budget_ns))
+        return NULL;
+    if (phase < 0 || phase > 3 || k < 0 || root < 0 || root >= PyTuple_Size(pids) ||
+        cut < 0 || cut > nbytes) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "broadcast_by_address: bad root, cut or phase");
+        return NULL;
+    }
+    Py_buffer seg;
+    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
+        return NULL;
+    Outcome o;
+    Py_BEGIN_ALLOW_THREADS
+    o = broadcast_by(&L, (char *)(uintptr_t)addr, nbytes, cut, root, s, w, phase, k, &pt);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&seg);
+    if (PyErr_Occurred())
+        return NULL;
+    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+}
 #define BY_ADDRESS                                                                          \
     {"reduction_by_address", (PyCFunction)step_reduction_by_address, METH_VARARGS,          \
-     "A direct allreduce or reduce_scatter by address, whole, without the GIL."},
+     "A direct allreduce or reduce_scatter by address, whole, without the GIL."},           \
+    {"broadcast_by_address", (PyCFunction)step_broadcast_by_address, METH_VARARGS,          \
+     "A direct broadcast by address, whole, without the GIL."},
 #else
 #define BY_ADDRESS
 #endif

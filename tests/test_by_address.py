@@ -168,8 +168,7 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
         def wait(budget_ns: int) -> tuple[Any, float]:
             t0 = time.monotonic()
             got = _step.reduction_by_address(
-                lay.memory, lay.ctrl0, lay.line, lay.done, lay.closed, lay.ranges, G.slots, 0,
-                lay.pids, x, out, 0, 2048, ord("f"), 0, 1 << 16,
+                lay, G.slots, 0, x, out, 0, 2048, ord("f"), 0, 1 << 16,
                 s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
             )  # fmt: skip
             return got, time.monotonic() - t0
@@ -269,4 +268,166 @@ def test_compiled_off_takes_the_python_steps(monkeypatch: pytest.MonkeyPatch) ->
 
         outs = run_ranks(2, body, timeout=60)
     assert outs == [(np.arange(4099, dtype=np.int32) * 3).tobytes()] * 2
+    assert used == {0: 0, 1: 0}, used
+
+
+# ---------------------------------------------------------------- broadcast
+#: dtypes a broadcast moves as bytes, whatever they are
+BCAST_DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.complex128, np.bool_]
+
+
+def _count_broadcasts(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
+    """:func:`_count_compiled` for the broadcast's compiled call."""
+    real = direct._compiled_broadcast
+    used: dict[int, int] = {}
+
+    def counted(L: Any, G: Any, *args: Any) -> bool:
+        if L.rank in python_ranks:
+            return False
+        ran = real(L, G, *args)
+        used[L.rank] = used.get(L.rank, 0) + ran
+        return ran
+
+    monkeypatch.setattr(direct, "_compiled_broadcast", counted)
+    return used
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_compiled_and_python_broadcasts_agree_bit_for_bit(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broadcast by address from every root, every dtype, at primes of
+    elements: odd ranks take the Python steps, even ones the compiled call (the
+    root writes the tail of the readers' buffers while they read the rest);
+    every poisoned buffer ends with the root's bytes, and the root's is untouched."""
+    used = _count_broadcasts(monkeypatch, python_ranks={1, 3})
+    with communicators(n, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            for dtype, count in itertools.product(BCAST_DTYPES, COUNTS):
+                for root in range(n):
+                    src = data(root, count, np.dtype(dtype), "sum")
+                    buf = src.copy() if r == root else np.full(count, 7, dtype)
+                    c.broadcast(buf, root=root, algorithm="direct")
+                    assert buf.tobytes() == src.tobytes(), (np.dtype(dtype).name, count, root, r)
+
+        run_ranks(n, body, timeout=120)
+    calls = len(BCAST_DTYPES) * len(COUNTS) * n
+    assert used == {r: calls for r in range(0, n, 2)}, used
+
+
+def test_a_broadcast_peer_slower_than_the_patience_is_waited_for_by_the_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 1 ms of patience, a reader 200 ms late and then a root 200 ms late:
+    the compiled broadcast hands the waits to the group's and goes on; every
+    buffer ends right."""
+    monkeypatch.setattr(direct, "BY_ADDRESS_PATIENCE_NS", 1_000_000)
+    used = _count_broadcasts(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> bytes:
+            buf = np.arange(4099, dtype=np.float64) if r == 0 else np.zeros(4099)
+            for late in (1, 0, 1):
+                if r == late:
+                    time.sleep(0.2)
+                comms[r].broadcast(buf, root=0, algorithm="direct")
+            return buf.tobytes()
+
+        outs = run_ranks(2, body, timeout=60)
+    assert outs == [np.arange(4099, dtype=np.float64).tobytes()] * 2
+    assert used == {0: 3, 1: 3}, used
+
+
+@pytest.mark.parametrize("closer", [0, 1], ids=["root closes", "reader closes"])
+def test_a_broadcast_peer_that_closes_mid_call_raises(closer: int) -> None:
+    """The root or the reader closes after a few broadcasts; the other's next
+    one, waiting without the GIL, raises within the timeout."""
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> Any:
+            c = comms[r]
+            buf = np.full(4099, r + 1, np.int32)
+            for _ in range(3):
+                c.broadcast(buf, root=0, algorithm="direct")
+            if r == closer:
+                c.close()
+                return None
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(pycoll.PycollError) as ei:
+                c.broadcast(buf, root=0, algorithm="direct")
+            return type(ei.value).__name__, time.monotonic() - t0
+
+        res = run_ranks(2, body, timeout=TIMEOUT + 30)
+    name, waited = res[1 - closer]
+    assert name in ("PeerAbortedError", "CollectiveTimeout"), res
+    assert waited < TIMEOUT + 3, res
+
+
+@pytest.mark.parametrize("other", ["another root", "another count", "an allgather"])
+def test_mismatched_broadcasts_by_address_raise(other: str) -> None:
+    """Rank 1 runs another call than rank 0's compiled broadcast by address: the
+    mismatch surfaces at once on some rank, and no rank returns twice."""
+    from tests.test_mismatch import _run_case
+
+    k = 4099
+
+    def make(r: int, n: int) -> tuple[Any, Any]:
+        x = np.full(k, r + 1, np.int32)
+        if r == 0 or other == "another root":
+            root = 0 if r == 0 else 1
+            return (lambda c, a: c.broadcast(x, root=root, algorithm=a)), None
+        if other == "another count":
+            y = np.full(k + 1, r + 1, np.int32)
+            return (lambda c, a: c.broadcast(y, root=0, algorithm=a)), None
+        out = np.empty(2 * k, np.int32)
+        return (lambda c, a: c.allgather(x, out, algorithm=a)), None
+
+    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
+
+
+def test_a_broadcast_goes_by_address_from_64_kib_where_ranks_have_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the default 256 KiB slots: 64 KiB and less go through a slot, more
+    by address (compiled) where ranks have a core each, and through the slots
+    up to a slot where they outnumber the cores; the second call of each
+    (replayed) takes the same route."""
+    used = _count_broadcasts(monkeypatch, python_ranks=set())
+    for crowded in (False, True):
+        with communicators(2, timeout=TIMEOUT, transports=("shm",), tune=False) as comms:
+            for c in comms:
+                c._engine.crowded = crowded
+                c._engine.links_cache.clear()
+
+            def body(r: int) -> list[int]:
+                counts = []
+                for nbytes in (64 << 10, (64 << 10) + 8, 256 << 10):
+                    buf = np.full(nbytes // 8, 1.5) if r == 0 else np.zeros(nbytes // 8)
+                    before = used.get(r, 0)
+                    for _ in range(2):
+                        comms[r].broadcast(buf, root=0, algorithm="direct")
+                        assert (buf == 1.5).all()
+                    counts.append(used.get(r, 0) - before)
+                return counts
+
+            got = run_ranks(2, body, timeout=60)
+            want = [0, 0, 0] if crowded else [0, 2, 2]
+            assert got == [want, want], (crowded, got)
+
+
+def test_compiled_off_broadcasts_by_the_python_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PYCOLL_COMPILED=0``: the broadcast by address runs the Python steps."""
+    used = _count_broadcasts(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, compiled=False, **SLOTS) as comms:
+
+        def body(r: int) -> bytes:
+            buf = np.arange(4099, dtype=np.int32) if r == 1 else np.zeros(4099, np.int32)
+            comms[r].broadcast(buf, root=1, algorithm="direct")
+            return buf.tobytes()
+
+        outs = run_ranks(2, body, timeout=60)
+    assert outs == [np.arange(4099, dtype=np.int32).tobytes()] * 2
     assert used == {0: 0, 1: 0}, used

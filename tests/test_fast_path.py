@@ -651,11 +651,21 @@ def _set_crowded(comms: Any, crowded: bool) -> None:
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("crowded", [False, True])
-def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> None:
-    """Above the slot size, a direct broadcast has the root write the last 1/n of
-    every reader's buffer while the readers read the rest, also when ranks
-    outnumber cores; every rank ends with the root's bytes, for odd sizes and
-    every root."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_direct_broadcast_by_address_shares_the_copy(
+    n: int, crowded: bool, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above the slot size, a direct broadcast has the root write the last 1/n
+    of every reader's buffer while the readers read the rest; every rank
+    ends with the root's bytes, for odd sizes and every root.  The compiled
+    broadcast by address reads and writes on its own: counted as one call of
+    ``control`` a rank."""
+    from pycoll.algorithms import direct
+
+    if not compiled:
+        monkeypatch.setattr(direct, "compiled", None)
+    elif direct.compiled is None:
+        pytest.skip("pycoll._step was not built")
     with communicators(n) as comms:
         slot = comms[0]._engine.group.slot_bytes
         writes = [0] * n
@@ -663,6 +673,7 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
 
         def body(c: pycoll.Communicator) -> None:
             _count_calls(c, "write", writes)
+            _count_calls(c, "control", writes)
             for count, dtype in [
                 (slot // 8 + 3, np.float64),
                 (3 * slot + 7, np.int8),
@@ -675,8 +686,9 @@ def test_direct_broadcast_by_address_shares_the_copy(n: int, crowded: bool) -> N
                     assert buf.tobytes() == want.tobytes(), (c.rank, root, count, dtype)
 
         _on_all(comms, body)
-    # three sizes, each root once: (n - 1) writes a time at the root
-    assert sum(writes) == 3 * n * (n - 1)
+    # three sizes, each root once: (n - 1) writes a time at the root, or one
+    # control on every rank
+    assert sum(writes) == 3 * n * (n if compiled else n - 1)
 
 
 @pytest.mark.parametrize("n", [3, 4])

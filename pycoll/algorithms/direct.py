@@ -108,6 +108,17 @@ ROUNDS_CROWDED_ALLREDUCE = 2 << 20
 ROUNDS_CROWDED_REDUCE = 4 << 20
 
 
+#: A broadcast larger than this goes by address where ranks have a core each
+#: (where they outnumber the cores, from a slot up): through a slot the root's
+#: copy in and the readers' copies out follow each other, by address the root
+#: and the readers copy at once, after a longer handshake.  At n = 2 on the
+#: 2-core machine, through a slot against by address (compiled): 24 KiB 2.4
+#: against 5.4 us, 64 KiB 4.7-6.0 against 6.3, 96 KiB 8.1 against 6.6-7.0,
+#: 128 KiB 12.3 against 7.0 (benchmarks/RESULTS.md, "The broadcast by address
+#: without the GIL").
+BROADCAST_BY_ADDRESS_MIN = 64 << 10
+
+
 def _reduces_by_address(L: Links, G: Group, nbytes: int, crowded_limit: int) -> bool:
     """Whether a reduction of ``nbytes`` a rank goes by address (see above)."""
     if not _by_address(G, nbytes):
@@ -360,63 +371,45 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
         return False
-    r = L.rank
-    lay = G.control()
     K = G.slots
     s = _step(L, G)
     t = _step(L, G) if two else s
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
-    # It waits as a caller's thread does, also on the worker, whose back-off
-    # naps almost at once to leave the GIL to the caller's computation: this
-    # wait holds no GIL.  DDP on the H200, n = 2, alternating jobs in one
-    # machine start: 1.04-1.06x Gloo's step with the worker's back-off, 0.95-0.99x
-    # with this one (benchmarks/RESULTS.md, "The allreduce by address without the GIL").
+    args = (G.control(), K, L.rank, x, out, lo, hi, kind, code, PIECE_BYTES, s, w1, t, w2, two)
+    _drive(L, G, compiled.reduction_by_address, args, 3, lo * x.itemsize, (hi - lo) * x.itemsize)
+    return True
+
+
+def _drive(
+    L: Links, G: Group, entry: Callable[..., Any], args: tuple, reads: int, at: int, nbytes: int
+) -> None:
+    """Run a compiled entry by address (``entry(*args, phase, k, patience...)``)
+    to its end: each wait it hands back is finished by the group's own (with
+    the deadline, the peer's liveness and the mismatch check), then it resumes
+    where it stopped.  A copy that failed raises the group's error: a read in
+    phase ``reads`` (else a write) of ``nbytes`` at offset ``at`` of the peer's range.
+
+    It waits as a caller's thread does, also on the worker, whose back-off
+    naps almost at once to leave the GIL to the caller's computation: this
+    wait holds no GIL.  DDP on the H200, n = 2, alternating jobs in one
+    machine start: 1.04-1.06x Gloo's step with the worker's back-off, 0.95-0.99x
+    with this one (benchmarks/RESULTS.md, "The allreduce by address without the GIL")."""
     dl, bo = L.deadline, L.patient
-    spin_ns = int(bo.spins * ROUND_NS)
-    naps_ns = int(bo.max_sleep * 1e9)
+    wait = (int(bo.spins * ROUND_NS), bo.yields, int(bo.max_sleep * 1e9), BY_ADDRESS_PATIENCE_NS)
     phase = k = 0
     while True:
-        rc, phase, k, j, v = compiled.reduction_by_address(
-            lay.memory,
-            lay.ctrl0,
-            lay.line,
-            lay.done,
-            lay.closed,
-            lay.ranges,
-            K,
-            r,
-            lay.pids,
-            x,
-            out,
-            lo,
-            hi,
-            kind,
-            code,
-            PIECE_BYTES,
-            s,
-            w1,
-            t,
-            w2,
-            int(two),
-            phase,
-            k,
-            spin_ns,
-            bo.yields,
-            naps_ns,
-            BY_ADDRESS_PATIENCE_NS,
-        )
+        rc, phase, k, j, v = entry(*args, phase, k, *wait)
         if rc == 0:
-            return True
+            return
         if rc == 1:  # a peer's done word: the group's wait, then on
             G.wait_done((j,), v, dl, bo)
         elif rc == 2:  # a peer's posted word: the group's wait raises on a mismatch
-            G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % K, v, dl, bo)
+            G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % G.slots, v, dl, bo)
         else:
-            what = "read" if phase == 3 else "write"
-            nbytes = (hi - lo) * x.itemsize
+            what = "read" if phase == reads else "write"
             if rc == 3:
                 raise G.copy_error(what, j, nbytes, v)
-            raise G.range_error(what, j, lo * x.itemsize, nbytes, v)
+            raise G.range_error(what, j, at, nbytes, v)
 
 
 @register("allgather", "direct")
@@ -456,7 +449,9 @@ def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
 
 @register("broadcast", "direct")
 def broadcast(L: Links, buf: Any, root: int) -> None:
-    """Through one slot, else by address: the readers copy the root's buffer.
+    """Through one slot, else by address (see :data:`BROADCAST_BY_ADDRESS_MIN`):
+    the readers copy the root's buffer; where it was built, by one compiled
+    call without the GIL (:func:`_compiled_broadcast`).
 
     By address the root does not wait idle: it writes the last 1/n of each
     reader's buffer while the readers read the rest (each reader reads (n-1)/n
@@ -468,12 +463,14 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
     copy out, were up to 2x faster from 512 KiB to 2 MiB on the 2-core machine
     in some runs and 1.2-4x slower in others; the direct reads were steady.)"""
     G = _group(L)
-    if not _by_address(G, buf.nbytes):
+    if not _broadcasts_by_address(L, G, buf.nbytes):
         _slot_broadcast(L, G, buf, root)
+        return
+    cut = buf.size - buf.size // L.size  # the root writes [cut:)
+    if _compiled_broadcast(L, G, buf, root, cut):
         return
     dl, bo = L.deadline, L.backoff
     others = _others(L.size, root)
-    cut = buf.size - buf.size // L.size  # the root writes [cut:)
     tail = cut < buf.size
     if L.rank == root:
         # The root marks each step done like every rank, though it reads nothing:
@@ -493,6 +490,31 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
         G.done(s)
         if tail:
             G.wait_done((root,), s, dl, bo)
+
+
+def _broadcasts_by_address(L: Links, G: Group, nbytes: int) -> bool:
+    """Whether a broadcast of ``nbytes`` goes by address (see :func:`broadcast`)."""
+    if not G.cma:
+        return False
+    return nbytes > (G.slot_bytes if L.crowded else min(G.slot_bytes, BROADCAST_BY_ADDRESS_MIN))
+
+
+def _compiled_broadcast(L: Links, G: Group, buf: Any, root: int, cut: int) -> bool:
+    """:func:`broadcast` by address as one call of
+    ``pycoll._step.broadcast_by_address`` without the GIL, as :func:`_compiled`
+    runs the allreduce: the same steps, words and bytes.  False, touching
+    nothing, without the compiled module or with ``PYCOLL_COMPILED=0``."""
+    if not L.use_compiled or compiled is None or not hasattr(compiled, "broadcast_by_address"):
+        return False
+    K, r = G.slots, L.rank
+    s = _step(L, G)
+    cut *= buf.itemsize
+    args = (G.control(), K, r, _addr(buf), buf.nbytes, cut, root, s, G.chains[s % K] | s)
+    if r == root:  # its failed copy is a write of the tail
+        _drive(L, G, compiled.broadcast_by_address, args, -1, cut, buf.nbytes - cut)
+    else:
+        _drive(L, G, compiled.broadcast_by_address, args, 2, 0, cut)
+    return True
 
 
 @register("reduce_scatter", "direct")
@@ -745,6 +767,8 @@ def prepare(
     if G is None or n < 2 or count <= 0 or count * L.dtype.itemsize > G.slot_bytes:
         return None
     if collective == "reduce_scatter" and count % n:
+        return None
+    if collective == "broadcast" and _broadcasts_by_address(L, G, count * L.dtype.itemsize):
         return None
     views = G.views(L.dtype, count)  # views[s % K][j]: rank j's slot for step s
     K = G.slots
