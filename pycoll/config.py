@@ -218,8 +218,8 @@ class Config:
         tune: let ``auto`` time its close contenders while it runs and keep the
             fastest, where they give identical results (``PYCOLL_TUNE``; see
             :mod:`pycoll.tune`); off, it takes the cost model's choice alone.
-        compiled: run small direct steps and direct's allreduce and
-            reduce_scatter by address through the compiled ``pycoll._step``,
+        compiled: run small direct steps and direct's allreduce,
+            reduce_scatter and broadcast by address through the compiled ``pycoll._step``,
             replayed calls on NumPy arrays through ``pycoll._replay``'s entry,
             and replayed small point-to-point calls over shm through
             ``transports._ring``, where the install built them
