@@ -52,9 +52,13 @@ def _inputs(dtype: Any, count: int, n: int, op: str) -> list[np.ndarray]:
     return [data(q, count, np.dtype(dtype), op) for q in range(n)]
 
 
-def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
-    """Count each rank's compiled calls; ranks in ``python_ranks`` take the Python steps."""
-    real = direct._compiled
+def _count_compiled(
+    monkeypatch: pytest.MonkeyPatch, python_ranks: set[int], name: str = "_compiled"
+) -> dict[int, int]:
+    """Count each rank's compiled calls (of ``direct.<name>``: ``_compiled`` for
+    the reductions, ``_compiled_broadcast``); ranks in ``python_ranks`` take the
+    Python steps."""
+    real = getattr(direct, name)
     used: dict[int, int] = {}
 
     def counted(L: Any, G: Any, *args: Any, **kw: Any) -> bool:
@@ -64,7 +68,7 @@ def _count_compiled(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> 
         used[L.rank] = used.get(L.rank, 0) + ran
         return ran
 
-    monkeypatch.setattr(direct, "_compiled", counted)
+    monkeypatch.setattr(direct, name, counted)
     return used
 
 
@@ -228,23 +232,38 @@ def test_a_peer_that_closes_mid_call_raises_and_returns_nothing_wrong() -> None:
 
 
 @pytest.mark.parametrize(
-    "other", ["another op", "another count", "an allgather", "a reduce_scatter"]
+    ("first", "other"),
+    [
+        ("allreduce", "another op"),
+        ("allreduce", "another count"),
+        ("allreduce", "an allgather"),
+        ("allreduce", "a reduce_scatter"),
+        ("broadcast", "another root"),
+        ("broadcast", "another count"),
+        ("broadcast", "an allgather"),
+    ],
 )
-def test_mismatched_calls_by_address_raise(other: str) -> None:
-    """Rank 1 runs another call than rank 0's compiled allreduce by address: the
-    mismatch surfaces at once on some rank, and no rank returns twice."""
+def test_mismatched_calls_by_address_raise(first: str, other: str) -> None:
+    """Rank 1 runs another call than rank 0's compiled allreduce or broadcast by
+    address: the mismatch surfaces at once on some rank, and no rank returns twice."""
     from tests.test_mismatch import _run_case
 
     k = 4099
 
-    def make(r: int, n: int) -> tuple[Any, Any]:
+    def run(c: Any, a: str, x: Any, op: str = "sum", root: int = 0) -> Any:
+        if first == "allreduce":
+            return c.allreduce(x, op=op, algorithm=a)
+        return c.broadcast(x, root=root, algorithm=a)
+
+    def make(r: int) -> tuple[Any, Any]:
         x = np.full(k, r + 1, np.int32)
-        if r == 0 or other == "another op":
-            op = "sum" if r == 0 else "max"
-            return (lambda c, a: c.allreduce(x, op=op, algorithm=a)), None
+        if r == 0:
+            return (lambda c, a: run(c, a, x)), None
+        if other in ("another op", "another root"):
+            return (lambda c, a: run(c, a, x, op="max", root=1)), None
         if other == "another count":
             y = np.full(k + 1, r + 1, np.int32)
-            return (lambda c, a: c.allreduce(y, algorithm=a)), None
+            return (lambda c, a: run(c, a, y)), None
         if other == "a reduce_scatter":
             half = np.empty(k // 2, np.int32)
             z = x[: 2 * (k // 2)]
@@ -252,7 +271,7 @@ def test_mismatched_calls_by_address_raise(other: str) -> None:
         out = np.empty(2 * k, np.int32)
         return (lambda c, a: c.allgather(x, out, algorithm=a)), None
 
-    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
+    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", make)
 
 
 def test_compiled_off_takes_the_python_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,19 +296,7 @@ BCAST_DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.complex128, np.bo
 
 
 def _count_broadcasts(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
-    """:func:`_count_compiled` for the broadcast's compiled call."""
-    real = direct._compiled_broadcast
-    used: dict[int, int] = {}
-
-    def counted(L: Any, G: Any, *args: Any) -> bool:
-        if L.rank in python_ranks:
-            return False
-        ran = real(L, G, *args)
-        used[L.rank] = used.get(L.rank, 0) + ran
-        return ran
-
-    monkeypatch.setattr(direct, "_compiled_broadcast", counted)
-    return used
+    return _count_compiled(monkeypatch, python_ranks, "_compiled_broadcast")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -364,28 +371,6 @@ def test_a_broadcast_peer_that_closes_mid_call_raises(closer: int) -> None:
     name, waited = res[1 - closer]
     assert name in ("PeerAbortedError", "CollectiveTimeout"), res
     assert waited < TIMEOUT + 3, res
-
-
-@pytest.mark.parametrize("other", ["another root", "another count", "an allgather"])
-def test_mismatched_broadcasts_by_address_raise(other: str) -> None:
-    """Rank 1 runs another call than rank 0's compiled broadcast by address: the
-    mismatch surfaces at once on some rank, and no rank returns twice."""
-    from tests.test_mismatch import _run_case
-
-    k = 4099
-
-    def make(r: int, n: int) -> tuple[Any, Any]:
-        x = np.full(k, r + 1, np.int32)
-        if r == 0 or other == "another root":
-            root = 0 if r == 0 else 1
-            return (lambda c, a: c.broadcast(x, root=root, algorithm=a)), None
-        if other == "another count":
-            y = np.full(k + 1, r + 1, np.int32)
-            return (lambda c, a: c.broadcast(y, root=0, algorithm=a)), None
-        out = np.empty(2 * k, np.int32)
-        return (lambda c, a: c.allgather(x, out, algorithm=a)), None
-
-    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", lambda r: make(r, 2))
 
 
 def test_a_broadcast_goes_by_address_from_64_kib_where_ranks_have_cores(

@@ -965,28 +965,23 @@ class ShmConnection(Connection):
 
     # ------------------------------------------------------------------ health
     def check_peer(self) -> None:
-        self._check_open()  # closed under a pending request (abort): fail it, never spin
         # A peer may finish its last send and close (or exit) before we read the
         # bytes; while undelivered bytes wait in our inbound ring, it is not gone
         # (unless we wait for pieces it took of a copy from both ends).
-        _segment.check_alive(
-            self._closed_peer,
-            self._peer_pid,
-            f"shm: peer {self.peer}",
-            peer=self.peer,
-            transport="shm",
-            there=self._bytes_wait,
-        )
+        self._check_alive(self._bytes_wait)
 
     def check_incoming(self) -> None:
-        self._check_open()
+        self._check_alive(lambda: not self._recvs and self._in.head.load() > self._recvd)
+
+    def _check_alive(self, there: Callable[[], bool]) -> None:
+        self._check_open()  # closed under a pending request (abort): fail it, never spin
         _segment.check_alive(
             self._closed_peer,
             self._peer_pid,
             f"shm: peer {self.peer}",
             peer=self.peer,
             transport="shm",
-            there=lambda: not self._recvs and self._in.head.load() > self._recvd,
+            there=there,
         )
 
     def _bytes_wait(self) -> bool:
