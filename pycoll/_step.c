@@ -706,6 +706,51 @@ move_range(const Layout *L, int q, int i, uint64_t off, char *local, size_t len,
     return 1;
 }
 
+/* Wait for rank j's word *w to reach want (eq: equal it, a posted word; else
+   at least, its done): 0, or 1 with o's code (2 for a posted word, 1 for a
+   done), peer and value set, for the caller to return o. */
+static int
+await_peer(const Layout *L, int j, const uint64_t *w, uint64_t want, int eq, const Patience *pt,
+           Outcome *o)
+{
+    if (!await_word(w, want, eq, CLOSED(L, j), CLOSED(L, L->rank), pt))
+        return 0;
+    o->code = eq ? 2 : 1, o->peer = j, o->value = want;
+    return 1;
+}
+
+/* Wait until every peer's done reaches want, peers from index o->k on in the
+   order rank + 1, rank + 2, ...: 0, or 1 as await_peer. */
+static int
+await_dones(const Layout *L, uint64_t want, const Patience *pt, Outcome *o)
+{
+    for (; o->k < L->n - 1; o->k++) {
+        int j = (L->rank + 1 + o->k) % L->n;
+        if (await_peer(L, j, DONE(L, j), want, 0, pt, o))
+            return 1;
+    }
+    return 0;
+}
+
+/* Claim step st (every peer done with step st - K, the same slot): as await_dones. */
+static int
+claim_step(const Layout *L, uint64_t st, const Patience *pt, Outcome *o)
+{
+    return st > (uint64_t)L->K && await_dones(L, st - L->K, pt, o);
+}
+
+/* Post step st: [addr, addr + nbytes) as range st % K, done = st - 1, word w. */
+static void
+post_step(const Layout *L, uint64_t st, const char *addr, Py_ssize_t nbytes, uint64_t w)
+{
+    int r = L->rank, i = (int)(st % (uint64_t)L->K);
+    uint64_t *rg = RANGE(L, r, i);
+    rg[0] = (uint64_t)(uintptr_t)addr;
+    rg[1] = (uint64_t)nbytes;
+    __atomic_store_n(DONE(L, r), st - 1, __ATOMIC_RELEASE);
+    __atomic_store_n(WORD(L, r, i), w, __ATOMIC_RELEASE);
+}
+
 static Outcome
 by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py_ssize_t lo,
            Py_ssize_t hi, int kind, int op, Py_ssize_t piece, uint64_t s, uint64_t w1,
@@ -713,39 +758,22 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
 {
     Outcome o = {0, phase, k, -1, 0};
     int n = L->n, r = L->rank, K = L->K, wd = width(kind);
-    const uint64_t *me_closed = CLOSED(L, r);
     uint64_t last = two ? t : s;
     for (; o.phase < 8; o.phase++, o.k = 0) {
         int ph = o.phase;
         if (!two && ph >= 4 && ph <= 6)
             continue; /* a reduce-scatter: one step */
         if (ph == 0 || ph == 4) { /* claim */
-            uint64_t st = ph == 0 ? s : t;
-            if (st <= (uint64_t)K)
-                continue;
-            for (; o.k < n - 1; o.k++) {
-                int j = (r + 1 + o.k) % n;
-                if (await_word(DONE(L, j), st - K, 0, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 1, o.peer = j, o.value = st - K;
-                    return o;
-                }
-            }
+            if (claim_step(L, ph == 0 ? s : t, pt, &o))
+                return o;
         } else if (ph == 1 || ph == 5) { /* post */
-            uint64_t st = ph == 1 ? s : t;
-            int i = (int)(st % (uint64_t)K);
-            uint64_t *rg = RANGE(L, r, i);
-            rg[0] = (uint64_t)(uintptr_t)(ph == 1 ? x : out);
-            rg[1] = (uint64_t)nbytes;
-            __atomic_store_n(DONE(L, r), st - 1, __ATOMIC_RELEASE);
-            __atomic_store_n(WORD(L, r, i), ph == 1 ? w1 : w2, __ATOMIC_RELEASE);
+            post_step(L, ph == 1 ? s : t, ph == 1 ? x : out, nbytes, ph == 1 ? w1 : w2);
         } else if (ph == 2) { /* wait for the inputs */
             int i = (int)(s % (uint64_t)K);
             for (; o.k < n - 1; o.k++) {
                 int j = (r + 1 + o.k) % n;
-                if (await_word(WORD(L, j, i), w1, 1, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 2, o.peer = j, o.value = w1;
+                if (await_peer(L, j, WORD(L, j, i), w1, 1, pt, &o))
                     return o;
-                }
             }
         } else if (ph == 3) { /* reduce this rank's block, in rank order, piece by piece */
             int i = (int)(s % (uint64_t)K);
@@ -783,23 +811,16 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
             size_t len = (size_t)((hi - lo) * wd);
             for (; o.k < n - 1; o.k++) {
                 int j = (r + 1 + o.k) % n;
-                if (await_word(WORD(L, j, i), w2, 1, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 2, o.peer = j, o.value = w2;
+                if (await_peer(L, j, WORD(L, j, i), w2, 1, pt, &o))
                     return o;
-                }
                 if (move_range(L, j, i, (uint64_t)(lo * wd), dst, len, 1, &o))
                     return o;
             }
         } else { /* 7: done, and every peer done with our buffers */
             if (o.k == 0)
                 __atomic_store_n(DONE(L, r), last, __ATOMIC_RELEASE);
-            for (; o.k < n - 1; o.k++) {
-                int j = (r + 1 + o.k) % n;
-                if (await_word(DONE(L, j), last, 0, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 1, o.peer = j, o.value = last;
-                    return o;
-                }
-            }
+            if (await_dones(L, last, pt, &o))
+                return o;
         }
     }
     o.phase = 8;
@@ -921,57 +942,35 @@ broadcast_by(const Layout *L, char *buf, Py_ssize_t nbytes, Py_ssize_t cut, int 
              uint64_t s, uint64_t w, int phase, int k, const Patience *pt)
 {
     Outcome o = {0, phase, k, -1, 0};
-    int n = L->n, r = L->rank, K = L->K, i = (int)(s % (uint64_t)K);
+    int n = L->n, r = L->rank, i = (int)(s % (uint64_t)L->K);
     int tail = cut < nbytes, poster = r == root || tail;
-    const uint64_t *me_closed = CLOSED(L, r);
     for (; o.phase < 4; o.phase++, o.k = 0) {
         int ph = o.phase;
         if (ph == 0) {
-            if (!poster || s <= (uint64_t)K)
-                continue;
-            for (; o.k < n - 1; o.k++) {
-                int j = (r + 1 + o.k) % n;
-                if (await_word(DONE(L, j), s - K, 0, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 1, o.peer = j, o.value = s - K;
-                    return o;
-                }
-            }
+            if (poster && claim_step(L, s, pt, &o))
+                return o;
         } else if (ph == 1) {
-            if (!poster)
-                continue;
-            uint64_t *rg = RANGE(L, r, i);
-            rg[0] = (uint64_t)(uintptr_t)buf;
-            rg[1] = (uint64_t)nbytes;
-            __atomic_store_n(DONE(L, r), s - 1, __ATOMIC_RELEASE);
-            __atomic_store_n(WORD(L, r, i), w, __ATOMIC_RELEASE);
+            if (poster)
+                post_step(L, s, buf, nbytes, w);
         } else if (ph == 2 && r == root) {
             for (; tail && o.k < n - 1; o.k++) {
                 int j = (root + 1 + o.k) % n;
-                if (await_word(WORD(L, j, i), w, 1, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 2, o.peer = j, o.value = w;
+                if (await_peer(L, j, WORD(L, j, i), w, 1, pt, &o))
                     return o;
-                }
                 if (move_range(L, j, i, (uint64_t)cut, buf + cut, (size_t)(nbytes - cut), 1, &o))
                     return o;
             }
         } else if (ph == 2) {
-            if (await_word(WORD(L, root, i), w, 1, CLOSED(L, root), me_closed, pt)) {
-                o.code = 2, o.peer = root, o.value = w;
+            if (await_peer(L, root, WORD(L, root, i), w, 1, pt, &o))
                 return o;
-            }
             if (move_range(L, root, i, 0, buf, (size_t)cut, 0, &o))
                 return o;
         } else {
             if (o.k == 0)
                 __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
-            int waits = r == root ? n - 1 : tail;
-            for (; o.k < waits; o.k++) {
-                int j = r == root ? (root + 1 + o.k) % n : root;
-                if (await_word(DONE(L, j), s, 0, CLOSED(L, j), me_closed, pt)) {
-                    o.code = 1, o.peer = j, o.value = s;
-                    return o;
-                }
-            }
+            if (r == root ? await_dones(L, s, pt, &o)
+                          : tail && await_peer(L, root, DONE(L, root), s, 0, pt, &o))
+                return o;
         }
     }
     o.phase = 4;

@@ -155,10 +155,12 @@ def test_a_peer_slower_than_the_patience_is_waited_for_by_the_group(
     assert handed[0] >= 2, handed  # rank 0 waited for rank 1 twice past the patience
 
 
-def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
-    """Waiting for a word no peer posts, the call returns after its patience
-    with the wait to finish (code 2, the peer, the word), and meanwhile another
-    Python thread runs; a peer whose group closes ends the wait at once."""
+@pytest.mark.parametrize("entry", ["reduction", "broadcast"])
+def test_the_call_releases_the_gil_and_hands_back_a_wait(entry: str) -> None:
+    """Waiting for a word no peer posts (the peers' inputs; a reader: the
+    root's), the call returns after its patience with the wait to finish (code
+    2, the peer, the word), and meanwhile another Python thread runs; a peer
+    whose group closes ends the wait at once."""
     from pycoll import _step
 
     with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
@@ -171,10 +173,16 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait() -> None:
 
         def wait(budget_ns: int) -> tuple[Any, float]:
             t0 = time.monotonic()
-            got = _step.reduction_by_address(
-                lay, G.slots, 0, x, out, 0, 2048, ord("f"), 0, 1 << 16,
-                s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
-            )  # fmt: skip
+            if entry == "broadcast":  # rank 0 reads all of root 1's buffer
+                got = _step.broadcast_by_address(
+                    lay, G.slots, 0, x.ctypes.data, x.nbytes, x.nbytes, 1,
+                    s, w, 2, 0, 0, 16, 200_000, budget_ns,
+                )  # fmt: skip
+            else:
+                got = _step.reduction_by_address(
+                    lay, G.slots, 0, x, out, 0, 2048, ord("f"), 0, 1 << 16,
+                    s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
+                )  # fmt: skip
             return got, time.monotonic() - t0
 
         ticks = [0]

@@ -371,7 +371,8 @@ class ShmGroup:
 
     def control(self) -> ControlLayout:
         """Where the control lines lie, for compiled steps that load and store the
-        words themselves (``pycoll._step.reduction_by_address``).  Call it once
+        words themselves (``pycoll._step.reduction_by_address`` and
+        ``broadcast_by_address``).  Call it once
         :meth:`probe` succeeded (every peer's pid is known then)."""
         if self._closed:
             raise TransportError("group segment is closed", transport=TRANSPORT)

@@ -366,7 +366,8 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     queue for the other: on the H200, n = 2, a 1 MiB allreduce took 120-170 us
     alone and 230-630 us inside DDP (benchmarks/RESULTS.md, "The worker's host
     allreduce, four experiments", and "The allreduce by address without the GIL")."""
-    if not L.use_compiled or compiled is None or not hasattr(compiled, "reduction_by_address"):
+    entry = _entry(L, "reduction_by_address")
+    if entry is None:
         return False
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
@@ -376,8 +377,16 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     t = _step(L, G) if two else s
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
     args = (G.control(), K, L.rank, x, out, lo, hi, kind, code, PIECE_BYTES, s, w1, t, w2, two)
-    _drive(L, G, compiled.reduction_by_address, args, 3, lo * x.itemsize, (hi - lo) * x.itemsize)
+    _drive(L, G, entry, args, 3, lo * x.itemsize, (hi - lo) * x.itemsize)
     return True
+
+
+def _entry(L: Links, name: str) -> Callable[..., Any] | None:
+    """``pycoll._step``'s entry ``name``, or None where compiled calls are off
+    (``PYCOLL_COMPILED=0``) or the module was not built."""
+    if not L.use_compiled or compiled is None:
+        return None
+    return getattr(compiled, name, None)
 
 
 def _drive(
@@ -504,16 +513,17 @@ def _compiled_broadcast(L: Links, G: Group, buf: Any, root: int, cut: int) -> bo
     ``pycoll._step.broadcast_by_address`` without the GIL, as :func:`_compiled`
     runs the allreduce: the same steps, words and bytes.  False, touching
     nothing, without the compiled module or with ``PYCOLL_COMPILED=0``."""
-    if not L.use_compiled or compiled is None or not hasattr(compiled, "broadcast_by_address"):
+    entry = _entry(L, "broadcast_by_address")
+    if entry is None:
         return False
     K, r = G.slots, L.rank
     s = _step(L, G)
     cut *= buf.itemsize
     args = (G.control(), K, r, _addr(buf), buf.nbytes, cut, root, s, G.chains[s % K] | s)
     if r == root:  # its failed copy is a write of the tail
-        _drive(L, G, compiled.broadcast_by_address, args, -1, cut, buf.nbytes - cut)
+        _drive(L, G, entry, args, -1, cut, buf.nbytes - cut)
     else:
-        _drive(L, G, compiled.broadcast_by_address, args, 2, 0, cut)
+        _drive(L, G, entry, args, 2, 0, cut)
     return True
 
 
