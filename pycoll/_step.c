@@ -246,7 +246,7 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* ------------------------------------------------------------------ Step
 
    Step(mode, group, claim, wait, reduce, K, mul, mask, fpw, spins, nbytes,
-        count, op, kind, slot, word, done, theirs, rows, dones, ahead)
+        count, op, kind, slot, word, done, theirs, rows, dones, ahead, piece)
 
    One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
    it does what that module's Python closure of the same mode does, in one C
@@ -266,12 +266,16 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
          out = rows[i][0] OP rows[i][1] ... (count elements), done = s;
        WRITE (a reduce off its root): copy in and post, done = s;
        GATHER (allgather): copy in, post, wait, copy each nonzero rows[i][j]
-         (nbytes) to block j of out, done = s;
+         (nbytes) to block j of out, done = s.  A block of more than piece
+         bytes goes in rounds of piece bytes (at most ahead of them), one step
+         each, as direct's _slot_allgather: every round is copied in and
+         posted (done = s - 1 with the first alone), then each is waited for,
+         copied out and marked done;
        SCATTER (reduce_scatter): as READ, rows[i] being block r of each slot;
        ROOT (a broadcast's root): copy in, post, done = s;
        LEAF (a broadcast's leaves): wait for theirs[i], copy rows[i][0]
          (nbytes) into x, done = s.
-     A wait spins at most spins rounds in all; a peer not there by then is
+     A wait spins at most spins rounds in all (the call's waits together); a peer not there by then is
      waited for by wait(late, i, w) (Python: the group's wait, which backs off,
      times out and raises on a mismatch), late being its index in theirs[i].
      A reduction C does not do (op or kind outside those of reduce above) is
@@ -283,15 +287,17 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 enum { READ, WRITE, GATHER, SCATTER, ROOT, LEAF };
 #define MAXK 64
 #define MAXN 64
+#define MAXR 8 /* rounds of a GATHER step */
 
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     int mode, K, op, kind, m, nrows;
     PyObject *group, *claim, *wait, *reduce;
-    uint64_t mul, mask, fpw;
+    uint64_t mul, mask, fpw, smask; /* smask: a posted word's step bits */
     long spins;
-    Py_ssize_t nbytes, count;
+    Py_ssize_t nbytes, count, piece; /* piece: the bytes of a round */
+    int rounds;
     char *slot[MAXK], *word[MAXK], *done;
     char *dones[MAXN]; /* the peers' done words */
     int npeers;
@@ -364,9 +370,10 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     PyObject *dones;
     unsigned long long ahead;
-    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOK:Step", &mode, &group, &claim, &wait,
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOKn:Step", &mode, &group, &claim, &wait,
                           &reduce, &K, &mul, &mask, &fpw, &spins, &nbytes, &count, &op, &kind,
-                          &slot, &word, &done, &theirs, &rows, &dones, &ahead))
+                          &slot, &word, &done, &theirs, &rows, &dones, &ahead, &piece))
         return NULL;
     if (!PyTuple_Check(dones) || PyTuple_GET_SIZE(dones) > MAXN) {
         PyErr_SetString(PyExc_TypeError, "Step: dones must be a tuple of the peers' addresses");
@@ -374,6 +381,13 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     if (mode < READ || mode > LEAF || K < 2 || K > MAXK || nbytes < 0 || count < 0) {
         PyErr_SetString(PyExc_ValueError, "Step: bad mode, K, nbytes or count");
+        return NULL;
+    }
+    Py_ssize_t rounds = piece > 0 && nbytes > piece ? (nbytes + piece - 1) / piece : 1;
+    if (piece <= 0 || rounds > MAXR || rounds > (Py_ssize_t)ahead || (rounds > 1 && mode != GATHER)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Step: piece must be positive, and split nbytes into rounds only for an "
+                        "allgather, at most ahead and 8 of them");
         return NULL;
     }
     if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != K || !PyTuple_Check(word) ||
@@ -391,10 +405,13 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->kind = kind;
     self->mul = mul;
     self->mask = mask;
+    self->smask = ~(uint64_t)mask;
     self->fpw = fpw;
     self->spins = spins;
     self->nbytes = nbytes;
     self->count = count;
+    self->piece = piece;
+    self->rounds = (int)rounds;
     self->ahead = ahead;
     self->floor = 0;
     self->npeers = (int)PyTuple_GET_SIZE(dones);
@@ -453,6 +470,64 @@ wait_slow(Step *self, Py_ssize_t late, int i, uint64_t w)
     return r == NULL ? -1 : 0;
 }
 
+/* Take the next step: s = group.seq + 1 and its chain, stored back on the
+   group; unless a LEAF, wait until its slot is free (see Step above). */
+static int
+step_take(Step *self, uint64_t *sp)
+{
+    PyObject *group = self->group;
+    uint64_t seq, chain;
+    if (get_u64(group, s_seq, &seq) || get_u64(group, s_chain, &chain))
+        return -1;
+    uint64_t s = seq + 1;
+    uint64_t c = (chain * self->mul + self->fpw) & self->mask;
+    if (set_u64(group, s_seq, s) || set_u64(group, s_chain, c))
+        return -1;
+    *sp = c | s;
+    uint64_t K = (uint64_t)self->K;
+    if (self->mode == LEAF || s <= K || s - K <= self->floor)
+        return 0;
+    /* the slot of step s - K: free once every peer is done with that step */
+    uint64_t need = s - K, least = UINT64_MAX;
+    for (int j = 0; j < self->npeers; j++) {
+        uint64_t d = __atomic_load_n((uint64_t *)self->dones[j], __ATOMIC_ACQUIRE);
+        if (d < least)
+            least = d;
+    }
+    if (least < need) {
+        PyObject *r = PyObject_CallFunction(self->claim, "K", (unsigned long long)s);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        least = need;
+    }
+    self->floor = least;
+    return 0;
+}
+
+/* Wait until the peers' words of slot index i hold w: spin from the call's
+   budget *spins, then let Python's wait (back-off, timeouts) have the rest. */
+static int
+step_await(Step *self, int i, uint64_t w, long *spins)
+{
+    char **theirs = self->theirs + (Py_ssize_t)i * self->m;
+    for (int k = 0; k < self->m; k++) {
+        while (__atomic_load_n((uint64_t *)theirs[k], __ATOMIC_ACQUIRE) != w) {
+            if ((*spins)-- <= 0) {
+                if (wait_slow(self, k, i, w))
+                    return -1;
+                k = self->m; /* Python waited for the rest */
+                break;
+            }
+            RELAX();
+        }
+    }
+    uint64_t s = w & self->smask;
+    if (self->m == self->npeers && s > self->ahead && s - self->ahead > self->floor)
+        self->floor = s - self->ahead; /* a peer seen at step s consumed step s - ahead */
+    return 0;
+}
+
 static PyObject *
 step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -462,100 +537,82 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         PyErr_SetString(PyExc_TypeError, "a Step takes (x, out)");
         return NULL;
     }
-    PyObject *group = self->group;
-    uint64_t seq, chain;
-    if (get_u64(group, s_seq, &seq) || get_u64(group, s_chain, &chain))
-        return NULL;
-    uint64_t s = seq + 1;
-    uint64_t c = (chain * self->mul + self->fpw) & self->mask;
-    if (set_u64(group, s_seq, s) || set_u64(group, s_chain, c))
-        return NULL;
     int K = self->K, mode = self->mode;
-    int i = (int)(s % (uint64_t)K);
-    uint64_t w = c | s;
-    if (mode != LEAF && s > (uint64_t)K && s - (uint64_t)K > self->floor) {
-        /* the slot of step s - K: free once every peer is done with that step */
-        uint64_t need = s - (uint64_t)K, least = UINT64_MAX;
-        for (int j = 0; j < self->npeers; j++) {
-            uint64_t d = __atomic_load_n((uint64_t *)self->dones[j], __ATOMIC_ACQUIRE);
-            if (d < least)
-                least = d;
-        }
-        if (least < need) {
-            PyObject *r = PyObject_CallFunction(self->claim, "K", (unsigned long long)s);
-            if (r == NULL)
-                return NULL;
-            Py_DECREF(r);
-            least = need;
-        }
-        self->floor = least;
-    }
-    if (mode != LEAF) { /* copy in and post */
+    Py_ssize_t nbytes = self->nbytes, piece = self->piece;
+    int rounds = self->rounds;
+    uint64_t w[MAXR]; /* the rounds' posted words (step s: w & smask) */
+    if (mode == LEAF) {
+        if (step_take(self, &w[0]))
+            return NULL;
+    } else { /* copy in and post, round by round */
         Py_buffer x;
         if (PyObject_GetBuffer(args[0], &x, PyBUF_C_CONTIGUOUS) < 0)
             return NULL;
-        if (x.len != self->nbytes) {
-            PyErr_Format(PyExc_ValueError, "Step: %zd bytes for a %zd-byte step", x.len,
-                         self->nbytes);
+        if (x.len != nbytes) {
+            PyErr_Format(PyExc_ValueError, "Step: %zd bytes for a %zd-byte step", x.len, nbytes);
             PyBuffer_Release(&x);
             return NULL;
         }
-        memcpy(self->slot[i], x.buf, (size_t)x.len);
+        for (int q = 0; q < rounds; q++) {
+            if (step_take(self, &w[q])) {
+                PyBuffer_Release(&x);
+                return NULL;
+            }
+            uint64_t s = w[q] & self->smask;
+            int i = (int)(s % (uint64_t)K);
+            Py_ssize_t at = q * piece, len = nbytes - at < piece ? nbytes - at : piece;
+            memcpy(self->slot[i], (char *)x.buf + at, (size_t)len);
+            if (q == 0) /* every earlier step is read; a later round's post says nothing of it */
+                __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
+            __atomic_store_n((uint64_t *)self->word[i], w[q], __ATOMIC_RELEASE);
+        }
         PyBuffer_Release(&x);
-        __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
-        __atomic_store_n((uint64_t *)self->word[i], w, __ATOMIC_RELEASE);
     }
+    uint64_t last = w[rounds - 1] & self->smask;
     if (mode == WRITE || mode == ROOT) {
-        __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)self->done, last, __ATOMIC_RELEASE);
         Py_RETURN_NONE;
     }
-    /* wait for the peers' words */
-    long spins = self->spins;
-    char **theirs = self->theirs + (Py_ssize_t)i * self->m;
-    for (int k = 0; k < self->m; k++) {
-        while (__atomic_load_n((uint64_t *)theirs[k], __ATOMIC_ACQUIRE) != w) {
-            if (spins-- <= 0) {
-                if (wait_slow(self, k, i, w))
-                    return NULL;
-                k = self->m; /* Python waited for the rest */
-                break;
-            }
-            RELAX();
-        }
-    }
-    if (self->m == self->npeers && s > self->ahead && s - self->ahead > self->floor)
-        self->floor = s - self->ahead; /* a peer seen at step s consumed step s - ahead */
-    char **rows = self->rows + (Py_ssize_t)i * self->nrows;
     PyObject *dst = mode == LEAF ? args[0] : args[1];
-    Py_buffer o;
-    if (PyObject_GetBuffer(dst, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return NULL;
-    int ok = 1;
-    if (mode == READ || mode == SCATTER) {
-        int w8 = width(self->kind);
-        if (o.len != self->count * w8 || !w8)
-            ok = 0;
-        else
-            ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows, self->count);
-    } else { /* GATHER, LEAF: blocks of nbytes */
-        if (o.len != self->nrows * self->nbytes) {
-            PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd",
-                         o.len, self->nrows, self->nbytes);
-            PyBuffer_Release(&o);
+    long spins = self->spins;
+    for (int q = 0; q < rounds; q++) {
+        uint64_t s = w[q] & self->smask;
+        int i = (int)(s % (uint64_t)K);
+        if (step_await(self, i, w[q], &spins))
             return NULL;
+        char **rows = self->rows + (Py_ssize_t)i * self->nrows;
+        Py_buffer o;
+        if (PyObject_GetBuffer(dst, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            return NULL;
+        int ok = 1;
+        if (mode == READ || mode == SCATTER) {
+            int w8 = width(self->kind);
+            if (o.len != self->count * w8 || !w8)
+                ok = 0;
+            else
+                ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows,
+                                 self->count);
+        } else { /* GATHER, LEAF: round q of blocks of nbytes */
+            if (o.len != self->nrows * nbytes) {
+                PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd",
+                             o.len, self->nrows, nbytes);
+                PyBuffer_Release(&o);
+                return NULL;
+            }
+            Py_ssize_t at = q * piece, len = nbytes - at < piece ? nbytes - at : piece;
+            for (int j = 0; j < self->nrows; j++)
+                if (rows[j])
+                    memcpy((char *)o.buf + j * nbytes + at, rows[j], (size_t)len);
         }
-        for (int j = 0; j < self->nrows; j++)
-            if (rows[j])
-                memcpy((char *)o.buf + j * self->nbytes, rows[j], (size_t)self->nbytes);
+        PyBuffer_Release(&o);
+        if (!ok) {
+            PyObject *r = PyObject_CallFunction(self->reduce, "iO", i, dst);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+        }
+        __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
     }
-    PyBuffer_Release(&o);
-    if (!ok) {
-        PyObject *r = PyObject_CallFunction(self->reduce, "iO", i, dst);
-        if (r == NULL)
-            return NULL;
-        Py_DECREF(r);
-    }
-    __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
 

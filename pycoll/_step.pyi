@@ -27,5 +27,8 @@ class Step:
         done: int,
         theirs: tuple[tuple[int, ...], ...],
         rows: tuple[tuple[int, ...], ...],
+        dones: tuple[int, ...],
+        ahead: int,
+        piece: int,
     ) -> None: ...
     def __call__(self, x: Any, out: Any) -> None: ...

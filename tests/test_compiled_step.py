@@ -200,6 +200,7 @@ def _make(
     count: int,
     spins: int = 8,
     kind: int = ord("i"),
+    piece: int = 0,
 ) -> Any:
     return step.Step(
         mode,
@@ -223,6 +224,7 @@ def _make(
         at["rows"],
         at["dones"],
         K,
+        piece or nbytes,
     )
 
 
@@ -285,6 +287,55 @@ def test_step_modes_copy_where_they_should() -> None:
     red = _make(direct._READ, G, at, calls, K=K, nbytes=nbytes, count=1, spins=0, kind=0)
     red(np.array([1], np.int32), out[:1])
     assert calls[-1] == ("reduce", 1)
+
+
+@needs_step
+def test_a_gather_step_goes_in_rounds_of_a_piece() -> None:
+    """A GATHER step of 12 bytes a rank in pieces of 8 (K = 4, n = 3): two
+    steps, both copied in and posted before either is read (done = s - 1 with
+    the first alone), then each waited for, copied into its part of every
+    peer's block and marked done; a block needs at most ``ahead`` rounds."""
+    K, n, nbytes, piece = 4, 3, 12, 8
+    words, slots, at = _fake(K, n, piece)
+    G, calls = _Group(), []  # type: ignore[var-annotated]
+    rows = tuple((0, r[1], r[2]) for r in at["rows"])
+    mk = {"K": K, "nbytes": nbytes, "count": 3, "spins": 0, "piece": piece}
+    gather = _make(direct._GATHER, G, {**at, "rows": rows}, calls, **mk)
+    for j in (1, 2):  # round 1 (step 1, slot 1): 8 bytes; round 2 (step 2): 4
+        slots[j, 1].view(np.int32)[:] = [10 * j, 10 * j + 1]
+        slots[j, 2].view(np.int32)[:1] = 10 * j + 2
+    x, out = np.array([5, 6, 7], np.int32), np.full(9, -1, np.int32)
+    gather(x, out)
+    c1 = (3 << 40) & _MASK
+    c2 = (c1 * 5 + (3 << 40)) & _MASK
+    assert (G.seq, G.chain) == (2, c2)
+    assert calls == [("wait", 0, 1, c1 | 1), ("wait", 0, 2, c2 | 2)]
+    assert slots[0, 1].view(np.int32).tolist() == [5, 6]
+    assert slots[0, 2].view(np.int32)[:1].tolist() == [7]
+    assert int(words[1 + 1]) == c1 | 1 and int(words[1 + 2]) == c2 | 2 and int(words[0]) == 2
+    assert out.tolist() == [-1, -1, -1, 10, 11, 12, 20, 21, 22]
+    with pytest.raises(ValueError, match="rounds"):  # 3 rounds, ahead 2
+        step.Step(*_args(direct._GATHER, G, at, K=K, nbytes=24, piece=8, ahead=2))
+    with pytest.raises(ValueError, match="rounds"):  # only an allgather goes in rounds
+        step.Step(*_args(direct._READ, G, at, K=K, nbytes=16, piece=8, ahead=4))
+
+
+def _args(
+    mode: int, G: _Group, at: dict[str, Any], *, K: int, nbytes: int, piece: int, ahead: int
+) -> tuple[Any, ...]:
+    def none(*_: Any) -> None:
+        return None
+
+    return (mode, G, none, none, none, K, 5, _MASK, 0, 0, nbytes, 1, 0, ord("i")) + (
+        at["slot"],
+        at["word"],
+        at["done"],
+        at["theirs"],
+        at["rows"],
+        at["dones"],
+        ahead,
+        piece,
+    )
 
 
 class _Counting:
@@ -594,3 +645,98 @@ def test_the_compiled_data_pointer_is_numpys() -> None:
     with pytest.raises(TypeError):
         replay_c.data(b"bytes")
     assert buffers.data_ptr(mm) == mm.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allgathers_in_rounds_agree_across_compiled_and_python_ranks(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replayed allgathers of more than a slot a rank (4 KiB slots), out of
+    place and in place: the even ranks take the compiled step in rounds, the
+    odd ones direct's Python rounds, and every rank must hold every block,
+    bit for bit, with the outputs poisoned and the inputs new at every call.
+    Past three slots a rank (the cross-memory route) no step is prepared."""
+    used: dict[int, int] = {}
+    real = direct._compiled_rounds
+
+    def rounds(L: Any, G: Any, count: int) -> bool:
+        ok = L.rank % 2 == 0 and real(L, G, count)
+        used[L.rank] = used.get(L.rank, 0) + ok
+        return ok
+
+    monkeypatch.setattr(direct, "_compiled_rounds", rounds)
+    slot = 4096
+    cfg = {"transports": ("shm",), "group_slot_bytes": slot, "tune": False, "timeout": 30}
+    dtypes = [np.dtype(t) for t in ("float32", "int8", "float64", "complex128", "bool")]
+    with communicators(n, **cfg) as comms:
+
+        def body(r: int) -> list[tuple[str, int, bool, int]]:
+            c, bad = comms[r], []
+            for dtype in dtypes:
+                e = slot // dtype.itemsize  # elements of a slot
+                for k in (e + 1, 2 * e, 2 * e + 7, 3 * e - 1, 3 * e + 1):
+                    for in_place in (False, True):
+                        for rep in range(3):  # later calls replay the prepared step
+                            xs = [
+                                np.random.default_rng([q, k, rep]).integers(0, 100, k).astype(dtype)
+                                for q in range(n)
+                            ]
+                            out = np.empty(n * k, dtype)
+                            out.view(np.uint8)[:] = 0xA5
+                            x = xs[r]
+                            if in_place:
+                                out[r * k : (r + 1) * k] = x
+                                x = out[r * k : (r + 1) * k]
+                            c.allgather(x, out)
+                            if out.tobytes() != np.concatenate(xs).tobytes():
+                                bad.append((dtype.name, k, in_place, rep))
+            return bad
+
+        res = run_ranks(n, body, timeout=240)
+    assert res == [[]] * n, res
+    # rounds of 2-3 slots (4 sizes, 5 dtypes; in place or not, one step):
+    # prepared once each on the compiled ranks; the 3-slot-plus size never
+    assert all(used.get(r, 0) == (20 if r % 2 == 0 else 0) for r in range(n)), used
+
+
+@pytest.mark.parametrize("other", ["another count", "a broadcast", "an allgather in one slot"])
+def test_a_mismatch_under_an_allgather_in_rounds_raises(
+    other: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agreed allgathers of 2.5 slots a rank (the second replays the
+    compiled step in rounds), then rank 1 runs another call: the mismatch
+    surfaces at once on some rank, and no rank returns twice."""
+    from tests.test_mismatch import _run_case
+
+    prepared: list[int] = []
+    real = direct._compiled_rounds
+
+    def rounds(L: Any, G: Any, count: int) -> bool:
+        ok = real(L, G, count)
+        prepared.extend([L.rank] if ok else [])
+        return ok
+
+    monkeypatch.setattr(direct, "_compiled_rounds", rounds)
+
+    k = 2560  # int32: 2.5 slots of 4 KiB
+
+    def make(r: int) -> tuple[Any, Any]:
+        x = np.full(k, r + 1, np.int32)
+        out = np.empty(2 * k, np.int32)
+
+        def fn(c: Any, a: str) -> Any:
+            for _ in range(2):
+                c.allgather(x, out, algorithm=a)
+            if r == 0:
+                return c.allgather(x, out, algorithm=a)
+            if other == "another count":
+                return c.allgather(x[:-1], out[:-2], algorithm=a)
+            if other == "a broadcast":
+                return c.broadcast(x, root=1, algorithm=a)
+            return c.allgather(x[:1000], out[:2000], algorithm=a)
+
+        return fn, None
+
+    _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", make)
+    if step is not None:
+        assert set(prepared) == {0, 1}, prepared  # both ranks replayed the rounds

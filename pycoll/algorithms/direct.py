@@ -204,6 +204,22 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
         G.done(t)
 
 
+def _slot_elements(G: Group, dtype: Any) -> int:
+    """The elements of ``dtype`` a round of a slot carries."""
+    return max(1, G.slot_bytes // dtype.itemsize)
+
+
+def _compiled_rounds(L: Links, G: Group, count: int) -> bool:
+    """Whether :func:`allgather` of ``count`` elements a rank goes through the
+    slots in rounds that one compiled step can take: all of them posted before
+    any is read (at most ``G.ahead``, and the 8 a step holds)."""
+    if compiled is None or (
+        G.cma and count * L.dtype.itemsize > ALLGATHER_SLOT_ROUNDS * G.slot_bytes
+    ):
+        return False
+    return -(-count // _slot_elements(G, L.dtype)) <= min(G.ahead, COMPILED_ROUNDS)
+
+
 def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     """Round by round; when there are at most ``G.ahead`` rounds, every round is
     written and posted before any is read: a rank that shares its core then
@@ -212,7 +228,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = x.size
-    per_round = max(1, G.slot_bytes // x.itemsize)
+    per_round = _slot_elements(G, x.dtype)
     ahead = -(-k // per_round) <= G.ahead
     unread: list[Any] = []
 
@@ -774,7 +790,12 @@ def prepare(
         return None
     G = L.group
     n, r = L.size, L.rank
-    if G is None or n < 2 or count <= 0 or count * L.dtype.itemsize > G.slot_bytes:
+    if G is None or n < 2 or count <= 0:
+        return None
+    if count * L.dtype.itemsize > G.slot_bytes:
+        if collective == "allgather" and use_compiled and _compiled_rounds(L, G, count):
+            spins = 0 if L.crowded else STEP_SPINS
+            return _compiled_step(collective, G, L, backoff, count, root, fp << G.step_bits, spins)
         return None
     if collective == "reduce_scatter" and count % n:
         return None
@@ -972,25 +993,27 @@ def _compiled_step(
     code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
     if code < 0:
         kind = 0  # C reduces nothing: reduce() each time
-    views = G.views(L.dtype, count)
     theirs: tuple[tuple[int, ...], ...] = at.theirs
     rows: tuple[tuple[int, ...], ...] = at.rows
     peers: tuple[int, ...] = others
-    parts: Any = views
+    parts: Any = None
     red_count = count
+    piece = nbytes
 
     if collective in ("allreduce", "reduce"):
+        parts = G.views(L.dtype, count)
         mode = _READ if collective == "allreduce" or r == root else _WRITE
     elif collective == "allgather":
         mode = _GATHER  # every rank's slot but this rank's own block (the envelope copies it)
         rows = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
+        piece = _slot_elements(G, L.dtype) * L.dtype.itemsize  # a block of more goes in rounds
     elif collective == "reduce_scatter":
         mode = _SCATTER
         red_count = k = count // n
         off = r * k * L.dtype.itemsize  # block r of every rank's slot
         rows = tuple(tuple(a + off for a in row) for row in at.rows)
         blk = slice(r * k, (r + 1) * k)
-        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in views)
+        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in G.views(L.dtype, count))
     elif r == root:
         mode = _ROOT
     else:
@@ -1031,10 +1054,13 @@ def _compiled_step(
         rows,
         at.dones,
         G.ahead,
+        piece,
     )
 
 
 # the modes of pycoll._step.Step
 _READ, _WRITE, _GATHER, _SCATTER, _ROOT, _LEAF = range(6)
 _U64 = (1 << 64) - 1
+#: The rounds one compiled allgather step takes at most (pycoll/_step.c, MAXR).
+COMPILED_ROUNDS = 8
 _COMPILED = ("allreduce", "reduce", "allgather", "reduce_scatter", "broadcast")
