@@ -12,8 +12,8 @@
    and words at the addresses it was given, so a caller that gets an address
    wrong corrupts memory: pycoll.algorithms.direct is the only caller, with
    addresses of the segment it maps.  A step holds the GIL throughout but in
-   its callbacks (its spins are bounded), and a closed communicator drops its
-   steps, so none runs on an unmapped segment.
+   its callbacks (its spins and yields are bounded), and a closed communicator
+   drops its steps, so none runs on an unmapped segment.
 
    Step(...): one prepared step, whole; below, where it is defined.
 
@@ -44,6 +44,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -52,6 +54,14 @@
 #else
 #define RELAX() ((void)0)
 #endif
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 static int
 addr_of(PyObject *o, char **p)
@@ -246,7 +256,8 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* ------------------------------------------------------------------ Step
 
    Step(mode, group, claim, wait, reduce, K, mul, mask, fpw, spins, nbytes,
-        count, op, kind, slot, word, done, theirs, rows, dones, ahead, piece)
+        count, op, kind, slot, word, done, theirs, rows, dones, ahead, piece,
+        yield_ns)
 
    One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
    it does what that module's Python closure of the same mode does, in one C
@@ -259,7 +270,8 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
      done word (at the addresses dones) at least s - K.  The step knows a
      bound below which they all are (from those loads, and from its waits: a
      peer seen at step s is done with step s - ahead); past it, it loads them,
-     and where one is short, claim(s) waits (Python: it backs off).
+     and where one is short, yields the CPU for up to yield_ns, then
+     claim(s) waits (Python: it backs off).
      Then by mode:
        READ (allreduce, a reduce's root): copy x (nbytes) into slot[i], store
          done = s - 1 and word[i] = w (release), wait for theirs[i] to hold w,
@@ -275,9 +287,12 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
        ROOT (a broadcast's root): copy in, post, done = s;
        LEAF (a broadcast's leaves): wait for theirs[i], copy rows[i][0]
          (nbytes) into x, done = s.
-     A wait spins at most spins rounds in all (the call's waits together); a peer not there by then is
-     waited for by wait(late, i, w) (Python: the group's wait, which backs off,
-     times out and raises on a mismatch), late being its index in theirs[i].
+     A wait spins at most spins rounds in all (the call's waits together),
+     then yields the CPU (sched_yield) for at most yield_ns in all; a peer
+     not there by then is waited for by wait(late, i, w) (Python: the
+     group's wait, which backs off, times out, checks that the peer lives and
+     raises on a mismatch), late being its index in theirs[i].  Both bounds
+     keep the GIL's hold short: the step holds it while it yields.
      A reduction C does not do (op or kind outside those of reduce above) is
      reduce(i, out) (Python).
 
@@ -296,6 +311,7 @@ typedef struct {
     PyObject *group, *claim, *wait, *reduce;
     uint64_t mul, mask, fpw, smask; /* smask: a posted word's step bits */
     long spins;
+    long long yield_ns; /* past the spins, a wait yields the CPU this long before Python's */
     Py_ssize_t nbytes, count, piece; /* piece: the bytes of a round */
     int rounds;
     char *slot[MAXK], *word[MAXK], *done;
@@ -371,9 +387,11 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *dones;
     unsigned long long ahead;
     Py_ssize_t piece;
-    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOKn:Step", &mode, &group, &claim, &wait,
+    long long yield_ns;
+    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOKnL:Step", &mode, &group, &claim, &wait,
                           &reduce, &K, &mul, &mask, &fpw, &spins, &nbytes, &count, &op, &kind,
-                          &slot, &word, &done, &theirs, &rows, &dones, &ahead, &piece))
+                          &slot, &word, &done, &theirs, &rows, &dones, &ahead, &piece,
+                          &yield_ns))
         return NULL;
     if (!PyTuple_Check(dones) || PyTuple_GET_SIZE(dones) > MAXN) {
         PyErr_SetString(PyExc_TypeError, "Step: dones must be a tuple of the peers' addresses");
@@ -408,6 +426,7 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->smask = ~(uint64_t)mask;
     self->fpw = fpw;
     self->spins = spins;
+    self->yield_ns = yield_ns;
     self->nbytes = nbytes;
     self->count = count;
     self->piece = piece;
@@ -470,6 +489,19 @@ wait_slow(Step *self, Py_ssize_t late, int i, uint64_t w)
     return r == NULL ? -1 : 0;
 }
 
+/* The least of the peers' done words. */
+static uint64_t
+step_least_done(Step *self)
+{
+    uint64_t least = UINT64_MAX;
+    for (int j = 0; j < self->npeers; j++) {
+        uint64_t d = __atomic_load_n((uint64_t *)self->dones[j], __ATOMIC_ACQUIRE);
+        if (d < least)
+            least = d;
+    }
+    return least;
+}
+
 /* Take the next step: s = group.seq + 1 and its chain, stored back on the
    group; unless a LEAF, wait until its slot is free (see Step above). */
 static int
@@ -488,11 +520,13 @@ step_take(Step *self, uint64_t *sp)
     if (self->mode == LEAF || s <= K || s - K <= self->floor)
         return 0;
     /* the slot of step s - K: free once every peer is done with that step */
-    uint64_t need = s - K, least = UINT64_MAX;
-    for (int j = 0; j < self->npeers; j++) {
-        uint64_t d = __atomic_load_n((uint64_t *)self->dones[j], __ATOMIC_ACQUIRE);
-        if (d < least)
-            least = d;
+    uint64_t need = s - K, least = step_least_done(self);
+    if (least < need && self->yield_ns > 0) {
+        long long until = now_ns() + self->yield_ns;
+        do {
+            sched_yield();
+            least = step_least_done(self);
+        } while (least < need && now_ns() < until);
     }
     if (least < need) {
         PyObject *r = PyObject_CallFunction(self->claim, "K", (unsigned long long)s);
@@ -506,14 +540,22 @@ step_take(Step *self, uint64_t *sp)
 }
 
 /* Wait until the peers' words of slot index i hold w: spin from the call's
-   budget *spins, then let Python's wait (back-off, timeouts) have the rest. */
+   budget *spins, then yield the CPU until *until (set yield_ns ahead at the
+   call's first yield), then let Python's wait (back-off, timeouts, liveness
+   and mismatches) have the rest. */
 static int
-step_await(Step *self, int i, uint64_t w, long *spins)
+step_await(Step *self, int i, uint64_t w, long *spins, long long *until)
 {
     char **theirs = self->theirs + (Py_ssize_t)i * self->m;
     for (int k = 0; k < self->m; k++) {
         while (__atomic_load_n((uint64_t *)theirs[k], __ATOMIC_ACQUIRE) != w) {
             if ((*spins)-- <= 0) {
+                if (self->yield_ns > 0 && !*until)
+                    *until = now_ns() + self->yield_ns;
+                if (*until && now_ns() < *until) {
+                    sched_yield();
+                    continue;
+                }
                 if (wait_slow(self, k, i, w))
                     return -1;
                 k = self->m; /* Python waited for the rest */
@@ -575,10 +617,11 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     }
     PyObject *dst = mode == LEAF ? args[0] : args[1];
     long spins = self->spins;
+    long long until = 0;
     for (int q = 0; q < rounds; q++) {
         uint64_t s = w[q] & self->smask;
         int i = (int)(s % (uint64_t)K);
-        if (step_await(self, i, w[q], &spins))
+        if (step_await(self, i, w[q], &spins, &until))
             return NULL;
         char **rows = self->rows + (Py_ssize_t)i * self->nrows;
         Py_buffer o;
@@ -672,9 +715,6 @@ static PyTypeObject StepType = {
    Phases 0-2 and 4-7 may be run again; after 3 or 6 fails, nothing is. */
 
 #if defined(__linux__)
-#include <sched.h>
-#include <time.h>
-
 #include "../transports/_vm.h"
 
 #define STEP_MASK ((UINT64_C(1) << 40) - 1)
@@ -683,14 +723,6 @@ typedef struct {
     long long spin_ns, nap_ns, budget_ns;
     long yields;
 } Patience;
-
-static long long
-now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
 
 /* Until *w >= want (eq: == want): 0; else 1 once the budget is spent, a closed
    word is set or (eq) the word holds another word of this step or a later one. */

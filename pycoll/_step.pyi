@@ -30,5 +30,6 @@ class Step:
         dones: tuple[int, ...],
         ahead: int,
         piece: int,
+        yield_ns: int,
     ) -> None: ...
     def __call__(self, x: Any, out: Any) -> None: ...

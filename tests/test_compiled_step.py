@@ -11,9 +11,12 @@ poisoned outputs.
 
 from __future__ import annotations
 
+import mmap
+import os
 import shutil
 import sysconfig
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +180,8 @@ _MASK = ((1 << 64) - 1) ^ ((1 << 40) - 1)
 def _fake(K: int, n: int, nbytes: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """A segment's words ([done, K posted words of this rank, K of each peer])
     and slots (K per rank, rank 0 this one), and the addresses a Step takes."""
-    words = np.zeros(1 + K * n + n, np.uint64)  # ... and the peers' done words
+    nw = 1 + K * n + n  # ... and the peers' done words; shared, so a child process may post
+    words = np.frombuffer(mmap.mmap(-1, 8 * nw), np.uint64)
     slots = np.zeros((n, K, nbytes), np.uint8)
     w0, s0 = _addr(words), _addr(slots)
     dones = tuple(w0 + 8 * (1 + K * n + j) for j in range(1, n))
@@ -201,6 +205,7 @@ def _make(
     spins: int = 8,
     kind: int = ord("i"),
     piece: int = 0,
+    yield_ns: int = 0,
 ) -> Any:
     return step.Step(
         mode,
@@ -225,6 +230,7 @@ def _make(
         at["dones"],
         K,
         piece or nbytes,
+        yield_ns,
     )
 
 
@@ -256,6 +262,40 @@ def test_step_posts_waits_and_reduces() -> None:
     assert ("claim", 4) not in calls and calls[-1] == ("wait", 0, 0, G.chain | 4)
     with pytest.raises(ValueError, match="4 bytes for a 8-byte step"):
         st(x[:1], out)
+
+
+@needs_step
+def test_past_its_spins_a_step_yields_then_hands_the_wait_to_python() -> None:
+    """A READ step whose peer posts 20 ms late, from another process, while the
+    step yields (yield_ns 10 s): it ends with no Python wait.  With no peer and
+    yield_ns 5 ms, Python's wait is called once 5 ms have passed; with
+    yield_ns 0, at once."""
+    K, n, nbytes = 2, 2, 8
+    words, slots, at = _fake(K, n, nbytes)
+    x, out = np.array([1, 2], np.int32), np.full(2, -1, np.int32)
+    slots[1, 1].view(np.int32)[:] = [10, 20]
+    waited = {}
+    for yield_ns in (10_000_000_000, 5_000_000, 0):
+        G, calls = _Group(), []  # type: ignore[var-annotated]
+        words[:] = 0
+        st = _make(direct._READ, G, at, calls, K=K, nbytes=nbytes, count=2, yield_ns=yield_ns)
+        pid = os.fork() if yield_ns > 5_000_000 else -1
+        if pid == 0:  # the peer: posts step 1 (slot index 1) 20 ms later
+            time.sleep(0.02)
+            words[1 + K + 1] = (3 << 40) & _MASK | 1
+            os._exit(0)
+        t0 = time.monotonic()
+        st(x, out)
+        waited[yield_ns] = time.monotonic() - t0, calls
+        if pid > 0:
+            os.waitpid(pid, 0)
+            assert out.tolist() == [11, 22]
+    late, calls = waited[10_000_000_000]
+    assert calls == [] and 0.015 < late < 5, waited
+    late, calls = waited[5_000_000]
+    assert calls == [("wait", 0, 1, (3 << 40) & _MASK | 1)] and late >= 0.005, waited
+    late, calls = waited[0]
+    assert calls == [("wait", 0, 1, (3 << 40) & _MASK | 1)] and late < 0.005, waited
 
 
 @needs_step
@@ -335,6 +375,7 @@ def _args(
         at["dones"],
         ahead,
         piece,
+        0,
     )
 
 

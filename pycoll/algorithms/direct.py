@@ -709,6 +709,14 @@ def barrier(L: Links) -> None:
 #: n = 3 and 4 on two cores, 256 rounds made 8 B allgathers 20-30% slower).
 STEP_SPINS = 256
 
+#: Past its spins, a compiled step's wait yields the CPU for up to this long
+#: (ns) before it hands the wait to the group's, in Python: at n = 3 and 4 on
+#: the 2-core machine, where ranks outnumber cores and a wait comes at once,
+#: that Python wait cost a replayed 8 B allreduce 6.5 against 3.3 us (n = 3)
+#: and 8.4 against 4.0 (n = 4); with a core per rank it changed nothing
+#: (benchmarks/RESULTS.md, "Yielding in the compiled step").
+STEP_YIELD_NS = 50_000
+
 #: The compiled reduction's codes of NumPy's ufuncs (pycoll/_step.c, ``reduce``).
 _STEP_OPS: dict[Any, int] = {
     np.add: 0,
@@ -1055,6 +1063,7 @@ def _compiled_step(
         at.dones,
         G.ahead,
         piece,
+        STEP_YIELD_NS,
     )
 
 
