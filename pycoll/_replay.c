@@ -47,12 +47,27 @@
    plan's SENDBUF and RECVBUF).
 
    A plan's key is looked up in plans, then in weak (the weak plans' dict).
+
+   Kinds: a call with no plan whose kind (pycoll.plans.Kind, in the dict kinds
+   under pycoll.plans.kind_key) has a kind's Fit (kind=1: Fit(x, xw, o, go,
+   None, call, tid, False, ret, True, own), made of the kind's first arrays
+   and holding none) runs here on the caller's own arrays: they must fit its
+   layouts, the output may not overlap the input, and go(sendbuf, recvbuf)
+   runs (go(sendbuf, sendbuf) for a kind without an output), after sendbuf
+   is copied into recvbuf at byte own where own >= 0 (an allgather's own
+   block).  go is a compiled Step, which takes any C-contiguous buffer of its
+   bytes; the kinds of Fits are made for C-contiguous arrays alone
+   (pycoll.plans.Plans.add_kind).  The last kind run is kept as the last
+   plan is.  As Plans.known_kind does, the entry keeps weak references to a
+   kind's last arrays in Kind.last: the same arrays again go to the slow
+   path, which makes them a plan.
 */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 #include <time.h>
 
 #include "pythread.h"
@@ -86,6 +101,9 @@ typedef struct {
     Layout x, o;
     int has_o;
     int weak, ret;
+    int kind;                  /* a kind's Fit: holds no array, go(x, o) (go(x, x) with no o) */
+    Py_ssize_t xbytes, obytes; /* a kind's arrays' bytes (C-contiguous) */
+    Py_ssize_t own;            /* a kind's: x is first copied to byte own of o (< 0: not) */
     char *xptr, *optr; /* a weak Fit's arrays' data pointers */
     /* the plan's arrays (o: None where it has none); a weak Fit's: weak references */
     PyObject *xobj, *oobj;
@@ -182,11 +200,16 @@ static PyObject *
 fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *x, *o, *go, *res, *call;
-    int xw, weak = 0, ret = 0;
+    int xw, weak = 0, ret = 0, kind = 0;
+    Py_ssize_t own = -1;
     unsigned long tid;
-    if (!PyArg_ParseTuple(args, "OpOOOOk|pi:Fit", &x, &xw, &o, &go, &res, &call, &tid, &weak,
-                          &ret))
+    if (!PyArg_ParseTuple(args, "OpOOOOk|pipn:Fit", &x, &xw, &o, &go, &res, &call, &tid, &weak,
+                          &ret, &kind, &own))
         return NULL;
+    if (kind && (weak || (own >= 0 && o == Py_None))) {
+        PyErr_SetString(PyExc_ValueError, "Fit: a kind's Fit is not weak, and copies only into an output");
+        return NULL;
+    }
     if (ret < 0 || ret > 2) {
         PyErr_SetString(PyExc_ValueError, "Fit: ret must be 0, 1 or 2");
         return NULL;
@@ -205,7 +228,24 @@ fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->has_o = o != Py_None;
     self->weak = weak;
     self->ret = ret;
-    if (weak) {
+    self->kind = kind;
+    self->own = own;
+    if (kind) { /* the arrays' bytes, from the arrays (checked as layout_of checks) */
+        PyObject *xb = PyObject_GetAttrString(x, "nbytes");
+        PyObject *ob = xb == NULL || o == Py_None ? NULL : PyObject_GetAttrString(o, "nbytes");
+        self->xbytes = xb == NULL ? -1 : PyLong_AsSsize_t(xb);
+        self->obytes = ob == NULL ? 0 : PyLong_AsSsize_t(ob);
+        Py_XDECREF(xb);
+        Py_XDECREF(ob);
+        if (!PyErr_Occurred() && own >= 0 && own + self->xbytes > self->obytes)
+            PyErr_SetString(PyExc_ValueError, "Fit: the own block runs past the output");
+        if (PyErr_Occurred()) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        self->xobj = Py_NewRef(Py_None);
+        self->oobj = Py_NewRef(Py_None);
+    } else if (weak) {
         self->xptr = ((ArrayHead *)x)->data;
         self->optr = self->has_o ? ((ArrayHead *)o)->data : NULL;
         self->xobj = PyWeakref_NewRef(x, NULL);
@@ -241,15 +281,20 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *slow, *plans, *fam, *engine, *p2p, *enter, *leave, *append, *enabled, *trace,
-        *fail, *overlapped, *owner, *weak;
+        *fail, *overlapped, *owner, *weak, *kinds;
     /* the last call run: its key, its Fit, and owner.epoch then */
     PyObject *last_key;
     Fit *last_fit;
     long last_epoch;
+    /* the last kind run: its head (coll, op, root, algorithm), the Kind, its Fit,
+       and owner.epoch then */
+    PyObject *kind_head, *kind;
+    Fit *kind_fit;
+    long kind_epoch;
 } Entry;
 
 static PyObject *s_inflight, *s_failed, *s_live, *s_seq, *s_fit, *s_running, *s_ok, *s_epoch,
-    *one;
+    *s_last, *one;
 
 static void
 entry_dealloc(Entry *self)
@@ -268,8 +313,12 @@ entry_dealloc(Entry *self)
     Py_XDECREF(self->overlapped);
     Py_XDECREF(self->owner);
     Py_XDECREF(self->weak);
+    Py_XDECREF(self->kinds);
     Py_XDECREF(self->last_key);
     Py_XDECREF(self->last_fit);
+    Py_XDECREF(self->kind_head);
+    Py_XDECREF(self->kind_fit);
+    Py_XDECREF(self->kind);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -278,12 +327,14 @@ static PyObject *entry_vectorcall(PyObject *, PyObject *const *, size_t, PyObjec
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *a[15];
-    if (!PyArg_UnpackTuple(args, "Entry", 15, 15, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
-                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13], &a[14]))
+    PyObject *a[16];
+    if (!PyArg_UnpackTuple(args, "Entry", 16, 16, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
+                           &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13], &a[14], &a[15]))
         return NULL;
-    if (!PyDict_Check(a[1]) || !PyDict_Check(a[14]) || !PyType_Check(a[12])) {
-        PyErr_SetString(PyExc_TypeError, "Entry: plans and weak must be dicts, ndarray a type");
+    if (!PyDict_Check(a[1]) || !PyDict_Check(a[14]) || !PyDict_Check(a[15]) ||
+        !PyType_Check(a[12])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Entry: plans, weak and kinds must be dicts, ndarray a type");
         return NULL;
     }
     if (ndarray == NULL) {
@@ -300,7 +351,9 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         *f[k] = Py_NewRef(a[k]);
     self->owner = Py_NewRef(a[13]);
     self->weak = Py_NewRef(a[14]);
+    self->kinds = Py_NewRef(a[15]);
     self->last_epoch = -1;
+    self->kind_epoch = -1;
     return (PyObject *)self;
 }
 
@@ -401,6 +454,127 @@ check:
     return F;
 }
 
+/* A tuple of nd sizes (an array's shape or strides). */
+static PyObject *
+sizes(int nd, const Py_ssize_t *v)
+{
+    PyObject *t = PyTuple_New(nd);
+    for (int d = 0; t != NULL && d < nd; d++) {
+        PyObject *i = PyLong_FromSsize_t(v[d]);
+        if (i == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, d, i);
+    }
+    return t;
+}
+
+/* The Fit of the kind of this call (pycoll.plans.Kind, under
+   pycoll.plans.kind_key: (coll, op, root, algorithm), this thread, and each
+   array's dtype, shape and strides), or NULL (no error) where there is none
+   or these arrays may not use it: an array written that is not writeable, or
+   an output that overlaps the input (the kinds of Fits take C-contiguous
+   arrays alone, so the ranges tell). */
+static Fit *
+find_kind(Entry *self, PyObject *const *args)
+{
+    PyObject *x = args[1], *o = args[2];
+    int has_o = o != Py_None;
+    if (Py_TYPE(x) != ndarray || (has_o && Py_TYPE(o) != ndarray) ||
+        PyDict_GET_SIZE(self->kinds) == 0)
+        return NULL;
+    ArrayHead *xh = (ArrayHead *)x, *oh = (ArrayHead *)o;
+    PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
+    if (ep == NULL)
+        return NULL;
+    long epoch = PyLong_AsLong(ep);
+    Py_DECREF(ep);
+    if (epoch == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long tid = PyThread_get_thread_ident();
+    Fit *F = self->kind_fit;
+    PyObject *h = self->kind_head;
+    if (F != NULL && epoch == self->kind_epoch && args[0] == PyTuple_GET_ITEM(h, 0) &&
+        args[3] == PyTuple_GET_ITEM(h, 1) && args[4] == PyTuple_GET_ITEM(h, 2) &&
+        args[5] == PyTuple_GET_ITEM(h, 3) && F->has_o == has_o && fits(x, &F->x) &&
+        (!has_o || fits(o, &F->o))) {
+        Py_INCREF(F);
+        goto check;
+    }
+    PyObject *head = PyTuple_Pack(4, args[0], args[3], args[4], args[5]);
+    int len = has_o ? 8 : 5;
+    PyObject *key = head == NULL ? NULL : PyTuple_New(len);
+    if (key == NULL) {
+        Py_XDECREF(head);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(key, 0, Py_NewRef(head));
+    PyTuple_SET_ITEM(key, 1, PyLong_FromUnsignedLong(tid));
+    PyTuple_SET_ITEM(key, 2, Py_NewRef(xh->descr));
+    PyTuple_SET_ITEM(key, 3, sizes(xh->nd, xh->dimensions));
+    PyTuple_SET_ITEM(key, 4, sizes(xh->nd, xh->strides));
+    if (has_o) {
+        PyTuple_SET_ITEM(key, 5, Py_NewRef(oh->descr));
+        PyTuple_SET_ITEM(key, 6, sizes(oh->nd, oh->dimensions));
+        PyTuple_SET_ITEM(key, 7, sizes(oh->nd, oh->strides));
+    }
+    for (int k = 1; k < len; k++)
+        if (PyTuple_GET_ITEM(key, k) == NULL) {
+            Py_DECREF(key);
+            Py_DECREF(head);
+            return NULL;
+        }
+    PyObject *kd = PyDict_GetItemWithError(self->kinds, key); /* borrowed */
+    Py_DECREF(key);
+    PyObject *fit = kd == NULL ? NULL : PyObject_GetAttr(kd, s_fit);
+    if (fit == NULL || Py_TYPE(fit) != &FitType || !((Fit *)fit)->kind) {
+        Py_XDECREF(fit);
+        Py_DECREF(head);
+        PyErr_Clear(); /* no kind, or none of this form, or an unhashable op: the slow path */
+        return NULL;
+    }
+    F = (Fit *)fit;
+    Py_INCREF(F);
+    Py_XSETREF(self->kind_fit, F);
+    Py_XSETREF(self->kind_head, head);
+    Py_XSETREF(self->kind, Py_NewRef(kd)); /* for its last arrays (below) */
+    self->kind_epoch = epoch;
+    if (F->has_o != has_o || !fits(x, &F->x) || (has_o && !fits(o, &F->o))) {
+        Py_DECREF(F);
+        return NULL;
+    }
+check:
+    if (F->tid != tid ||
+        (has_o && xh->data < oh->data + F->obytes && oh->data < xh->data + F->xbytes)) {
+        Py_DECREF(F);
+        return NULL;
+    }
+    /* The same arrays as the kind's last call: the slow path, whose
+       Plans.known_kind sees them there too and makes them a plan.  Else they
+       become its last (weak references, as known_kind keeps them). */
+    PyObject *last = PyObject_GetAttr(self->kind, s_last);
+    if (last == NULL) {
+        Py_DECREF(F);
+        return NULL;
+    }
+    int same = PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2 &&
+               is_held(x, PyTuple_GET_ITEM(last, 0), 1) &&
+               (PyTuple_GET_ITEM(last, 1) == Py_None || is_held(o, PyTuple_GET_ITEM(last, 1), 1));
+    Py_DECREF(last);
+    PyObject *xr = same ? NULL : PyWeakref_NewRef(x, NULL);
+    PyObject *orf = xr == NULL || !has_o ? Py_NewRef(Py_None) : PyWeakref_NewRef(o, NULL);
+    PyObject *pair = xr == NULL || orf == NULL ? NULL : PyTuple_Pack(2, xr, orf);
+    Py_XDECREF(xr);
+    Py_XDECREF(orf);
+    if (pair == NULL || PyObject_SetAttr(self->kind, s_last, pair) < 0) {
+        Py_XDECREF(pair);
+        Py_DECREF(F);
+        return NULL; /* same (no error set), or an error */
+    }
+    Py_DECREF(pair);
+    return F;
+}
+
 static PyObject *
 entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -423,6 +597,8 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
     if (PyErr_Occurred())
         return NULL;
     Fit *F = traced ? NULL : find(self, args);
+    if (F == NULL && !traced && !PyErr_Occurred())
+        F = find_kind(self, args);
     if (F == NULL) {
         if (PyErr_Occurred())
             return NULL;
@@ -461,7 +637,15 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
     if (r == NULL)
         goto leave;
     Py_DECREF(r);
-    result = PyObject_CallNoArgs(F->go);
+    if (F->kind) {
+        PyObject *xo[2] = {args[1], F->has_o ? args[2] : args[1]};
+        if (F->own >= 0) /* the rank's own block, as the envelope copies it */
+            memcpy(((ArrayHead *)args[2])->data + F->own, ((ArrayHead *)args[1])->data,
+                   (size_t)F->xbytes);
+        result = PyObject_Vectorcall(F->go, xo, 2, NULL);
+    } else {
+        result = PyObject_CallNoArgs(F->go);
+    }
     if (result == NULL) { /* fail(rec, exc) records it and raises it as pycoll's */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
@@ -528,7 +712,10 @@ entry_forget(Entry *self, PyObject *unused)
 {
     Py_CLEAR(self->last_key);
     Py_CLEAR(self->last_fit);
-    self->last_epoch = -1;
+    Py_CLEAR(self->kind_head);
+    Py_CLEAR(self->kind_fit);
+    Py_CLEAR(self->kind);
+    self->last_epoch = self->kind_epoch = -1;
     Py_RETURN_NONE;
 }
 
@@ -586,8 +773,9 @@ PyInit__replay(void)
     s_running = PyUnicode_InternFromString("running");
     s_ok = PyUnicode_InternFromString("ok");
     s_epoch = PyUnicode_InternFromString("epoch");
+    s_last = PyUnicode_InternFromString("last");
     one = PyLong_FromLong(1);
-    if (!one || !s_epoch || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
+    if (!one || !s_epoch || !s_last || !s_inflight || !s_failed || !s_live || !s_seq || !s_fit || !s_running || !s_ok ||
         PyType_Ready(&FitType) < 0 || PyType_Ready(&EntryType) < 0)
         return NULL;
     if (ndarray == NULL) { /* data() needs it before any Entry */

@@ -14,6 +14,8 @@ class Fit:
         tid: int,
         weak: bool = False,
         ret: int = 0,
+        kind: bool = False,
+        own: int = -1,
     ) -> None: ...
 
 class Entry:
@@ -34,6 +36,7 @@ class Entry:
         ndarray: type,
         owner: Any,
         weak: dict[Any, Any],
+        kinds: dict[Any, Any],
     ) -> None: ...
     def __call__(self, *args: Any) -> Any: ...
     def forget(self) -> None: ...

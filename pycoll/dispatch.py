@@ -165,6 +165,7 @@ class Dispatch:
                 spec,
                 lambda s: coll.envelope(s, step, HOST),
                 call,
+                lambda s: coll.entry_form(s, step),
             )
             return eng.replay(p, sendbuf, recvbuf)
         step = None

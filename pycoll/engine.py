@@ -180,6 +180,7 @@ class Engine:
             lambda k: self.make_step(k),
             self.seen,
             replay_c.Fit if self.compiled_entry else None,
+            direct.compiled.Step if self.compiled_entry and direct.compiled is not None else None,
         )
         self.status = StatusChannel(bootstrap) if bootstrap is not None else None
 
@@ -491,6 +492,7 @@ class Engine:
             np.ndarray,
             self.plans,
             self.plans.weak_plans,
+            self.plans.kinds,
         )
         self.plans.on_clear = e.forget
         return e  # type: ignore[no-any-return]

@@ -154,13 +154,15 @@ class Kind:
     ``last``: weak references to its last arrays (the same ones again make a plan).
     """
 
-    __slots__ = ("call", "last", "ow", "run", "xw")
+    __slots__ = ("call", "fit", "last", "ow", "run", "xw")
 
     def __init__(self, run: Callable[[Any, Any], Any], call: Call, xw: bool, ow: bool) -> None:
         self.run = run
         self.call = call
         self.xw, self.ow = xw, ow
         self.last: tuple[weakref.ref[Any], weakref.ref[Any] | None] | None = None
+        #: what the compiled entry runs it by, where it can (:meth:`Plans.add_kind`)
+        self.fit: Any = None
 
 
 class _Held:
@@ -217,6 +219,8 @@ class Plans:
         seen: records a call's fingerprint, to name it in a mismatch.
         fit_type: :class:`pycoll._replay.Fit`, to give each plan of NumPy
             arrays that it holds a view for the compiled entry; None: none.
+        step_type: :class:`pycoll._step.Step`, whose steps the compiled entry
+            runs on a kind's arrays as they come (:meth:`add_kind`); None: none.
     """
 
     def __init__(
@@ -224,8 +228,10 @@ class Plans:
         make_step: Callable[[tuple[Any, ...]], Callable[..., None]],
         seen: Callable[[Call], None],
         fit_type: Any = None,
+        step_type: Any = None,
     ) -> None:
         self.fit_type = fit_type
+        self.step_type = step_type
         #: called by :meth:`clear`: the compiled entry drops the last plan it kept
         self.on_clear: Callable[[], None] | None = None
         self.plans: dict[tuple[Any, ...], Plan] = {}
@@ -366,14 +372,56 @@ class Plans:
         spec: Spec,
         envelope: Callable[[Spec], Prepare],
         call: Call,
+        entry_form: Callable[[Spec], tuple[Any, int] | None] | None = None,
     ) -> None:
-        """Keep the kind of call ``head`` on NumPy arrays like these, unless there is one."""
+        """Keep the kind of call ``head`` on NumPy arrays like these, unless there
+        is one; ``entry_form``: the collective's
+        :meth:`~pycoll.collectives.base.Collective.entry_form` of its step, for
+        the compiled entry (:meth:`_kind_fit`)."""
         k = kind_key(head, sendbuf, recvbuf)
         if k is None or k in self.kinds:
             return
         make_room(self.kinds, KINDS_MAX)
-        self.kinds[k] = _kind(spec, envelope, call)
+        kd = self.kinds[k] = _kind(spec, envelope, call)
+        if self.fit_type is not None and self.step_type is not None and entry_form is not None:
+            kd.fit = self._kind_fit(kd, spec, entry_form, sendbuf, recvbuf)
         self._seen(call)
+
+    def _kind_fit(
+        self,
+        kd: Kind,
+        spec: Spec,
+        entry_form: Callable[[Spec], tuple[Any, int] | None],
+        x: Any,
+        o: Any,
+    ) -> Any:
+        """The compiled entry's Fit of kind ``kd``, or None.  Where the kind's run
+        is its step on the flat arrays (``entry_form``; an own block copied
+        first), that step a compiled :class:`pycoll._step.Step`, which takes any
+        C-contiguous buffer of its bytes, the entry runs it on the caller's
+        arrays as they are: ``step(sendbuf, recvbuf)``, or ``step(sendbuf,
+        sendbuf)`` in place.  Not for an output pycoll allocates or scratch (a
+        reduce off its root), nor for arrays that overlap."""
+        if spec.coll.fresh_shape(spec) is not None or (spec.out is None and o is None):
+            return None
+        if not x.flags.c_contiguous:
+            return None
+        if o is not None and (
+            type(o) is not np.ndarray or not o.flags.c_contiguous or np.may_share_memory(x, o)
+        ):
+            return None
+        form = entry_form(replace(spec, in_place=False) if spec.given else spec)
+        if form is None or type(form[0]) is not self.step_type:
+            return None
+        step, own = form
+        returns = spec.result is not None  # as _kind's run: its recvbuf, else its sendbuf
+        ret = 0 if not returns else 1 if o is None else 2
+        try:
+            return self.fit_type(
+                x, kd.xw, o, step, None, kd.call, get_ident(), False, ret, True, own
+            )
+        except ValueError:  # NumPy's array struct is not as _replay.c reads it
+            return None
 
 
 def _kind(spec: Spec, envelope: Callable[[Spec], Prepare], call: Call) -> Kind:

@@ -605,3 +605,21 @@ def test_replay_layers_times_each_layer_of_a_replayed_call(coll: str) -> None:
     assert names == ["mpi", f"comm.{coll}", "prepared", "Engine.replay", "plan.go (step)",
                      "mpi again"], proc.stdout  # fmt: skip
     assert all(float(r[1]) > 0 for r in rows), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_fresh_arrays_checks_and_times_every_collective() -> None:
+    """benchmarks/fresh_arrays.py at n = 3 and an odd size: every collective's
+    output right on both systems, and a time for each."""
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "fresh_arrays.py"), "--sizes", "8,4099", "--rounds", "2",
+        "--block-time", "0.002",
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    rows = [ln.split() for ln in proc.stdout.splitlines() if " pycoll " in ln]
+    colls = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (c, s) for c in colls for s in ("8B", "4.0K")
+    ), proc.stdout
+    for r in rows:
+        assert r[-1] == "0" and float(r[3]) > 0 and float(r[6]) > 0, r

@@ -781,3 +781,116 @@ def test_a_mismatch_under_an_allgather_in_rounds_raises(
     _run_case({"transports": ("shm",), "group_slot_bytes": 4096}, "direct", make)
     if step is not None:
         assert set(prepared) == {0, 1}, prepared  # both ranks replayed the rounds
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_compiled_entry_runs_kinds_on_fresh_arrays(n: int) -> None:
+    """A call on fresh arrays of a known kind (a new array each call, as
+    ``tensor.numpy()`` gives) whose run is a compiled step alone runs in the
+    compiled entry on the caller's arrays as they are: allreduce out of place
+    and in place (no recvbuf), allgather (the own block copied first: a 2-D
+    output), broadcast; 1-D and 2-D, reduced in C or through NumPy
+    (float16), right every call with the outputs poisoned and numbered as the
+    Python replay numbers them.  Calls that it
+    may not take go on to Python: an output that is the input, avg (a
+    division after the step), another thread's call; and a read-only output
+    fails there as it should."""
+    from pycoll.engine import replay_c
+
+    if replay_c is None or step is None:
+        pytest.skip("pycoll._replay or pycoll._step was not built")
+    with communicators(n) as comms:
+        counts = _count_python_replays(comms)
+
+        def body(r: int) -> list[Any]:
+            c, bad = comms[r], []
+            cases = [("float32", (7,), "sum"), ("int64", (3, 5), "max"), ("float16", (13,), "sum")]
+            for it in range(6):
+                for name, shape, op in cases:
+                    xs = [
+                        np.random.default_rng([q, it]).integers(0, 9, shape).astype(name)
+                        for q in range(n)
+                    ]
+                    x, out = xs[r].copy(), np.full(shape, 99, name)
+                    got = c.allreduce(x, out, op=op)
+                    want = xs[0].copy()
+                    for v in xs[1:]:
+                        want = np.maximum(want, v) if op == "max" else want + v
+                    if got is not out or out.tobytes() != want.tobytes():
+                        bad.append((name, it))
+                for name, shape, _ in cases:  # allgather (own block first) and broadcast
+                    xs = [
+                        np.random.default_rng([q, it, 1]).integers(0, 9, shape).astype(name)
+                        for q in range(n)
+                    ]
+                    out = np.full((n, *shape), 99, name)
+                    if c.allgather(xs[r].copy(), out) is not out or (out != np.stack(xs)).any():
+                        bad.append(("allgather", name, it))
+                    b = xs[r].copy()
+                    if c.broadcast(b, root=n - 1) is not b or (b != xs[n - 1]).any():
+                        bad.append(("broadcast", name, it))
+                    a = xs[r].copy()  # in place, no recvbuf: step(a, a)
+                    want = np.sum(xs, axis=0, dtype=name)  # small integers: exact in float16
+                    if c.allreduce(a) is not a or (a != want).any():
+                        bad.append(("allreduce in place", name, it))
+            seq, fresh = c._engine.seq, counts[r]
+            big = np.full(8, r + 1.0)
+            c.allreduce(big, big)  # in place: its own kind, no overlap allowed
+            for _ in range(2):
+                y = np.full(8, r + 1.0)
+                if c.allreduce(y, y) is not y or (y != n * (n + 1) / 2).any():
+                    bad.append("in place")
+            for _ in range(3):
+                a, o = np.full(4, float(r)), np.empty(4)
+                if (c.allreduce(a, o, op="avg") != (n - 1) / 2).any():
+                    bad.append("avg")
+            python = counts[r] - fresh
+            got: list[Any] = []
+            th = threading.Thread(
+                target=lambda: got.append(
+                    c.allreduce(np.ones(7, np.float32), np.empty(7, np.float32))
+                )
+            )
+            th.start()
+            th.join(30)
+            if not got or (got[0] != n).any():
+                bad.append("thread")
+            ro = np.empty(7, np.float32)
+            ro.flags.writeable = False
+            try:
+                c.allreduce(np.ones(7, np.float32), ro)
+                bad.append("read-only accepted")
+            except pycoll.InvalidArgumentError as exc:
+                if "recvbuf" not in str(exc):
+                    bad.append(str(exc))
+            c.barrier()
+            return [bad, seq, fresh, python]
+
+        res = run_ranks(n, body, timeout=120)
+    for r in range(n):
+        bad, seq, fresh, python = res[r]
+        assert bad == [], res
+        assert seq == 72, res  # every call numbered
+        assert fresh == 0, res  # after each kind's first call, none reached Python
+        # avg's two replays ran in Python (in place is no kind's: the slow path)
+        assert python == 2, res
+
+
+def test_a_mismatch_under_a_kind_in_the_compiled_entry_raises() -> None:
+    """Two agreed allreduces on fresh arrays (the second runs by its kind in
+    the compiled entry), then rank 1 runs another op: the mismatch surfaces at
+    once on some rank, and no rank returns twice."""
+    from tests.test_mismatch import _run_case
+
+    def make(r: int) -> tuple[Any, Any]:
+        def fn(c: Any, a: str) -> Any:
+            for _ in range(2):
+                c.allreduce(np.full(5, r + 1, np.int32), np.empty(5, np.int32), algorithm=a)
+            op = "max" if r == 1 else "sum"
+            return c.allreduce(
+                np.full(5, r + 1, np.int32), np.empty(5, np.int32), op=op, algorithm=a
+            )
+
+        return fn, None
+
+    _run_case({"transports": ("shm",)}, "direct", make)

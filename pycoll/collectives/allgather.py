@@ -65,5 +65,10 @@ class Allgather(Collective):
             return nothing if step is None else partial(partial, step)
         return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
+    def entry_form(self, spec: Spec, step: Step | None) -> tuple[Step, int] | None:
+        if spec.in_place or step is None:
+            return super().entry_form(spec, step)
+        return step, spec.r * spec.x.nbytes  # own_then's copy, then the step
+
 
 ALLGATHER = Allgather()

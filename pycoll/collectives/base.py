@@ -145,6 +145,16 @@ class Collective:
         move, see :meth:`moves`), on flat arrays bound by the returned ``prepare``."""
         raise NotImplementedError
 
+    def entry_form(self, spec: Spec, step: Step | None) -> tuple[Step, int] | None:
+        """How a kind of ``spec``'s call on the host may run on the caller's own
+        arrays, where its envelope is that little: ``(step, own)``, the run being
+        ``step(sendbuf, recvbuf)`` (``step(sendbuf, sendbuf)`` with no recvbuf)
+        after ``sendbuf`` is copied into ``recvbuf`` at byte ``own`` (no copy
+        where negative); else None (:meth:`pycoll.plans.Plans.add_kind`)."""
+        if step is None or bare_step(self.envelope(spec, step, HOST)) is not step:
+            return None
+        return step, -1
+
     def moves(self, spec: Spec) -> bool:
         """Whether the algorithm runs at all (several ranks, bytes to move)."""
         return spec.n > 1 and (spec.x.count > 0 or self.always_steps)
@@ -218,6 +228,15 @@ def reducing(
             ops.finish_avg(out, n, dtype)
 
     return partial(partial, run)
+
+
+def bare_step(prepare: Prepare) -> Step | None:
+    """The step that ``prepare`` runs and nothing else around it, where it is
+    :func:`reducing`'s bare form (``partial(partial, step)``); else None."""
+    if type(prepare) is partial and prepare.func is partial and not prepare.keywords:
+        if len(prepare.args) == 1:
+            return prepare.args[0]  # type: ignore[no-any-return]
+    return None
 
 
 def nothing(x: Any, out: Any) -> Callable[[], None]:
