@@ -712,8 +712,9 @@ STEP_SPINS = 256
 #: Past its spins, a compiled step's wait yields the CPU for up to this long
 #: (ns) before it hands the wait to the group's, in Python: at n = 3 and 4 on
 #: the 2-core machine, where ranks outnumber cores and a wait comes at once,
-#: that Python wait cost a replayed 8 B allreduce 6.5 against 3.3 us (n = 3)
-#: and 8.4 against 4.0 (n = 4); with a core per rank it changed nothing
+#: that Python wait cost a replayed 8 B allreduce 6.2-6.3 against 3.3-3.6 us
+#: (n = 3) and 7.9-8.9 against 4.1-4.2 (n = 4); with a core per rank it
+#: changed nothing
 #: (benchmarks/RESULTS.md, "Yielding in the compiled step").
 STEP_YIELD_NS = 50_000
 
