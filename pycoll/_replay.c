@@ -377,17 +377,25 @@ now(void)
     return PyFloat_FromDouble((double)ts.tv_sec + (double)ts.tv_nsec * 1e-9);
 }
 
+/* The owner's (the plans') epoch; -1 with an exception on error. */
+static long
+owner_epoch(Entry *self)
+{
+    PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
+    if (ep == NULL)
+        return -1;
+    long epoch = PyLong_AsLong(ep);
+    Py_DECREF(ep);
+    return epoch;
+}
+
 /* The Fit of the plan under the call's key, or NULL (no error) when the call
    is not one this entry runs. */
 static Fit *
 find(Entry *self, PyObject *const *args)
 {
     PyObject *root = args[4];
-    PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
-    if (ep == NULL)
-        return NULL;
-    long epoch = PyLong_AsLong(ep);
-    Py_DECREF(ep);
+    long epoch = owner_epoch(self);
     if (epoch == -1 && PyErr_Occurred())
         return NULL;
     Fit *F = self->last_fit;
@@ -484,11 +492,7 @@ find_kind(Entry *self, PyObject *const *args)
         PyDict_GET_SIZE(self->kinds) == 0)
         return NULL;
     ArrayHead *xh = (ArrayHead *)x, *oh = (ArrayHead *)o;
-    PyObject *ep = PyObject_GetAttr(self->owner, s_epoch);
-    if (ep == NULL)
-        return NULL;
-    long epoch = PyLong_AsLong(ep);
-    Py_DECREF(ep);
+    long epoch = owner_epoch(self);
     if (epoch == -1 && PyErr_Occurred())
         return NULL;
     unsigned long tid = PyThread_get_thread_ident();

@@ -206,7 +206,10 @@ def _make(
     kind: int = ord("i"),
     piece: int = 0,
     yield_ns: int = 0,
+    ahead: int = 0,
 ) -> Any:
+    """A Step on the fake segment ``at`` whose calls back are recorded in ``calls``
+    (K ahead, one piece, chain multiplier 5, fingerprint word 3 << 40 unless said)."""
     return step.Step(
         mode,
         G,
@@ -228,7 +231,7 @@ def _make(
         at["theirs"],
         at["rows"],
         at["dones"],
-        K,
+        ahead or K,
         piece or nbytes,
         yield_ns,
     )
@@ -355,28 +358,9 @@ def test_a_gather_step_goes_in_rounds_of_a_piece() -> None:
     assert int(words[1 + 1]) == c1 | 1 and int(words[1 + 2]) == c2 | 2 and int(words[0]) == 2
     assert out.tolist() == [-1, -1, -1, 10, 11, 12, 20, 21, 22]
     with pytest.raises(ValueError, match="rounds"):  # 3 rounds, ahead 2
-        step.Step(*_args(direct._GATHER, G, at, K=K, nbytes=24, piece=8, ahead=2))
+        _make(direct._GATHER, G, at, calls, K=K, nbytes=24, count=6, piece=8, ahead=2)
     with pytest.raises(ValueError, match="rounds"):  # only an allgather goes in rounds
-        step.Step(*_args(direct._READ, G, at, K=K, nbytes=16, piece=8, ahead=4))
-
-
-def _args(
-    mode: int, G: _Group, at: dict[str, Any], *, K: int, nbytes: int, piece: int, ahead: int
-) -> tuple[Any, ...]:
-    def none(*_: Any) -> None:
-        return None
-
-    return (mode, G, none, none, none, K, 5, _MASK, 0, 0, nbytes, 1, 0, ord("i")) + (
-        at["slot"],
-        at["word"],
-        at["done"],
-        at["theirs"],
-        at["rows"],
-        at["dones"],
-        ahead,
-        piece,
-        0,
-    )
+        _make(direct._READ, G, at, calls, K=K, nbytes=16, count=4, piece=8, ahead=4)
 
 
 class _Counting:
