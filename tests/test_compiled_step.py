@@ -878,3 +878,32 @@ def test_a_mismatch_under_a_kind_in_the_compiled_entry_raises() -> None:
         return fn, None
 
     _run_case({"transports": ("shm",)}, "direct", make)
+
+
+def test_a_step_yields_only_under_a_policy_that_yields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's waiting policies (spin, then yield for long) give a step
+    STEP_YIELD_NS of yields; the worker thread's, which naps almost at once to
+    leave the GIL to the caller, none (the step holds the GIL while it yields)."""
+    from pycoll.family import _waiting_policy
+    from pycoll.reduce import ReduceOp
+    from transports.base import Backoff
+
+    if step is None:
+        pytest.skip("pycoll._step was not built")
+    made: list[int] = []
+
+    class Recording:
+        reduce = step.reduce
+
+        @staticmethod
+        def Step(*args: Any) -> Any:  # the type it stands for
+            made.append(args[-1])
+            return step.Step(*args)
+
+    monkeypatch.setattr(direct, "compiled", Recording)
+    with communicators(2) as comms:
+        L = comms[0]._engine.links(np.dtype(np.float32), ReduceOp.SUM)
+        fam = comms[0]._engine.fam
+        for bo in (_waiting_policy(False), _waiting_policy(True), fam.polite, Backoff()):
+            assert direct.prepare("allreduce", L, bo, 4) is not None
+    assert made == [direct.STEP_YIELD_NS, direct.STEP_YIELD_NS, 0, direct.STEP_YIELD_NS], made

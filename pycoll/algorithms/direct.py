@@ -717,6 +717,11 @@ STEP_SPINS = 256
 #: changed nothing
 #: (benchmarks/RESULTS.md, "Yielding in the compiled step").
 STEP_YIELD_NS = 50_000
+#: ... where the thread's waiting policy yields at least this many times
+#: itself: the step holds the GIL while it yields, and the worker thread's
+#: policy (``Family.polite``, 16 yields) naps almost at once to leave the GIL
+#: to the caller's computation, so its steps hand a wait to Python at once.
+STEP_YIELD_POLICY_MIN = 64
 
 #: The compiled reduction's codes of NumPy's ufuncs (pycoll/_step.c, ``reduce``).
 _STEP_OPS: dict[Any, int] = {
@@ -1064,7 +1069,7 @@ def _compiled_step(
         at.dones,
         G.ahead,
         piece,
-        STEP_YIELD_NS,
+        STEP_YIELD_NS if backoff.yields >= STEP_YIELD_POLICY_MIN else 0,
     )
 
 
