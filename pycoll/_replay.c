@@ -559,6 +559,7 @@ check:
     PyObject *last = PyObject_GetAttr(self->kind, s_last);
     if (last == NULL) {
         Py_DECREF(F);
+        PyErr_Clear();
         return NULL;
     }
     int same = PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2 &&
@@ -573,7 +574,8 @@ check:
     if (pair == NULL || PyObject_SetAttr(self->kind, s_last, pair) < 0) {
         Py_XDECREF(pair);
         Py_DECREF(F);
-        return NULL; /* same (no error set), or an error */
+        PyErr_Clear(); /* same, or no memory for the references: the slow path */
+        return NULL;
     }
     Py_DECREF(pair);
     return F;
