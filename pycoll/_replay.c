@@ -207,7 +207,8 @@ fit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                           &ret, &kind, &own))
         return NULL;
     if (kind && (weak || (own >= 0 && o == Py_None))) {
-        PyErr_SetString(PyExc_ValueError, "Fit: a kind's Fit is not weak, and copies only into an output");
+        PyErr_SetString(PyExc_ValueError,
+                        "Fit: a kind's Fit is not weak, and copies only into an output");
         return NULL;
     }
     if (ret < 0 || ret > 2) {
@@ -390,14 +391,11 @@ owner_epoch(Entry *self)
 }
 
 /* The Fit of the plan under the call's key, or NULL (no error) when the call
-   is not one this entry runs. */
+   is not one this entry runs; epoch: the owner's now. */
 static Fit *
-find(Entry *self, PyObject *const *args)
+find(Entry *self, PyObject *const *args, long epoch)
 {
     PyObject *root = args[4];
-    long epoch = owner_epoch(self);
-    if (epoch == -1 && PyErr_Occurred())
-        return NULL;
     Fit *F = self->last_fit;
     PyObject *k = self->last_key;
     /* The same objects as the last call run, and nothing forgotten since (a
@@ -484,7 +482,7 @@ sizes(int nd, const Py_ssize_t *v)
    an output that overlaps the input (the kinds of Fits take C-contiguous
    arrays alone, so the ranges tell). */
 static Fit *
-find_kind(Entry *self, PyObject *const *args)
+find_kind(Entry *self, PyObject *const *args, long epoch)
 {
     PyObject *x = args[1], *o = args[2];
     int has_o = o != Py_None;
@@ -492,9 +490,6 @@ find_kind(Entry *self, PyObject *const *args)
         PyDict_GET_SIZE(self->kinds) == 0)
         return NULL;
     ArrayHead *xh = (ArrayHead *)x, *oh = (ArrayHead *)o;
-    long epoch = owner_epoch(self);
-    if (epoch == -1 && PyErr_Occurred())
-        return NULL;
     unsigned long tid = PyThread_get_thread_ident();
     Fit *F = self->kind_fit;
     PyObject *h = self->kind_head;
@@ -602,9 +597,14 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
     Py_XDECREF(tr);
     if (PyErr_Occurred())
         return NULL;
-    Fit *F = traced ? NULL : find(self, args);
-    if (F == NULL && !traced && !PyErr_Occurred())
-        F = find_kind(self, args);
+    Fit *F = NULL;
+    if (!traced) {
+        long epoch = owner_epoch(self);
+        if (!(epoch == -1 && PyErr_Occurred()))
+            F = find(self, args, epoch);
+        if (F == NULL && !PyErr_Occurred())
+            F = find_kind(self, args, epoch);
+    }
     if (F == NULL) {
         if (PyErr_Occurred())
             return NULL;

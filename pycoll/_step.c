@@ -570,6 +570,15 @@ step_await(Step *self, int i, uint64_t w, long *spins, long long *until)
     return 0;
 }
 
+/* Round q's bytes of a block: [*at, *at + return value). */
+static inline Py_ssize_t
+round_span(const Step *self, int q, Py_ssize_t *at)
+{
+    *at = q * self->piece;
+    Py_ssize_t left = self->nbytes - *at;
+    return left < self->piece ? left : self->piece;
+}
+
 static PyObject *
 step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -580,7 +589,7 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         return NULL;
     }
     int K = self->K, mode = self->mode;
-    Py_ssize_t nbytes = self->nbytes, piece = self->piece;
+    Py_ssize_t nbytes = self->nbytes, at, len;
     int rounds = self->rounds;
     uint64_t w[MAXR]; /* the rounds' posted words (step s: w & smask) */
     if (mode == LEAF) {
@@ -602,7 +611,7 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             }
             uint64_t s = w[q] & self->smask;
             int i = (int)(s % (uint64_t)K);
-            Py_ssize_t at = q * piece, len = nbytes - at < piece ? nbytes - at : piece;
+            len = round_span(self, q, &at);
             memcpy(self->slot[i], (char *)x.buf + at, (size_t)len);
             if (q == 0) /* every earlier step is read; a later round's post says nothing of it */
                 __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
@@ -616,47 +625,47 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         Py_RETURN_NONE;
     }
     PyObject *dst = mode == LEAF ? args[0] : args[1];
+    Py_buffer o;
+    if (PyObject_GetBuffer(dst, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    int gather = mode != READ && mode != SCATTER; /* GATHER, LEAF: blocks of nbytes */
+    int w8 = width(self->kind), fast = gather || (w8 && o.len == self->count * w8);
+    if (gather && o.len != self->nrows * nbytes) {
+        PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd", o.len,
+                     self->nrows, nbytes);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
     long spins = self->spins;
     long long until = 0;
     for (int q = 0; q < rounds; q++) {
         uint64_t s = w[q] & self->smask;
         int i = (int)(s % (uint64_t)K);
         if (step_await(self, i, w[q], &spins, &until))
-            return NULL;
+            goto fail;
         char **rows = self->rows + (Py_ssize_t)i * self->nrows;
-        Py_buffer o;
-        if (PyObject_GetBuffer(dst, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-            return NULL;
-        int ok = 1;
-        if (mode == READ || mode == SCATTER) {
-            int w8 = width(self->kind);
-            if (o.len != self->count * w8 || !w8)
-                ok = 0;
-            else
-                ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows,
-                                 self->count);
-        } else { /* GATHER, LEAF: round q of blocks of nbytes */
-            if (o.len != self->nrows * nbytes) {
-                PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd",
-                             o.len, self->nrows, nbytes);
-                PyBuffer_Release(&o);
-                return NULL;
-            }
-            Py_ssize_t at = q * piece, len = nbytes - at < piece ? nbytes - at : piece;
+        int ok = fast;
+        if (gather) { /* round q of each block */
+            len = round_span(self, q, &at);
             for (int j = 0; j < self->nrows; j++)
                 if (rows[j])
                     memcpy((char *)o.buf + j * nbytes + at, rows[j], (size_t)len);
+        } else if (fast) {
+            ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows, self->count);
         }
-        PyBuffer_Release(&o);
         if (!ok) {
             PyObject *r = PyObject_CallFunction(self->reduce, "iO", i, dst);
             if (r == NULL)
-                return NULL;
+                goto fail;
             Py_DECREF(r);
         }
         __atomic_store_n((uint64_t *)self->done, s, __ATOMIC_RELEASE);
     }
+    PyBuffer_Release(&o);
     Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&o);
+    return NULL;
 }
 
 static PyTypeObject StepType = {
@@ -1005,6 +1014,7 @@ out:
         return NULL;
     return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
 }
+
 /* broadcast_by_address(layout, K, rank, addr, nbytes, cut, root, s, w, phase, k,
                         spin_ns, yields, nap_ns, budget_ns)
 

@@ -410,7 +410,7 @@ class Plans:
             type(o) is not np.ndarray or not o.flags.c_contiguous or np.may_share_memory(x, o)
         ):
             return None
-        form = entry_form(replace(spec, in_place=False) if spec.given else spec)
+        form = entry_form(_kind_spec(spec))
         if form is None or type(form[0]) is not self.step_type:
             return None
         step, own = form
@@ -424,11 +424,15 @@ class Plans:
             return None
 
 
-def _kind(spec: Spec, envelope: Callable[[Spec], Prepare], call: Call) -> Kind:
-    """The kind of call ``spec`` is one of.  A given output only ever meets a kind
+def _kind_spec(spec: Spec) -> Spec:
+    """The call a kind runs for ``spec``'s: a given output only ever meets a kind
     when it does not overlap the input, so the envelope copies this rank's part."""
-    if spec.given and spec.in_place:
-        spec = replace(spec, in_place=False)
+    return replace(spec, in_place=False) if spec.given and spec.in_place else spec
+
+
+def _kind(spec: Spec, envelope: Callable[[Spec], Prepare], call: Call) -> Kind:
+    """The kind of call ``spec`` is one of (see :func:`_kind_spec`)."""
+    spec = _kind_spec(spec)
     prepare = envelope(spec)
     shape = spec.coll.fresh_shape(spec)
     dtype = spec.x.dtype

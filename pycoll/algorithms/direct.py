@@ -808,8 +808,7 @@ def prepare(
         return None
     if count * L.dtype.itemsize > G.slot_bytes:
         if collective == "allgather" and use_compiled and _compiled_rounds(L, G, count):
-            spins = 0 if L.crowded else STEP_SPINS
-            return _compiled_step(collective, G, L, backoff, count, root, fp << G.step_bits, spins)
+            return _compiled_step(collective, G, L, backoff, count, root, fp)
         return None
     if collective == "reduce_scatter" and count % n:
         return None
@@ -820,7 +819,6 @@ def prepare(
     mine = tuple(v[r] for v in views)
     others = tuple(_others(n, r))
     dl, bo, f = L.deadline, backoff, L.reduce
-    spins = 0 if L.crowded else STEP_SPINS
     claim, done = G.claim, G.done
     post_word, wait_word = G.post_word, G.wait_word
     mul, cmask, fpw = G.chain_mul, G.chain_mask, fp << G.step_bits  # fp above the step
@@ -892,7 +890,7 @@ def prepare(
         return run_reduce_root
 
     if use_compiled and compiled is not None and collective in _COMPILED:
-        return _compiled_step(collective, G, L, backoff, count, root, fpw, spins)
+        return _compiled_step(collective, G, L, backoff, count, root, fp)
 
     if collective in ("allreduce", "reduce"):
         assert f is not None
@@ -991,13 +989,12 @@ def _compiled_step(
     backoff: Backoff,
     count: int,
     root: int,
-    fpw: int,
-    spins: int,
+    fp: int,
 ) -> Callable[[Any, Any], None]:
     """:func:`prepare`'s step of ``collective`` as one :class:`pycoll._step.Step`:
     the same bytes and words as the Python closures there, with the group's
     claim, wait and (for ops and dtypes C does not reduce) reduction called back
-    in Python when they have something to do."""
+    in Python when they have something to do.  ``fp``: the call's fingerprint."""
     n, r = L.size, L.rank
     others = tuple(_others(n, r))
     at = _Compiled(G, r, n, others)
@@ -1055,8 +1052,8 @@ def _compiled_step(
         K,
         G.chain_mul,
         G.chain_mask,
-        fpw & _U64,
-        spins,
+        (fp << G.step_bits) & _U64,  # fp above the step, as prepare's fpw
+        0 if L.crowded else STEP_SPINS,
         nbytes,
         red_count,
         max(code, 0),
