@@ -450,21 +450,39 @@ def test_replayed_steps_agree_with_and_without_it(n: int, monkeypatch: pytest.Mo
         assert mine == {k: v for k, v in results[True][0].items() if k[0] in same}
 
 
+@pytest.mark.parametrize("call", ["plan", "fresh arrays", "allgather in rounds"])
 @pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
-def test_peer_gone_under_a_replayed_step_raises(use: bool) -> None:
-    """Rank 1 closes after a few replayed allreduces; rank 0's next one, which
+def test_peer_gone_under_a_replayed_step_raises(use: bool, call: str) -> None:
+    """Rank 1 closes after a few replayed calls; rank 0's next one, which
     waits for rank 1's posted word, raises within the timeout instead of
-    spinning or returning its own input as a sum."""
+    spinning or returning its own input as a sum.  The calls: an allreduce on
+    the same arrays (a plan), on new arrays each time (its kind, in the
+    compiled entry where it was built), and an allgather of 2.5 slots (the
+    compiled step in rounds)."""
     import time
 
-    with communicators(2, timeout=5, compiled=use) as comms:
+    cfg = {"group_slot_bytes": 4096, "transports": ("shm",)} if "rounds" in call else {}
+    with communicators(2, timeout=5, compiled=use, **cfg) as comms:
 
         def body(r: int) -> object:
             c = comms[r]
-            x, out = np.ones(3, np.float32), np.empty(3, np.float32)
+            k = 2560 if "rounds" in call else 3  # float32: 2.5 slots of 4 KiB
+            x, out, red = (
+                np.ones(k, np.float32),
+                np.empty(2 * k, np.float32),
+                np.empty(k, np.float32),
+            )
+
+            def run() -> None:
+                if "rounds" in call:
+                    c.allgather(x, out)
+                elif call == "plan":
+                    c.allreduce(x, red)
+                else:
+                    c.allreduce(np.ones(k, np.float32), np.empty(k, np.float32))
+
             for _ in range(4):
-                c.allreduce(x, out)
-            assert (out == 2).all()
+                run()
             if r == 1:
                 c.close()
                 return None
@@ -472,7 +490,7 @@ def test_peer_gone_under_a_replayed_step_raises(use: bool) -> None:
             out[:] = -1
             t0 = time.monotonic()
             with pytest.raises(pycoll.PycollError) as ei:
-                c.allreduce(x, out)
+                run()
             return type(ei.value).__name__, time.monotonic() - t0
 
         res = run_ranks(2, body, timeout=60)
