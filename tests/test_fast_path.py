@@ -791,6 +791,52 @@ def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
         _on_all(comms, body)
 
 
+@pytest.mark.parametrize("slot_bytes", [None, 2 << 20])
+@pytest.mark.parametrize("n", [2, 3])
+def test_allgather_algorithms_place_a_large_own_block(n: int, slot_bytes: int | None) -> None:
+    """From OWN_PLACED_MIN bytes a block, the envelope leaves a rank's own block
+    to the allgather algorithm: every algorithm places it, out of place (a
+    plan, and fresh arrays) and in place, outputs poisoned, a ragged last piece;
+    ``direct`` by address copies it and writes it to every peer piece by piece.
+    With 2 MiB slots such a block would fit a prepared slot step, which never
+    copies the own block: none is made, so the blocks still arrive whole."""
+    from pycoll.algorithms.direct import OWN_PIECE_BYTES
+    from pycoll.buffers import OWN_PLACED_MIN
+
+    cfg = {} if slot_bytes is None else {"group_slot_bytes": slot_bytes}
+    with communicators(n, **cfg) as comms:
+        writes = [0] * n
+        _on_all(comms, lambda c: _count_calls(c, "write", writes))
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            for dtype in (np.float32, np.int64):
+                size = np.dtype(dtype).itemsize
+                k = OWN_PLACED_MIN // size + 3
+                xs = [
+                    (np.random.default_rng([k, q]).random(k) * 1e6).astype(dtype) for q in range(n)
+                ]
+                want = np.concatenate(xs)
+                for algo in ("direct", "cma", "ring", "tree", "auto"):
+                    poison = np.iinfo(dtype).min if dtype is np.int64 else np.nan
+                    out = np.full(n * k, poison, dtype)
+                    for it in range(3):  # the slow path, then its plan twice
+                        out[:] = poison
+                        c.allgather(xs[r], out, algorithm=algo)
+                        assert np.array_equal(out, want), (r, dtype, algo, it)
+                    got = c.allgather(xs[r].copy(), np.full(n * k, poison, dtype), algorithm=algo)
+                    assert np.array_equal(got, want), (r, dtype, algo, "fresh")
+                    buf = np.full(n * k, poison, dtype)
+                    buf[r * k : (r + 1) * k] = xs[r]
+                    c.allgather(buf[r * k : (r + 1) * k], buf, algorithm=algo)
+                    assert np.array_equal(buf, want), (r, dtype, algo, "in place")
+
+        _on_all(comms, body)
+        if slot_bytes is None:  # every out-of-place direct call went by address in pieces
+            pieces = -(-(OWN_PLACED_MIN + 3 * 8) // OWN_PIECE_BYTES)
+            assert all(w >= 4 * (n - 1) * pieces for w in writes), writes
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     """Blocks of up to three slots go through the slots in rounds; larger ones by

@@ -34,6 +34,7 @@ from typing import Any
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.tree import pipelined_broadcast
+from pycoll.buffers import place_own
 
 
 def segments(lo: int, hi: int, n: int) -> list[int]:
@@ -75,6 +76,7 @@ def allgather(L: Links, x: Any, out: Any) -> None:
         b %= n
         return out[b * k : (b + 1) * k]
 
+    place_own(r, x, out)
     for s in range(n - 1):
         L.send(right, blk(r - s))
         L.wait(L.recv(left, blk(r - s - 1)))

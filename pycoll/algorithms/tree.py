@@ -32,6 +32,7 @@ from typing import Any
 
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
+from pycoll.buffers import place_own
 
 
 def btree(n: int, r: int) -> tuple[int | None, list[int]]:
@@ -190,6 +191,7 @@ def broadcast(L: Links, buf: Any, root: int) -> None:
 def allgather(L: Links, x: Any, out: Any) -> None:
     n, r = L.size, L.rank
     k = x.size
+    place_own(r, x, out)
     # binomial gather to rank 0: rank r owns blocks [r, r + 2^j) after round j
     bit = 1
     while bit < n:

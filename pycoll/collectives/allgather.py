@@ -3,7 +3,10 @@
 The output holds ``n * k`` elements; ``recvbuf=None`` allocates one of shape
 ``(n, *sendbuf.shape)`` each call.  In place, ``sendbuf`` is block ``rank`` of
 ``recvbuf`` itself; otherwise the envelope copies a rank's own block, and the
-algorithm moves the others.
+algorithm moves the others; but on the host, from a block of
+:data:`~pycoll.buffers.OWN_PLACED_MIN` bytes, every allgather algorithm places
+its own block (:func:`~pycoll.buffers.place_own`), and ``direct`` by address
+copies it in the same pass as its writes to the peers.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pycoll.buffers import as_buffer
+from pycoll.buffers import OWN_PLACED_MIN, as_buffer
 from pycoll.collectives.base import (
+    HOST,
     ArrayOps,
     Collective,
     Prepare,
@@ -63,10 +67,12 @@ class Allgather(Collective):
         r, k = spec.r, spec.x.count
         if spec.in_place:  # the rank's own block is already there
             return nothing if step is None else partial(partial, step)
+        if step is not None and ops is HOST and spec.x.nbytes >= OWN_PLACED_MIN:
+            return partial(partial, step)  # the algorithm places it (see the module)
         return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
     def entry_form(self, spec: Spec, step: Step | None) -> tuple[Step, int] | None:
-        if spec.in_place or step is None:
+        if spec.in_place or step is None or spec.x.nbytes >= OWN_PLACED_MIN:
             return super().entry_form(spec, step)
         return step, spec.r * spec.x.nbytes  # own_then's copy, then the step
 
