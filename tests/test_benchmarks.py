@@ -623,3 +623,18 @@ def test_fresh_arrays_checks_and_times_every_collective() -> None:
     ), proc.stdout
     for r in rows:
         assert r[-1] == "0" and float(r[3]) > 0 and float(r[6]) > 0, r
+
+
+@pytest.mark.timeout(120)
+def test_allgather_floor_checks_and_times_every_order() -> None:
+    """benchmarks/allgather_floor.py at n = 3 and an odd size over two pieces:
+    every system's output right, and a time for each."""
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "allgather_floor.py"), "--sizes", "1572876", "--rounds", "2",
+        "--block-time", "0.002",
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("n = 3 allgather")]
+    assert len(rows) == 1 and rows[0].endswith("wrong 0"), proc.stdout
+    for name in ("two-pass-write", "two-pass-read", "one-pass", "pycoll", "mpi"):
+        assert f"{name} " in rows[0], rows[0]
