@@ -201,21 +201,45 @@ def test_the_two_routes_of_direct_do_not_pair(coll: str, n: int) -> None:
     _run_case({"transports": ("shm",)}, "direct", lambda r: routed(r, n), n=n)
 
 
-@pytest.mark.parametrize("coll", ["allgather", "alltoall"])
-def test_a_peer_gone_under_cma_raises_and_writes_nothing_wrong(coll: str) -> None:
-    """4 KiB slots, 8 KiB a rank: ``cma`` goes by address.  Rank 1 closes after a
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatched_large_allgathers_in_one_pass_raise(n: int) -> None:
+    """Blocks of OWN_PLACED_MIN bytes and more go by address in pieces, the own
+    block copied in the same pass: against another count a block, and against
+    an alltoall into an output as long, on the last rank, the mismatch surfaces at
+    the first piece, and a rank that returned holds what its own call means."""
+    from pycoll.buffers import OWN_PLACED_MIN
+
+    k = OWN_PLACED_MIN // 4 + 3
+    cfg = {"transports": ("shm",)}
+    for other in (_allgather(k + 1), _alltoall(k)):
+        _run_case(cfg, "direct", lambda r, o=other: (o if r == n - 1 else _allgather(k))(r, n), n=n)
+
+
+@pytest.mark.parametrize(
+    ("coll", "k", "algo", "slot"),
+    [
+        ("allgather", 2048, "cma", 4096),
+        ("alltoall", 2048, "cma", 4096),
+        ("allgather", (1 << 18) + 3, "direct", None),  # in one pass (OWN_PLACED_MIN)
+    ],
+)
+def test_a_peer_gone_under_cma_raises_and_writes_nothing_wrong(
+    coll: str, k: int, algo: str, slot: int | None
+) -> None:
+    """4 KiB slots, 8 KiB a rank: ``cma`` goes by address; and a 1 MiB block,
+    which ``direct`` copies and writes piece by piece.  Rank 1 closes after a
     few calls; rank 0's next call, which waits for rank 1's posted range, raises
     within the timeout, and its poisoned output holds no half of a result."""
-    with communicators(2, timeout=TIMEOUT, group_slot_bytes=4096, tune=False) as comms:
+    cfg: dict[str, Any] = {} if slot is None else {"group_slot_bytes": slot}
+    with communicators(2, timeout=TIMEOUT, tune=False, **cfg) as comms:
 
         def body(r: int) -> Any:
             c = comms[r]
-            k = 2048  # float32 elements: 8 KiB a block, two slots
             x = np.full(2 * k, r + 1, np.float32)
             out = np.empty(2 * k, np.float32)
             run = getattr(c, coll)
             for _ in range(3):
-                run(x[:k] if coll == "allgather" else x, out, algorithm="cma")
+                run(x[:k] if coll == "allgather" else x, out, algorithm=algo)
             assert set(np.unique(out)) == {1.0, 2.0}
             if r == 1:
                 c.close()
@@ -224,7 +248,7 @@ def test_a_peer_gone_under_cma_raises_and_writes_nothing_wrong(coll: str) -> Non
             out.fill(-1.0)
             t0 = time.monotonic()
             with pytest.raises(pycoll.PycollError) as ei:
-                run(x[:k] if coll == "allgather" else x, out, algorithm="cma")
+                run(x[:k] if coll == "allgather" else x, out, algorithm=algo)
             # rank 0's own block may be in place by now; the dead peer's may not
             return type(ei.value).__name__, time.monotonic() - t0, bool((out[k:] == -1).all())
 
