@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,8 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt_size, parse_size, run_or_abort
-from versus import alternate, block_calls, pilot
+from common import exit_status, fmt_size, parse_size
+from versus import median_times
 
 from transports._cma import read as cma_read
 from transports._cma import write as cma_write
@@ -136,15 +135,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 call()
                 wrong += int(not np.array_equal(out, want))
             wrong = w.allreduce(wrong, op=MPI.SUM)
-            per = {name: block_calls(pilot(w, c), args.block_time) for name, c in calls.items()}
-            times, _ = alternate(
-                w,
-                {name: (c, per[name]) for name, c in calls.items()},
-                args.rounds,
-                args.warm,
-                f"floor {size}",
-            )
-            med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            med = median_times(w, calls, args.block_time, args.rounds, args.warm, f"floor {size}")
             floor = min(med["two-pass-write"], med["two-pass-read"], med["one-pass"])
             rows.append({"size": size, "wrong": wrong, **{f"{k}_us": v for k, v in med.items()}})
             if r == 0:
@@ -158,9 +149,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rows = run_or_abort(run, args)
-    return 1 if any(row["wrong"] for row in rows) else 0
+    return exit_status(run, parse_args(argv))
 
 
 if __name__ == "__main__":

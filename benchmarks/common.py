@@ -210,3 +210,10 @@ def run_or_abort(run: Callable[[Any], list[dict[str, Any]]], args: Any) -> list[
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
         raise
+
+
+def exit_status(run: Any, args: Any) -> int:
+    """:func:`run_or_abort` of a benchmark whose rows count wrong outputs:
+    1 where any row has one, else 0."""
+    rows = run_or_abort(run, args)
+    return 1 if any(row["wrong"] for row in rows) else 0

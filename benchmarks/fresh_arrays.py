@@ -25,7 +25,6 @@ rounds.  Each system's output is checked against NumPy once before the rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt_size, parse_size, run_or_abort
-from versus import alternate, block_calls, pilot
+from common import exit_status, fmt_size, parse_size
+from versus import median_times
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SIZES = "8,1K,64K"
@@ -129,15 +128,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         got = data(0) if name == "mpi" else got
                     wrong += int(not np.array_equal(got, want))
                 wrong = w.allreduce(wrong, op=MPI.SUM)
-                per = {name: block_calls(pilot(w, c), args.block_time) for name, c in calls.items()}
-                times, _ = alternate(
-                    w,
-                    {name: (c, per[name]) for name, c in calls.items()},
-                    args.rounds,
-                    args.warm,
-                    f"fresh {coll} {size}",
+                med = median_times(
+                    w, calls, args.block_time, args.rounds, args.warm, f"fresh {coll} {size}"
                 )
-                med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
                 rows.append(
                     {
                         "collective": coll,
@@ -159,9 +152,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rows = run_or_abort(run, args)
-    return 1 if any(row["wrong"] for row in rows) else 0
+    return exit_status(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -186,6 +186,22 @@ def warm_up(w: Any, call: Callable[[], Any], warm: int, settle: float) -> bool:
     return True
 
 
+def median_times(
+    w: Any,
+    calls: dict[str, Callable[[], Any]],
+    block_time: float,
+    rounds: int,
+    warm: int,
+    seed: str,
+) -> dict[str, float]:
+    """Per label, the median over ``rounds`` of its block's per-call time on the
+    slowest rank, in microseconds: a pilot sets each system's calls per block
+    (about ``block_time`` seconds), then :func:`alternate`."""
+    per = {name: block_calls(pilot(w, c), block_time) for name, c in calls.items()}
+    times, _ = alternate(w, {name: (c, per[name]) for name, c in calls.items()}, rounds, warm, seed)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
 def alternate(
     w: Any,
     calls: dict[str, tuple[Callable[[], Any], int]],
