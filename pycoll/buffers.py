@@ -150,8 +150,10 @@ OWN_PLACED_MIN = 1 << 20
 def own_block(rank: int, x: Any, out: Any) -> Any | None:
     """Block ``rank`` of a host allgather's flat ``out``, which its algorithm fills
     from ``x``; None where the envelope fills it (a block under
-    :data:`OWN_PLACED_MIN`) or ``x`` already is that block (in place)."""
-    if x.nbytes < OWN_PLACED_MIN:
+    :data:`OWN_PLACED_MIN`, or device arrays, whose envelope copies on the
+    collective's stream even where a host algorithm moves the others) or ``x``
+    already is that block (in place)."""
+    if x.nbytes < OWN_PLACED_MIN or not isinstance(x, np.ndarray):
         return None
     k = x.size
     own = out[rank * k : (rank + 1) * k]

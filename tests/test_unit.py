@@ -1023,3 +1023,30 @@ def test_group_rank_that_posted_then_closed_is_not_gone_for_that_wait(
             a._posted[1][1], a._done[1] = word, done
         with pytest.raises(PeerClosedError):
             a.wait([1], 3, Deadline.after(5), quick)  # never posted: gone
+
+
+def test_a_large_host_allgather_block_is_the_algorithms_to_place() -> None:
+    """pycoll.buffers.own_block: from OWN_PLACED_MIN bytes, block ``rank`` of a
+    NumPy output (its algorithm copies it); never in place, under the bound, or
+    for device arrays (their envelope copies it on the collective's stream)."""
+    from pycoll.buffers import OWN_PLACED_MIN, own_block, place_own
+
+    k = OWN_PLACED_MIN // 4
+    x = np.arange(k, dtype=np.float32)
+    out = np.full(3 * k, np.nan, np.float32)
+    own = own_block(1, x, out)
+    assert own is not None and own.ctypes.data == out[k:].ctypes.data and own.size == k
+    assert own_block(1, out[k : 2 * k], out) is None  # in place
+    assert own_block(1, x[:-1], out[: 3 * (k - 1)]) is None  # under the bound
+    place_own(1, x, out)
+    assert (
+        np.array_equal(out[k : 2 * k], x)
+        and np.isnan(out[:k]).all()
+        and np.isnan(out[2 * k :]).all()
+    )
+
+    class DeviceLike:  # what a CuPy array offers here
+        def __init__(self, n: int) -> None:
+            self.nbytes, self.size = 4 * n, n
+
+    assert own_block(0, DeviceLike(k), DeviceLike(3 * k)) is None

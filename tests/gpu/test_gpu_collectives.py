@@ -379,6 +379,37 @@ def test_fast_path_through_the_host(comm_host):
         assert_close(t.cpu().numpy(), reference(xs, "sum"), f32, SIZE, f"torch rep {rep}")
 
 
+@pytest.mark.parametrize("which", ["comm", "large_host", "comm_staged"])
+def test_large_allgather_blocks(request, which):
+    """Blocks of OWN_PLACED_MIN bytes and more, whose own block a host algorithm
+    places itself where the arrays are NumPy ones: on device arrays every
+    algorithm (the device envelope copies the own block on the collective's
+    stream), through pinned host memory, and staged; in place and not,
+    outputs poisoned, on every rank alike."""
+    from pycoll.buffers import OWN_PLACED_MIN
+
+    if which == "large_host":
+        c = pycoll.init(timeout=120, device_host_bytes=64 << 20)
+        request.addfinalizer(c.close)
+    else:
+        c = request.getfixturevalue(which)
+    f32 = np.dtype(np.float32)
+    k = OWN_PLACED_MIN // 4 + 5
+    xs = [data(r, k, f32, "sum") for r in range(SIZE)]
+    want = np.concatenate(xs)
+    for algo in [*ALGOS, "auto"] if which == "comm" else ["auto"]:
+        for inplace in (False, True):
+            out = cp.full(SIZE * k, cp.nan, cp.float32)
+            if inplace:
+                out[RANK * k : (RANK + 1) * k] = cp.asarray(xs[RANK])
+                c.allgather(out[RANK * k : (RANK + 1) * k], out, algorithm=algo)
+            else:
+                c.allgather(cp.asarray(xs[RANK]), out, algorithm=algo)
+            got = cp.asnumpy(out)
+            assert np.array_equal(got, want), (which, algo, inplace)
+            assert_identical_everywhere(got, f"large allgather {which} {algo} {inplace}")
+
+
 def test_in_place_allgather_through_the_host(comm_host):
     """sendbuf is this rank's block of recvbuf (rank 0: the same address)."""
     comm = comm_host
