@@ -142,9 +142,10 @@ def copy_into(dst: Any, src: Any) -> None:
 #: ``direct`` by address copies it in the same pass as its writes to the peers,
 #: each piece read once (:func:`pycoll.algorithms.direct.allgather`).  On the
 #: 2-core Intel VM that took 16 MiB allgathers at n = 2 from 1218-1241 to
-#: 1084-1100 us (benchmarks/RESULTS.md, "The allgather's own block in the same
-#: pass, again").
-OWN_PLACED_MIN = 1 << 20
+#: 1084-1100 us and 8 MiB at n = 4 from 1352-1376 to 1106-1116; blocks of
+#: 1 MiB, which stay in the cache anyway, went from 136-142 to 153-156 at n = 2
+#: (benchmarks/RESULTS.md, "The allgather's own block in the same pass, again").
+OWN_PLACED_MIN = 2 << 20
 
 
 def own_block(rank: int, x: Any, out: Any) -> Any | None:

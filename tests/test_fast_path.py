@@ -791,14 +791,14 @@ def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
         _on_all(comms, body)
 
 
-@pytest.mark.parametrize("slot_bytes", [None, 2 << 20])
+@pytest.mark.parametrize("slot_bytes", [None, 4 << 20])
 @pytest.mark.parametrize("n", [2, 3])
 def test_allgather_algorithms_place_a_large_own_block(n: int, slot_bytes: int | None) -> None:
     """From OWN_PLACED_MIN bytes a block, the envelope leaves a rank's own block
     to the allgather algorithm: every algorithm places it, out of place (a
     plan, and fresh arrays) and in place, outputs poisoned, a ragged last piece;
     ``direct`` by address copies it and writes it to every peer piece by piece.
-    With 2 MiB slots such a block would fit a prepared slot step, which never
+    With 4 MiB slots such a block would fit a prepared slot step, which never
     copies the own block: none is made, so the blocks still arrive whole."""
     from pycoll.algorithms.direct import OWN_PIECE_BYTES
     from pycoll.buffers import OWN_PLACED_MIN

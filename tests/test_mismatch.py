@@ -220,13 +220,13 @@ def test_mismatched_large_allgathers_in_one_pass_raise(n: int) -> None:
     [
         ("allgather", 2048, "cma", 4096),
         ("alltoall", 2048, "cma", 4096),
-        ("allgather", (1 << 18) + 3, "direct", None),  # in one pass (OWN_PLACED_MIN)
+        ("allgather", (1 << 19) + 3, "direct", None),  # in one pass (OWN_PLACED_MIN)
     ],
 )
 def test_a_peer_gone_under_cma_raises_and_writes_nothing_wrong(
     coll: str, k: int, algo: str, slot: int | None
 ) -> None:
-    """4 KiB slots, 8 KiB a rank: ``cma`` goes by address; and a 1 MiB block,
+    """4 KiB slots, 8 KiB a rank: ``cma`` goes by address; and a 2 MiB block,
     which ``direct`` copies and writes piece by piece.  Rank 1 closes after a
     few calls; rank 0's next call, which waits for rank 1's posted range, raises
     within the timeout, and its poisoned output holds no half of a result."""

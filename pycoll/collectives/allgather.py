@@ -4,7 +4,7 @@ The output holds ``n * k`` elements; ``recvbuf=None`` allocates one of shape
 ``(n, *sendbuf.shape)`` each call.  In place, ``sendbuf`` is block ``rank`` of
 ``recvbuf`` itself; otherwise the envelope copies a rank's own block, and the
 algorithm moves the others; but on the host, from a block of
-:data:`~pycoll.buffers.OWN_PLACED_MIN` bytes, every allgather algorithm places
+:data:`~pycoll.buffers.OWN_PLACED_MIN` bytes (2 MiB), every allgather algorithm places
 its own block (:func:`~pycoll.buffers.place_own`), and ``direct`` by address
 copies it in the same pass as its writes to the peers.
 """
