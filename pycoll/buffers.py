@@ -148,13 +148,20 @@ def copy_into(dst: Any, src: Any) -> None:
 OWN_PLACED_MIN = 2 << 20
 
 
+def own_placed(nbytes: int) -> bool:
+    """Whether a host allgather's own block of ``nbytes`` is its algorithm's to
+    copy (:data:`OWN_PLACED_MIN`): the envelope leaves it, and no prepared slot
+    step, which never copies it, runs the call."""
+    return nbytes >= OWN_PLACED_MIN
+
+
 def own_block(rank: int, x: Any, out: Any) -> Any | None:
     """Block ``rank`` of a host allgather's flat ``out``, which its algorithm fills
-    from ``x``; None where the envelope fills it (a block under
-    :data:`OWN_PLACED_MIN`, or device arrays, whose envelope copies on the
-    collective's stream even where a host algorithm moves the others) or ``x``
-    already is that block (in place)."""
-    if x.nbytes < OWN_PLACED_MIN or not isinstance(x, np.ndarray):
+    from ``x``; None where the envelope fills it (a block not :func:`own_placed`,
+    or device arrays, whose envelope copies on the collective's stream even
+    where a host algorithm moves the others) or ``x`` already is that block
+    (in place)."""
+    if not own_placed(x.nbytes) or not isinstance(x, np.ndarray):
         return None
     k = x.size
     own = out[rank * k : (rank + 1) * k]

@@ -58,14 +58,7 @@ from pycoll.algorithms.cost import ALLGATHER_SLOT_ROUNDS, ALLTOALL_BY_ADDRESS_MI
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
-from pycoll.buffers import (
-    OWN_PLACED_MIN,
-    STREAM_COPY_BYTES,
-    copy_into,
-    data_ptr,
-    own_block,
-    place_own,
-)
+from pycoll.buffers import STREAM_COPY_BYTES, copy_into, data_ptr, own_block, own_placed, place_own
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
@@ -489,11 +482,10 @@ def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
     isz, at = x.itemsize, L.rank * x.nbytes
     others = _others(L.size, L.rank)
     own = own_block(L.rank, x, out)
-    p = max(1, OWN_PIECE_BYTES // isz)
-    if own is None or x.nbytes >= STREAM_COPY_BYTES:
-        if own is not None:
-            copy_into(own, x)
-        own, p = None, x.size
+    if own is not None and x.nbytes >= STREAM_COPY_BYTES:
+        copy_into(own, x)  # whole, streaming
+        own = None
+    p = x.size if own is None else max(1, OWN_PIECE_BYTES // isz)
     for lo in range(0, x.size, p):
         piece = x[lo : lo + p]
         if own is not None:
@@ -839,7 +831,7 @@ def prepare(
     n, r = L.size, L.rank
     if G is None or n < 2 or count <= 0:
         return None
-    if collective == "allgather" and count * L.dtype.itemsize >= OWN_PLACED_MIN:
+    if collective == "allgather" and own_placed(count * L.dtype.itemsize):
         return None  # its own block is the algorithm's (see allgather); none here copies it
     if count * L.dtype.itemsize > G.slot_bytes:
         if collective == "allgather" and use_compiled and _compiled_rounds(L, G, count):

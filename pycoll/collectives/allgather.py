@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pycoll.buffers import OWN_PLACED_MIN, as_buffer
+from pycoll.buffers import as_buffer, own_placed
 from pycoll.collectives.base import (
     HOST,
     ArrayOps,
@@ -67,14 +67,15 @@ class Allgather(Collective):
         r, k = spec.r, spec.x.count
         if spec.in_place:  # the rank's own block is already there
             return nothing if step is None else partial(partial, step)
-        if step is not None and ops is HOST and spec.x.nbytes >= OWN_PLACED_MIN:
+        if step is not None and ops is HOST and own_placed(spec.x.nbytes):
             return partial(partial, step)  # the algorithm places it (see the module)
         return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
     def entry_form(self, spec: Spec, step: Step | None) -> tuple[Step, int] | None:
-        if spec.in_place or step is None or spec.x.nbytes >= OWN_PLACED_MIN:
-            return super().entry_form(spec, step)
-        return step, spec.r * spec.x.nbytes  # own_then's copy, then the step
+        form = super().entry_form(spec, step)  # the step alone, where the envelope is
+        if form is None and step is not None:
+            return step, spec.r * spec.x.nbytes  # own_then's copy, then the step
+        return form
 
 
 ALLGATHER = Allgather()
