@@ -1,7 +1,7 @@
 """Where a replayed blocking device allreduce spends its host time, per rank.
 Under mpiexec on a GPU machine:
 
-    mpiexec -n 2 python benchmarks/gpu_phases.py [--bytes 1M] [--calls 100]
+    mpiexec -n 2 python benchmarks/gpu_phases.py [--bytes 1M] [--calls 100] [--queued]
 
 Timers wrap the functions a replay of a device plan goes through
 (:mod:`pycoll.gpu.replay`, the windows, the driver calls of the stream words);
@@ -53,6 +53,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bytes", default="1M")
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument(
+        "--queued",
+        action="store_true",
+        help="record an event on the stream before each call (as gpu_return.py does): "
+        "the stream is not idle when the call exposes its buffers",
+    )
     args = p.parse_args()
     cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
     for owner, name in [
@@ -66,6 +72,7 @@ def main() -> None:
         (windows.Windows, "release"),
         (windows.Windows, "wait_released"),
         (ipc_windows._Window, "_await"),
+        (ipc_windows._Window, "_on_stream"),
         (ipc_windows, "stream_wait"),
         (ipc_windows, "stream_write"),
         (ipc_windows, "stream_idle"),
@@ -83,6 +90,8 @@ def main() -> None:
     total = []
     for _ in range(args.calls):
         W.Barrier()
+        if args.queued:
+            cp.cuda.Event().record(s)
         _start[0] = _ns()
         comm.allreduce(x, stream=s)
         total.append((_ns() - _start[0]) / 1e3)

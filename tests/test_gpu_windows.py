@@ -83,3 +83,63 @@ def test_a_plan_checks_spans_that_changed() -> None:
     assert again[0] is not first[0] and again[0].size == 3
     with pytest.raises(TagMismatchError, match="rank 1 exposed buffers of"):
         W.open(1, F4, 12)
+
+
+def _ipc_window() -> tuple[Any, list[int]]:
+    """cuda_ipc's window of a connection, on a plain host segment: the peer's
+    words are set by hand, and the stream waits its open enqueues are listed."""
+    import mmap
+
+    from transports import _atomic
+    from transports.cuda_ipc import windows as ipc
+    from transports.cuda_ipc.layout import _SEG_BYTES, _W_EXPOSED, _W_READY, _WIN_OFF
+
+    mm = mmap.mmap(-1, _SEG_BYTES)
+    w = object.__new__(ipc._Window)
+    w._mm, w._theirs, w._dev, w.opened, w._read = mm, _WIN_OFF[1], 0, 0, None
+    w._exposed_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_EXPOSED)
+    w._ready_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_READY)
+    w.opened_ready = w.opened_waiting = 0
+    w._conn = SimpleNamespace(check_peer=lambda: None, peer=1, device=0)
+    waits: list[int] = []
+    w._on_stream = lambda op, stream, addr, value: waits.append(value)
+    return w, waits
+
+
+def test_an_exposure_already_ready_needs_no_stream_wait() -> None:
+    """Opening exposure k enqueues a stream wait for the peer's "ready" word
+    only where that word has not reached k yet: a peer whose host stored it
+    (its stream was idle) has final buffers."""
+    from transports.base import Deadline
+
+    w, waits = _ipc_window()
+    w._exposed_peer.store(1)
+    w._ready_peer.store(1)
+    assert w.open(0, Deadline.after(5)) == [] and waits == []
+    w._exposed_peer.store(2)  # exposed, its stream still busy: the word says 1
+    w.open(0, Deadline.after(5))
+    assert waits == [2] and (w.opened_ready, w.opened_waiting) == (1, 1)
+    w._exposed_peer.store(3)
+    w._ready_peer.store(3)
+    w.open(0, Deadline.after(5))
+    assert waits == [2] and w.opened == 3
+
+
+@pytest.mark.parametrize(
+    "word,seq,reached",
+    [
+        (5, 5, True),
+        (6, 5, True),
+        (4, 5, False),
+        (0, 0xFFFFFFFF, True),  # the stream's 32 bits wrapped past seq
+        (0xFFFFFFFF, 1 << 32, False),
+        ((1 << 32) | 3, (1 << 32) + 3, True),  # the host's 64-bit store
+        (3, (1 << 32) + 3, True),  # the stream's 32-bit write of the same count
+    ],
+)
+def test_the_ready_word_compares_as_the_stream_wait_does(
+    word: int, seq: int, reached: bool
+) -> None:
+    from transports.cuda_ipc.windows import _reached
+
+    assert _reached(word, seq) is reached

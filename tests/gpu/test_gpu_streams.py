@@ -305,11 +305,18 @@ def _ready_signals(c) -> tuple[int, int]:
     return sum(w.ready_by_host for w in wins), sum(w.ready_by_stream for w in wins)
 
 
+def _openings(c) -> tuple[int, int]:
+    """How this rank opened its peers' windows: (found ready, stream waited)."""
+    wins = [conn._win for conn in c._gpu.dconns.values() if hasattr(conn, "_win")]
+    return sum(w.opened_ready for w in wins), sum(w.opened_waiting for w in wins)
+
+
 def test_direct_signals_ready_from_the_host_when_nothing_is_queued(comms):
     """A window's "ready" word is stored by the host when nothing was queued on
     the caller's stream before the call (so the peer's stream needs no time
     slice of this rank's context), and written by the stream after the work
-    queued there otherwise; the result is right both ways."""
+    queued there otherwise; the result is right both ways.  A rank that opens
+    a window whose word already says ready enqueues no stream wait for it."""
     if SIZE == 1:
         pytest.skip("no peers")
     c = comms["direct"]
@@ -322,10 +329,12 @@ def test_direct_signals_ready_from_the_host_when_nothing_is_queued(comms):
     s.synchronize()
     WORLD.Barrier()
     h0, d0 = _ready_signals(c)
+    o0 = _openings(c)
     with s:
         y = c.allreduce(x, algorithm="direct", stream=s) * 1
     s.synchronize()
     h1, d1 = _ready_signals(c)
+    o1 = _openings(c)
     _check(y, total, "idle stream")
     WORLD.Barrier()
     _spin(s, 50.0)
@@ -334,11 +343,18 @@ def test_direct_signals_ready_from_the_host_when_nothing_is_queued(comms):
         y = c.allreduce(x, algorithm="direct", stream=s) * 1
     s.synchronize()
     h2, d2 = _ready_signals(c)
+    o2 = _openings(c)
     _check(y, total, "busy stream")
-    # on a shared GPU only the followers expose; on separate GPUs every rank does
+    # on a shared GPU only the followers expose, and rank 0 opens; on separate
+    # GPUs every rank does both
     if RANK != 0 or not c._gpu.shared_device:
         assert h1 > h0 and d1 == d0, f"rank {RANK}: idle: host {h1 - h0}, stream {d1 - d0}"
         assert d2 > d1 and h2 == h1, f"rank {RANK}: busy: host {h2 - h1}, stream {d2 - d1}"
+    if RANK == 0 or not c._gpu.shared_device:
+        idle = (o1[0] - o0[0], o1[1] - o0[1])
+        busy = (o2[0] - o1[0], o2[1] - o1[1])
+        assert idle[0] > 0 and idle[1] == 0, f"rank {RANK}: idle: opened {idle}"
+        assert busy[1] > 0 and busy[0] == 0, f"rank {RANK}: busy: opened {busy}"
     WORLD.Barrier()
 
 
