@@ -2,13 +2,15 @@
 # GPU tests and the GPU sweep, in one call on a GPU machine (one GPU is enough:
 # ranks share it through CUDA IPC).  Results go to $OUT (default benchmarks/out/gpu).
 #
-#   tests/gpu/run_on_device.sh [all|smoke|test|train|sweep|copies]
+#   tests/gpu/run_on_device.sh [all|smoke|test|train|sweep|copies|goals]
 #
 # smoke: environment report and a 2-rank allreduce; test: every test in tests/gpu at
 # n = 1 (no launcher) and at n = 2, 3, 4 (the tests marked mpi, under mpiexec), then
 # train: examples/train_dp.py --device cuda at n = 1, 2, 4 against one process;
 # sweep: benchmarks/gpu_sweep.py at n = 2 and 4 plus a markdown table, then copies:
-# benchmarks/gpu_copies.py (pinned copy latency with 1, 2, 4 processes on the GPU).
+# benchmarks/gpu_copies.py (pinned copy latency with 1, 2, 4 processes on the GPU);
+# goals: the device-return, torch-busbw and DDP measurements of benchmarks/RESULTS.md
+# ("The GPU goals"), GOAL_RUNS times the return at n = 2 (default 3).
 # Knobs: PYTHON, MPIEXEC, TESTS (a path under tests/gpu), TEST_NS, TRAIN_NS, SWEEP_ARGS,
 # SWEEP_NS, COPY_NS.
 set -uo pipefail
@@ -104,14 +106,40 @@ copies() {
     done
 }
 
+goals() {
+    {
+        for i in $(seq "${GOAL_RUNS:-3}"); do
+            echo "== $(date -u +%T) gpu_return n=2 ($i)"
+            run_n 2 "$PY" benchmarks/gpu_return.py --reps 12 --sizes 1M,256M --skip-torch || status=1
+        done
+        for q in "" --queued; do
+            echo "== $(date -u +%T) gpu_phases n=2 1M $q"
+            run_n 2 "$PY" benchmarks/gpu_phases.py --bytes 1M $q || status=1
+        done
+        for n in 2 4; do
+            echo "== $(date -u +%T) gpu_return n=$n, with torch's 256 MiB allreduce"
+            run_n "$n" "$PY" benchmarks/gpu_return.py --reps 12 --sizes 1M,256M || status=1
+        done
+        for n in 2 2 2 4 4; do
+            echo "== $(date -u +%T) bench_ddp n=$n"
+            run_n "$n" "$PY" -m mpi4py examples/bench_ddp.py --device cuda --steps 80 \
+                --modes ddp-gloo,ddp-pycoll || status=1
+        done
+        echo "== $(date -u +%T) bench_ddp n=2, 25M parameters"
+        run_n 2 "$PY" -m mpi4py examples/bench_ddp.py --device cuda --steps 20 --hidden 2048 \
+            --layers 7 --bucket-mb 25 --modes ddp-gloo,ddp-pycoll || status=1
+    } > >(tee "$OUT/goals.log") 2>&1  # not a pipe: status must stay in this shell
+}
+
 case "$MODE" in
     smoke) env_report; smoke ;;
     train) env_report; train ;;
     test) env_report; smoke; tests ;;
     sweep) env_report; sweep; copies ;;
     copies) copies ;;
+    goals) env_report; goals ;;
     all) env_report; smoke; tests; sweep; copies ;;
-    *) echo "usage: $0 [all|smoke|test|train|sweep|copies]"; exit 2 ;;
+    *) echo "usage: $0 [all|smoke|test|train|sweep|copies|goals]"; exit 2 ;;
 esac
 ls /dev/shm | grep '^pycoll-' && { echo "leftover /dev/shm segments"; status=1; }
 exit $status
