@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pycoll.gpu.windows import KeptWindows, Windows
-from transports.base import DeviceSpan, TagMismatchError
+from transports.base import DeviceSpan, PeerClosedError, TagMismatchError
 
 
 def _windows(*sizes: int) -> Any:
@@ -87,12 +87,20 @@ def test_a_plan_checks_spans_that_changed() -> None:
 
 def _ipc_window() -> tuple[Any, list[int]]:
     """cuda_ipc's window of a connection, on a plain host segment: the peer's
-    words are set by hand, and the stream waits its open enqueues are listed."""
+    words (exposed, ready, released, closed) are set by hand, and the stream
+    waits its openings enqueue are listed."""
     import mmap
 
     from transports import _atomic
     from transports.cuda_ipc import windows as ipc
-    from transports.cuda_ipc.layout import _SEG_BYTES, _W_EXPOSED, _W_READY, _WIN_OFF
+    from transports.cuda_ipc.layout import (
+        _CLOSED_OFF,
+        _SEG_BYTES,
+        _W_EXPOSED,
+        _W_READY,
+        _W_RELEASED,
+        _WIN_OFF,
+    )
 
     mm = mmap.mmap(-1, _SEG_BYTES)
     w = object.__new__(ipc._Window)
@@ -100,7 +108,19 @@ def _ipc_window() -> tuple[Any, list[int]]:
     w._exposed_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_EXPOSED)
     w._ready_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_READY)
     w.opened_ready = w.opened_waiting = 0
-    w._conn = SimpleNamespace(check_peer=lambda: None, peer=1, device=0)
+    w._mine, w.exposed, w._last = _WIN_OFF[0], 0, 0
+    w._written = [None] * 4
+    w.ready_by_host = w.ready_by_stream = 0
+    w._exposed_me = _atomic.Counter(mm, _WIN_OFF[0] + _W_EXPOSED)
+    w._ready_me = _atomic.Counter(mm, _WIN_OFF[0] + _W_READY)
+    w._released_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_RELEASED)
+    closed = _atomic.Counter(mm, _CLOSED_OFF[1])
+
+    def check_peer() -> None:
+        if closed.load():
+            raise PeerClosedError("cuda_ipc: peer 1 closed its connection", peer=1)
+
+    w._conn = SimpleNamespace(check_peer=check_peer, peer=1, device=0, _closed_peer=closed)
     waits: list[int] = []
     w._on_stream = lambda op, stream, addr, value: waits.append(value)
     return w, waits
@@ -143,3 +163,22 @@ def test_the_ready_word_compares_as_the_stream_wait_does(
     from transports.cuda_ipc.windows import _reached
 
     assert _reached(word, seq) is reached
+
+
+def test_an_exposure_to_a_closed_peer_raises_before_it_is_shown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer that closed its end (it failed or left) never opens nor releases
+    what we expose: the exposure raises at once, storing nothing, rather than
+    leave our stream waiting on the device for a release that never comes."""
+    from transports.base import Deadline
+    from transports.cuda_ipc import windows as ipc
+
+    monkeypatch.setattr(ipc, "stream_idle", lambda stream: True)
+    w, _ = _ipc_window()
+    w.expose([], 0, Deadline.after(5))
+    assert (w.exposed, w._exposed_me.load(), w._ready_me.load()) == (1, 1, 1)
+    w._conn._closed_peer.store(1)
+    with pytest.raises(PeerClosedError, match="closed"):
+        w.expose([], 0, Deadline.after(5))
+    assert (w.exposed, w._exposed_me.load(), w._ready_me.load()) == (1, 1, 1)

@@ -168,6 +168,11 @@ class _Window:
     def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
         if len(spans) > _W_MAX_SPANS:
             raise ValueError(f"cuda_ipc: at most {_W_MAX_SPANS} spans per window")
+        if self._conn._closed_peer.load():
+            # a peer that closed (it failed, or left) never releases what we
+            # show it, and our stream would wait for that on the device forever:
+            # raise here, not 4 exposures later when the window slots run out
+            self._conn.check_peer()
         seq = self.exposed + 1
         self._await(self._released_peer, seq - _WIN_SLOTS, deadline, "release a window")
         slot = (seq - 1) % _WIN_SLOTS
