@@ -263,7 +263,9 @@ class Dispatch:
         call that may run again as a device plan (``k``: its key; ``recvbuf``:
         the caller's) leaves one."""
         eng, gpu, x = self.engine, self.gpu, spec.x
-        dc = gpu.call(spec.coll.name, x, spec.out, stream, eng.conns, eng.fam.polite, async_op)
+        dc = gpu.call(
+            spec.coll.name, x, spec.out, stream, eng.conns, eng.fam.polite, async_op, eng.call_tag
+        )
         run = dc.runner(spec, algo)
         call = self._record(spec, algo)
         result = eng.submit_device(

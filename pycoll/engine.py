@@ -430,6 +430,10 @@ class Engine:
         with self.fam.lock:
             self.fam.inflight -= 1
 
+    def call_tag(self) -> int:
+        """The running call's tag: what its messages and device windows carry."""
+        return self.tag
+
     def execute(self, run: Callable[[], Any], call: Call, ident: int, numbered: bool = True) -> Any:
         """Run one call: number, tag and record it, check it (PYCOLL_CHECK), fail it.
         A collective first completes the point-to-point calls posted before it."""
@@ -517,6 +521,8 @@ class Engine:
                     if result is None:
                         result = p.res
                 else:
+                    fp = self.fp = p.call.fp
+                    self.tag = (fp << 32) | (seq & M32)  # a device plan's windows carry it
                     result = p.run(sendbuf, recvbuf)  # type: ignore[union-attr]
             except BaseException as exc:
                 self.fail(rec, exc)

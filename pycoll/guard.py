@@ -111,15 +111,17 @@ def mismatch(
     ``fps``: the calls this rank made, by fingerprint (to name the peer's)."""
     here = f"rank {rank}: {call.collective} #{seq}"
     p = exc.peer
-    if exc.transport == "shm" and "group:" in str(exc):  # the group's chain of calls
-        why = str(exc)
+    text = str(exc)
+    if (exc.transport == "shm" and "group:" in text) or "exposed buffers of" in text:
+        why = text  # the group's chain of calls; a device window's sizes (no tags)
     else:
         got_seq, got_fp = exc.got & M32, exc.got >> 32
         mine_seq, mine_fp = exc.expected & M32, exc.expected >> 32
         theirs = fps.get(got_fp)
         desc = describe(theirs) if theirs is not None else f"fingerprint {got_fp:#010x}"
+        sent = "exposed its buffers for" if "exposed buffers for" in text else "sent a message of"
         why = (
-            f"rank {p} sent a message of its call #{got_seq} ({desc}) where this rank "
+            f"rank {p} {sent} its call #{got_seq} ({desc}) where this rank "
             f"runs call #{mine_seq} ({describe(call)})"
         )
         if got_seq != mine_seq:
@@ -129,8 +131,9 @@ def mismatch(
             )
         elif got_fp == mine_fp:
             why += "; the same call, another message: do the ranks run the same algorithm?"
+    via = f" (via {exc.transport})" if exc.transport else ""
     return CollectiveMismatchError(
-        f"{here}: mismatched collectives: {why} (via {exc.transport})",
+        f"{here}: mismatched collectives: {why}{via}",
         rank=rank,
         ranks=() if p is None else (p,),
         transport=exc.transport,

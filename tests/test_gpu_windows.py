@@ -20,11 +20,12 @@ from transports.base import DeviceSpan, PeerClosedError, TagMismatchError
 
 def _windows(*sizes: int) -> Any:
     spans = [DeviceSpan(1 << 40, n, 0, 0) for n in sizes]
-    conn = SimpleNamespace(open_window=lambda stream, deadline: spans)
+    conn = SimpleNamespace(open_window=lambda stream, deadline, tag: spans)
     W = SimpleNamespace(
         conns={1: conn},
         _sptr=0,
         deadline=None,
+        tag=0,
         _as_array=lambda ptr, nbytes, dtype, device: np.zeros(nbytes // dtype.itemsize, dtype),
     )
     W._views = lambda *args: Windows._views(W, *args)
@@ -56,8 +57,8 @@ def _kept(exposed: list[list[DeviceSpan]]) -> Any:
     """A device plan's windows whose peer 1 exposes ``exposed[k]`` at its k-th call."""
     calls = iter(exposed)
     W = object.__new__(KeptWindows)
-    W.conns = {1: SimpleNamespace(open_window=lambda stream, deadline: next(calls))}
-    W._sptr, W.deadline, W._opened, W._exposed = 0, None, {}, {}
+    W.conns = {1: SimpleNamespace(open_window=lambda stream, deadline, tag: next(calls))}
+    W._sptr, W.deadline, W._opened, W._exposed, W.tag = 0, None, {}, {}, 0
     W._as_array = lambda ptr, nbytes, dtype, device: np.zeros(nbytes // dtype.itemsize, dtype)
     return W
 
@@ -85,9 +86,10 @@ def test_a_plan_checks_spans_that_changed() -> None:
         W.open(1, F4, 12)
 
 
-def _ipc_window() -> tuple[Any, list[int]]:
-    """cuda_ipc's window of a connection, on a plain host segment: the peer's
-    words (exposed, ready, released, closed) are set by hand, and the stream
+def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
+    """cuda_ipc's window of side ``side`` of a connection, on a plain host
+    segment (``mm``: the other side's, to pair them): the peer's words
+    (exposed, ready, released, closed) may be set by hand, and the stream
     waits its openings enqueue are listed."""
     import mmap
 
@@ -102,25 +104,26 @@ def _ipc_window() -> tuple[Any, list[int]]:
         _WIN_OFF,
     )
 
-    mm = mmap.mmap(-1, _SEG_BYTES)
+    mm = mmap.mmap(-1, _SEG_BYTES) if mm is None else mm
+    mine, theirs = _WIN_OFF[side], _WIN_OFF[1 - side]
     w = object.__new__(ipc._Window)
-    w._mm, w._theirs, w._dev, w.opened, w._read = mm, _WIN_OFF[1], 0, 0, None
-    w._exposed_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_EXPOSED)
-    w._ready_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_READY)
-    w.opened_ready = w.opened_waiting = 0
-    w._mine, w.exposed, w._last = _WIN_OFF[0], 0, 0
-    w._written = [None] * 4
+    w._mm, w._mine, w._theirs, w._dev, w._read, w._last = mm, mine, theirs, 0, None, 0
+    w.opened = w.exposed = w.opened_ready = w.opened_waiting = 0
     w.ready_by_host = w.ready_by_stream = 0
-    w._exposed_me = _atomic.Counter(mm, _WIN_OFF[0] + _W_EXPOSED)
-    w._ready_me = _atomic.Counter(mm, _WIN_OFF[0] + _W_READY)
-    w._released_peer = _atomic.Counter(mm, _WIN_OFF[1] + _W_RELEASED)
-    closed = _atomic.Counter(mm, _CLOSED_OFF[1])
+    w._written = [None] * 4
+    w._exposed_me = _atomic.Counter(mm, mine + _W_EXPOSED)
+    w._ready_me = _atomic.Counter(mm, mine + _W_READY)
+    w._exposed_peer = _atomic.Counter(mm, theirs + _W_EXPOSED)
+    w._ready_peer = _atomic.Counter(mm, theirs + _W_READY)
+    w._released_peer = _atomic.Counter(mm, theirs + _W_RELEASED)
+    closed = _atomic.Counter(mm, _CLOSED_OFF[1 - side])
+    peer = 1 - side
 
     def check_peer() -> None:
         if closed.load():
-            raise PeerClosedError("cuda_ipc: peer 1 closed its connection", peer=1)
+            raise PeerClosedError(f"cuda_ipc: peer {peer} closed its connection", peer=peer)
 
-    w._conn = SimpleNamespace(check_peer=check_peer, peer=1, device=0, _closed_peer=closed)
+    w._conn = SimpleNamespace(check_peer=check_peer, peer=peer, device=0, _closed_peer=closed)
     waits: list[int] = []
     w._on_stream = lambda op, stream, addr, value: waits.append(value)
     return w, waits
@@ -182,3 +185,71 @@ def test_an_exposure_to_a_closed_peer_raises_before_it_is_shown(
     with pytest.raises(PeerClosedError, match="closed"):
         w.expose([], 0, Deadline.after(5))
     assert (w.exposed, w._exposed_me.load(), w._ready_me.load()) == (1, 1, 1)
+
+
+def test_an_opening_checks_the_tag_of_the_exposing_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exposure carries its call's tag; the peer's opening compares it with
+    its own call's and, where they differ (the ranks run different calls of
+    the same sizes: an allreduce against a broadcast, another communicator's
+    call, calls out of order), raises TagMismatchError before it maps or
+    enqueues anything."""
+    from transports.base import Deadline
+    from transports.cuda_ipc import windows as ipc
+
+    monkeypatch.setattr(ipc, "stream_idle", lambda stream: True)
+    a, _ = _ipc_window(0)
+    b, waits = _ipc_window(1, a._mm)
+    a.expose([], 0, Deadline.after(5), tag=(7 << 32) | 1)
+    assert b.open(0, Deadline.after(5), tag=(7 << 32) | 1) == [] and b.opened == 1
+    # a plan's spans handed again (with their handles) are not described again,
+    # but each exposure still carries its own call's tag
+    same = [DeviceSpan(0, 0, 0, 0, b"h" * 64, 0)]
+    for seq in range(2, 7):
+        a._released_peer.store(seq - 1)  # b released the one before
+        a.expose(same, 0, Deadline.after(5), tag=(7 << 32) | seq)
+        assert b.open(0, Deadline.after(5), tag=(7 << 32) | seq)[0].nbytes == 0
+    a._released_peer.store(6)
+    a.expose(same, 0, Deadline.after(5), tag=(9 << 32) | 7)
+    with pytest.raises(TagMismatchError, match="another call") as info:
+        b.open(0, Deadline.after(5), tag=(7 << 32) | 7)
+    got = (info.value.got, info.value.expected, info.value.peer)
+    assert got == ((9 << 32) | 7, (7 << 32) | 7, 0)
+    assert b.opened == 6 and waits == []
+
+
+def test_the_windows_hand_their_call_tag_to_the_connection() -> None:
+    """pycoll's windows give each exposure and opening the running call's tag."""
+    seen: list[tuple[str, int]] = []
+    conn = SimpleNamespace(
+        expose=lambda spans, stream, deadline, tag: seen.append(("expose", tag)),
+        open_window=lambda stream, deadline, tag: seen.append(("open", tag)) or [],
+    )
+    W = object.__new__(Windows)
+    W.conns, W._sptr, W.deadline, W.tag = {1: conn}, 0, None, (5 << 32) | 3
+    W._spans = lambda arrays, written: ([], [])
+    W.expose([1], [])
+    with pytest.raises(TagMismatchError):  # no spans came back: the sizes check
+        W.open(1, F4, 12)
+    assert seen == [("expose", (5 << 32) | 3), ("open", (5 << 32) | 3)]
+
+
+def test_a_window_of_another_call_is_named_as_a_mismatch() -> None:
+    """The engine's error for an opening that met another call's exposure names
+    both calls, as it does for a message."""
+    from pycoll.guard import Call, mismatch
+    from pycoll.reduce import ReduceOp
+
+    mine = Call("allreduce", 1 << 18, F4, ReduceOp.SUM, 0, "direct")
+    theirs = Call("broadcast", 1 << 18, F4, None, 0, "direct")
+    exc = TagMismatchError(
+        "cuda_ipc: peer 1 exposed buffers for another call",
+        got=(theirs.fp << 32) | 5,
+        expected=(mine.fp << 32) | 5,
+        peer=1,
+        transport="cuda_ipc",
+    )
+    err = mismatch(0, 5, mine, exc, {mine.fp: mine, theirs.fp: theirs})
+    assert "rank 1 exposed its buffers for its call #5 (broadcast(" in str(err)
+    assert "where this rank runs call #5 (allreduce(" in str(err) and err.ranks == (1,)
+    sizes = TagMismatchError("windows: rank 1 exposed buffers of [12] bytes", got=12, expected=24)
+    assert str(mismatch(0, 5, mine, sizes, {})).endswith("exposed buffers of [12] bytes")

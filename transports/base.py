@@ -614,19 +614,27 @@ class Connection(abc.ABC):
     # and writes our buffers itself, ordered by device events, and the host never
     # waits for the device.
 
-    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+    def expose(
+        self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline, tag: int = 0
+    ) -> None:
         """Let the peer read and write ``spans`` once the work queued on ``stream`` is
         done.  Exposures are matched in order with the peer's :meth:`open_window`;
         a span stays exposed until the peer's matching :meth:`release`.  The very
         list handed again, its spans carrying their handles (``DeviceSpan.handle``),
-        promises the same memory: the connection may skip describing it anew."""
+        promises the same memory: the connection may skip describing it anew.
+        ``tag`` (64 bits) names the exposing call, as a message's tag does."""
         raise self._not_one_sided()
 
-    def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+    def open_window(self, stream: int, deadline: Deadline, tag: int = 0) -> list[DeviceSpan]:
         """The peer's next exposure, as spans usable in this process; work queued on
         ``stream`` after this call runs only after the peer's exposed data is ready.
         The same exposure as the last one may come back as the same list (not to
-        be changed by the caller)."""
+        be changed by the caller).
+
+        Raises:
+            TagMismatchError: the exposure carries another tag than ``tag`` (the
+                peer's call is another one); nothing is mapped or enqueued.
+        """
         raise self._not_one_sided()
 
     def release(self, stream: int) -> None:

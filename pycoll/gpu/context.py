@@ -142,8 +142,10 @@ class GpuContext:
         host_conns: dict[int, Connection],
         backoff: Backoff,
         async_op: bool = False,
+        tag_of: Callable[[], int] | None = None,
     ) -> DeviceCall:
-        """Validate and start a device collective (see :class:`DeviceCall`).
+        """Validate and start a device collective (see :class:`DeviceCall`);
+        ``tag_of()``: the running call's tag, once its engine has numbered it.
 
         Raises:
             InvalidArgumentError: a buffer on another device, or a bad ``stream``.
@@ -156,7 +158,7 @@ class GpuContext:
                     "pycoll.init)"
                 )
         user = resolve_stream(stream, x.obj, self.device, self.rank, what)
-        return DeviceCall(self, x, out, user, host_conns, backoff, async_op)
+        return DeviceCall(self, x, out, user, host_conns, backoff, async_op, tag_of)
 
     def gates(self) -> Gates:
         assert self._gates is not None, "the context is closed"
@@ -436,12 +438,16 @@ class DeviceCall(Job):
         host_conns: dict[int, Connection],
         backoff: Backoff,
         async_op: bool = False,
+        tag_of: Callable[[], int] | None = None,
     ) -> None:
         import cupy
 
         super().__init__(ctx.gates(), cupy.cuda.runtime, ctx.gated)
         self._cp = cupy
         self.async_op = async_op
+        #: the running call's tag (its engine's, read when the call runs), which
+        #: the windows' exposures carry and their openings check; 0 without one
+        self.tag_of: Callable[[], int] = tag_of or _untagged
         self.ctx = ctx
         self.x = x
         self.out = out
@@ -491,7 +497,7 @@ class DeviceCall(Job):
 
     def windows(self) -> Windows:
         ctx = self.ctx
-        return Windows(
+        W = Windows(
             ctx.rank,
             ctx.size,
             ctx.dconns,
@@ -500,6 +506,8 @@ class DeviceCall(Job):
             ctx.scratch(),
             ctx.shared_device,
         )
+        W.tag = self.tag_of()
+        return W
 
     def _run(self, body: Callable[[], Any]) -> Any:
         """Run ``body`` on pycoll's stream, after the caller's stream's earlier work,
@@ -571,3 +579,7 @@ class DeviceCall(Job):
     @staticmethod
     def copy(dst: Any, src: Any) -> None:
         dst[...] = src
+
+
+def _untagged() -> int:
+    return 0

@@ -78,6 +78,7 @@ class DevicePlan:
         "_hold",
         "_s",
         "_shapes",
+        "_tag_of",
         "call",
         "result",
         "tid",
@@ -92,6 +93,7 @@ class DevicePlan:
         self._ctx = ctx
         self.call = call
         self.user = dc.user
+        self._tag_of = dc.tag_of
         # the caller's CuPy stream, held: a stream destroyed under a plan would
         # take its work (and drop()'s event) with it
         self._s = cupy.cuda.get_current_stream() if stream is None else stream
@@ -158,6 +160,7 @@ class DevicePlan:
         """Run the call again, on the caller's stream (its engine's
         :meth:`~pycoll.engine.Engine.replay` numbers and records it)."""
         self._W.deadline = Deadline.after(self._ctx.timeout, idle=True)
+        self._W.tag = self._tag_of()  # its engine numbered this call
         with self._s:
             self._body()
         return self.result

@@ -91,6 +91,9 @@ class Windows:
         self._scratch = scratch
         self.shared_device = shared_device
         self._copy_back: list[tuple[int, int, int]] = []  # (dst, src, nbytes) after the end
+        #: the running call's tag (its sequence number and fingerprint, as its
+        #: messages carry: pycoll.guard): exposures carry it, openings check it
+        self.tag = 0
 
     @property
     def peers(self) -> list[int]:
@@ -105,7 +108,7 @@ class Windows:
         cannot be shared, a scratch copy that is copied back at the end."""
         spans, local = self._spans(arrays, written)
         for p in peers:
-            self.conns[p].expose(spans, self._sptr, self.deadline)
+            self.conns[p].expose(spans, self._sptr, self.deadline, self.tag)
         return local
 
     def _spans(self, arrays: list[Any], written: tuple[bool, ...]) -> tuple[list, list]:
@@ -137,10 +140,10 @@ class Windows:
         first (and last) array the peer exposes.
 
         Raises:
-            TagMismatchError: the peer exposed other sizes: it runs another call
-                (or the same one with other counts), and no byte moves.
+            TagMismatchError: the peer's exposure carries another call's tag, or
+                other sizes (a caller that sets no tag): no byte moves.
         """
-        spans = self.conns[peer].open_window(self._sptr, self.deadline)
+        spans = self.conns[peer].open_window(self._sptr, self.deadline, self.tag)
         return self._views(peer, spans, dtype, first, last)
 
     def _views(

@@ -24,6 +24,7 @@ from pycoll.gpu import present
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = ROOT / "tests" / "gpu" / "faults" / "device_rank.py"
+MISMATCH = ROOT / "tests" / "gpu" / "faults" / "mismatch_rank.py"
 TIMEOUT = 8.0  # device_rank.py's
 SLACK = 20.0
 
@@ -68,3 +69,43 @@ def test_peer_exits_in_a_device_collective(path: str, when: str, tmp_path: Path)
     assert res["close_s"] < SLACK, res
     assert res["segments"] == [], res
     assert procs[1].returncode == 3, outs[1][1][-2000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatched_direct_calls_raise(n: int, tmp_path: Path) -> None:
+    """Rank 0 calls an allreduce where the others call a broadcast of the same
+    bytes, every rank on the one GPU (``direct``): rank 0 raises
+    CollectiveMismatchError before any byte moves (its array unchanged),
+    and every other rank raises within a few calls and the timeout
+    (tests/gpu/faults/mismatch_rank.py)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PYCOLL_TRANSPORT"):
+        env.pop(k, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(MISMATCH), str(tmp_path / "store"), str(r), str(n)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    outs = [p.communicate(timeout=150) for p in procs]
+    res = []
+    for r, (o, e) in enumerate(outs):
+        lines = [json.loads(line) for line in o.splitlines() if line.startswith("{")]
+        assert lines, f"rank {r} reported nothing (rc {procs[r].returncode}): {e[-3000:]}"
+        res.append(lines[-1])
+        print(json.dumps(lines[-1]))  # the device log keeps what each rank raised
+    lead = res[0]
+    assert lead["error"] == "CollectiveMismatchError", lead
+    # (its own calls name a peer's fingerprint: rank 0 never made a broadcast)
+    assert "exposed its buffers for its call #2" in lead["message"], lead
+    assert lead["kept"] == [1.0, 1.0], lead
+    assert lead["close_s"] < SLACK, lead
+    for r in res[1:]:
+        assert r["first"] == n * (n + 1) / 2, r
+        assert r["error"] in ("PeerAbortedError", "CollectiveTimeout"), r
+        assert r["elapsed"] < TIMEOUT + SLACK, r

@@ -31,7 +31,7 @@ from transports.cuda_driver import runtime
 NAME = "cuda_ipc"
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
-_VERSION = 4  # 4: the exposure's "ready" word is in the segment
+_VERSION = 5  # 4: the exposure's "ready" word is in the segment; 5: its call's tag
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
 # per side (0 = creator = lower rank): pid, ready flag, ipc handle, raw pointer
 _SIDE_OFF = (256, 512)
@@ -42,11 +42,13 @@ _CTRL_SIZE = 2048
 # one-sided windows, per side (written by that side): the host's exposed and
 # released counts, the exposures whose buffers are ready on the device (written
 # by the host or by the stream, see windows._Window.expose), then one
-# descriptor per window slot
+# descriptor per window slot: the span count, the spans, and at its end the
+# exposing call's tag
 _WIN_OFF = (8192, 12288)
 _WIN_SLOTS = 4
 _W_EXPOSED, _W_RELEASED, _W_READY, _W_DESC = 0, 128, 256, 1024
 _W_DESC_BYTES = 512
+_W_DESC_TAG = _W_DESC_BYTES - 8  # in a descriptor slot: the exposing call's tag (64 bits)
 _W_MAX_SPANS = 4
 _W_SPAN = struct.Struct("<64sQQQ")  # handle, offset in the allocation, nbytes, raw pointer
 _SEG_BYTES = 16384

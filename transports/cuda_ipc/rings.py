@@ -323,15 +323,17 @@ class CudaIpcConnection(Connection):
                 req._done = True
 
     # ------------------------------------------------------------------ one-sided
-    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+    def expose(
+        self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline, tag: int = 0
+    ) -> None:
         self._check_open()
-        self._win.expose(spans, stream, deadline)
+        self._win.expose(spans, stream, deadline, tag)
 
-    def open_window(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+    def open_window(self, stream: int, deadline: Deadline, tag: int = 0) -> list[DeviceSpan]:
         self._check_open()
         if not self._peer_opened:
             self._open_peer()
-        return self._win.open(stream, deadline)
+        return self._win.open(stream, deadline, tag)
 
     def release(self, stream: int) -> None:
         self._check_open()

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from transports import _atomic
-from transports.base import Backoff, Deadline, DeviceSpan, TransportError, TransportTimeout
+from transports.base import (
+    Backoff,
+    Deadline,
+    DeviceSpan,
+    TagMismatchError,
+    TransportError,
+    TransportTimeout,
+)
 from transports.cuda_driver import (
     export,
     host_map,
@@ -32,6 +39,7 @@ from transports.cuda_ipc.layout import (
     _SEG_BYTES,
     _W_DESC,
     _W_DESC_BYTES,
+    _W_DESC_TAG,
     _W_EXPOSED,
     _W_MAX_SPANS,
     _W_READY,
@@ -49,15 +57,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("pycoll.transports.cuda_ipc")
 
 _OPEN_CACHE = 32  # peer allocations kept mapped per connection
+_TAG = struct.Struct("<Q")
 _UNMAP_WAIT = 5.0  # seconds close() waits for queued work on the segment's words
 
 
 class _Window:
     """One-sided windows of one connection: the host side of :meth:`Connection.expose`.
 
-    Exposure ``k`` describes its spans in descriptor slot ``(k - 1) % 4`` of the
-    shared segment and stores ``k`` into our host "exposed" count; a slot is
-    rewritten only once the peer's host released the exposure that used it.
+    Exposure ``k`` describes its spans, and its call's tag, in descriptor slot
+    ``(k - 1) % 4`` of the shared segment and stores ``k`` into our host
+    "exposed" count; a slot is rewritten only once the peer's host released the
+    exposure that used it.  The peer's opening compares the tag with its own
+    call's before it maps or enqueues anything.
 
     The device ordering uses words that only grow, so no signal is ever reused
     and the host never waits for the device:
@@ -165,7 +176,9 @@ class _Window:
         return base
 
     # ------------------------------------------------------------------ protocol
-    def expose(self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline) -> None:
+    def expose(
+        self, spans: Sequence[DeviceSpan], stream: int, deadline: Deadline, tag: int = 0
+    ) -> None:
         if len(spans) > _W_MAX_SPANS:
             raise ValueError(f"cuda_ipc: at most {_W_MAX_SPANS} spans per window")
         if self._conn._closed_peer.load():
@@ -180,6 +193,7 @@ class _Window:
             # a list of spans with their handles, handed again, is unchanged (a
             # device plan's, pycoll.gpu.windows.KeptWindows): the slot still says it
             self._describe(slot, spans)
+        _TAG.pack_into(self._mm, self._mine + _W_DESC + slot * _W_DESC_BYTES + _W_DESC_TAG, tag)
         # an idle stream: the buffers are final, and no stream write of an older
         # count is still queued (the word must only grow), so the host stores it
         # before the exposure is shown, and the peer's stream need not wait
@@ -208,11 +222,21 @@ class _Window:
             )
         self._written[slot] = spans
 
-    def open(self, stream: int, deadline: Deadline) -> list[DeviceSpan]:
+    def open(self, stream: int, deadline: Deadline, tag: int = 0) -> list[DeviceSpan]:
         seq = self.opened + 1
         self._await(self._exposed_peer, seq, deadline, "expose its buffers")
         slot = (seq - 1) % _WIN_SLOTS
         off = self._theirs + _W_DESC + slot * _W_DESC_BYTES
+        (theirs,) = _TAG.unpack_from(self._mm, off + _W_DESC_TAG)
+        if theirs != tag:
+            raise TagMismatchError(
+                f"cuda_ipc: peer {self._conn.peer} exposed buffers for another call "
+                f"(tag {theirs:#018x}, this call's {tag:#018x})",
+                got=theirs,
+                expected=tag,
+                peer=self._conn.peer,
+                transport=NAME,
+            )
         (count,) = struct.unpack_from("<Q", self._mm, off)
         count = min(count, _W_MAX_SPANS)
         raw_desc = self._mm[off : off + 8 + count * _W_SPAN.size]
