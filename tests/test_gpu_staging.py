@@ -150,3 +150,31 @@ def test_d2h_stream_ordering() -> None:
     rt.waits.clear()
     p.before_write(lo, 100, 5)
     assert rt.waits == []
+
+
+@pytest.mark.parametrize("name", ["shm", "shm-copy", "tcp"])
+def test_staged_pieces_carry_the_call_tag(name: str) -> None:
+    """Every staged piece carries its call's tag: pieces of the same call arrive;
+    a receive posted by another call raises TagMismatchError at the first
+    piece, and no byte reaches its output."""
+    from transports.base import TagMismatchError
+
+    src = np.arange(200_003, dtype=np.uint32).view(np.uint8)[:200_003]
+    piece, stream = 64 << 10, SimpleNamespace(ptr=0)
+    for mine, theirs in [((5 << 32) | 9, (5 << 32) | 9), ((5 << 32) | 9, (6 << 32) | 9)]:
+        out = _Dev(np.zeros(src.nbytes, np.uint8))
+        with connected_pair(name.removesuffix("-copy"), slot_bytes=4096, nslots=2) as (a, b):
+            if name == "shm-copy":
+                a.send_buffer = lambda nbytes: None  # type: ignore[method-assign]
+            pa, pb = _pool(), _pool()
+            send = StagedSend(a, src.ctypes.data, src.nbytes, piece, 0, pa, theirs)
+            recv = StagedRecv(b, out, None, None, piece, stream, pb, tag=mine)
+            if mine == theirs:
+                wait_all([send, recv], Deadline.after(30))
+                assert np.array_equal(src, out.a)
+            else:
+                with pytest.raises(TagMismatchError):
+                    wait_all([recv, send], Deadline.after(10))
+                assert not out.a.any()
+            for p in (pa, pb):
+                p.close()

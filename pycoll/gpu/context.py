@@ -479,7 +479,7 @@ class DeviceCall(Job):
     def links(self, op: ReduceOp | None) -> DeviceLinks:
         ctx = self.ctx
         dt = self.x.dtype
-        return DeviceLinks(
+        L = DeviceLinks(
             ctx.rank,
             ctx.size,
             self._conns,
@@ -494,6 +494,9 @@ class DeviceCall(Job):
             ctx.pool(),
             piece_bytes(ctx.chunk_bytes),
         )
+        # staged pieces carry the call's tag (over cuda_ipc the ring's pieces do not)
+        L.tag = self.tag_of()
+        return L
 
     def windows(self) -> Windows:
         ctx = self.ctx

@@ -111,7 +111,7 @@ class DeviceLinks(Links):
         elif Cap.DEVICE in conn.caps:
             req = conn.isend_device(DeviceSpan(ptr, n, self._device, self._sptr))
         else:
-            req = StagedSend(conn, ptr, n, self.piece, self._sptr, self._pool)
+            req = StagedSend(conn, ptr, n, self.piece, self._sptr, self._pool, self.tag)
         self._pending.append(req)
         return req
 
@@ -120,7 +120,9 @@ class DeviceLinks(Links):
         if out.nbytes == 0:
             return DoneRequest(peer)
         if Cap.DEVICE not in conn.caps:
-            return StagedRecv(conn, out, None, None, self.piece, self._stream, self._pool)
+            return StagedRecv(
+                conn, out, None, None, self.piece, self._stream, self._pool, tag=self.tag
+            )
         rt = self._rt
         optr = int(out.data.ptr)
 
@@ -138,7 +140,7 @@ class DeviceLinks(Links):
             return DoneRequest(peer)
         if Cap.DEVICE not in conn.caps:
             return StagedRecv(
-                conn, out, local, f, self.piece, self._stream, self._pool, incoming_first
+                conn, out, local, f, self.piece, self._stream, self._pool, incoming_first, self.tag
             )
         cp = self._cp
         dt = out.dtype

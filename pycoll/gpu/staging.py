@@ -264,10 +264,18 @@ class StagedSend(Request):
     """Send device bytes ``[ptr, ptr + nbytes)`` through a host connection."""
 
     def __init__(
-        self, conn: Connection, ptr: int, nbytes: int, piece: int, stream: int, pool: Pinned
+        self,
+        conn: Connection,
+        ptr: int,
+        nbytes: int,
+        piece: int,
+        stream: int,
+        pool: Pinned,
+        tag: int = 0,
     ) -> None:
         self.conn = conn
         self.peer = conn.peer
+        self._tag = tag  # every piece's, as the call's messages carry (pycoll.guard)
         self._rt = pool._rt
         self._ptr = ptr
         self._stream = stream
@@ -318,7 +326,7 @@ class StagedSend(Request):
                     break
                 self._pool.read_done(ev)
                 item[3] = None
-                item[4] = self.conn.isend(memoryview(buf[1][:n]))  # type: ignore[arg-type]
+                item[4] = self.conn.isend(memoryview(buf[1][:n]), self._tag)  # type: ignore[arg-type]
                 self._posted += 1
                 if self._posted == self._npieces:
                     self._lane.popleft()
@@ -380,9 +388,11 @@ class StagedRecv(Request):
         stream: Any,
         pool: Pinned,
         incoming_first: bool = False,
+        tag: int = 0,
     ) -> None:
         self.conn = conn
         self.peer = conn.peer
+        self._tag = tag  # what every piece must carry: the sender's call's
         self._rt = pool._rt
         self._out = out
         self._local = local
@@ -408,11 +418,11 @@ class StagedRecv(Request):
         while self._todo and len(self._flight) < _DEPTH:
             off, n = self._todo.popleft()
             if self._in_place:
-                req = self.conn.irecv(n, self._sink(off))
+                req = self.conn.irecv(n, self._sink(off), self._tag)
                 self._flight.append([off, n, None, req, None])
             else:
                 buf = self._spare.pop() if self._spare else self._pool.get(self._piece)
-                req = self.conn.irecv_into(memoryview(buf[1][:n]))  # type: ignore[arg-type]
+                req = self.conn.irecv_into(memoryview(buf[1][:n]), self._tag)  # type: ignore[arg-type]
                 self._flight.append([off, n, buf, req, None])
             if not self._todo:
                 self._lane.popleft()
