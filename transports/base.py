@@ -582,17 +582,20 @@ class Connection(abc.ABC):
         arrived (else None): a receiver registers it with a device once."""
         return None
 
-    def isend_device(self, data: DeviceSpan) -> Request:
-        """Post a send of device memory (only with :attr:`Cap.DEVICE`)."""
+    def isend_device(self, data: DeviceSpan, tag: int = 0) -> Request:
+        """Post a send of device memory (only with :attr:`Cap.DEVICE`); ``tag`` as
+        :meth:`isend`'s, where the connection's device pieces carry one."""
         raise TransportError(
             f"{self.transport} cannot send device memory directly",
             peer=self.peer,
             transport=self.transport,
         )
 
-    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
+    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int, tag: int = 0) -> Request:
         """Post a receive whose pieces reach ``sink`` as device memory on ``device``
-        (only with :attr:`Cap.DEVICE`); same ordering and alignment as :meth:`irecv`."""
+        (only with :attr:`Cap.DEVICE`); same ordering and alignment as :meth:`irecv`,
+        and the same check of ``tag`` where the connection's device pieces carry
+        one (cuda_ipc's do; rdma's device slots carry data only)."""
         raise TransportError(
             f"{self.transport} cannot receive into device memory directly",
             peer=self.peer,

@@ -494,7 +494,8 @@ class DeviceCall(Job):
             ctx.pool(),
             piece_bytes(ctx.chunk_bytes),
         )
-        # staged pieces carry the call's tag (over cuda_ipc the ring's pieces do not)
+        # its pieces carry the call's tag, staged or over cuda_ipc (rdma's device
+        # slots carry data only)
         L.tag = self.tag_of()
         return L
 

@@ -109,7 +109,7 @@ class DeviceLinks(Links):
         if n == 0:
             req: Request = DoneRequest(peer)
         elif Cap.DEVICE in conn.caps:
-            req = conn.isend_device(DeviceSpan(ptr, n, self._device, self._sptr))
+            req = conn.isend_device(DeviceSpan(ptr, n, self._device, self._sptr), self.tag)
         else:
             req = StagedSend(conn, ptr, n, self.piece, self._sptr, self._pool, self.tag)
         self._pending.append(req)
@@ -130,7 +130,7 @@ class DeviceLinks(Links):
             self._order(span.stream)
             rt.memcpyAsync(optr + off, span.ptr, span.nbytes, _DEFAULT, span.stream)
 
-        return conn.irecv_device(int(out.nbytes), sink, self._device)
+        return conn.irecv_device(int(out.nbytes), sink, self._device, self.tag)
 
     def recv_reduce(self, peer: int, out: Any, local: Any, incoming_first: bool = False) -> Request:
         f = self.reduce
@@ -159,7 +159,7 @@ class DeviceLinks(Links):
                 else:
                     f(local[i:j], inc, out=out[i:j])
 
-        return conn.irecv_device(int(out.nbytes), sink, dev)
+        return conn.irecv_device(int(out.nbytes), sink, dev, self.tag)
 
     # ----------------------------------------------------------------- streams
     def _stream_of(self, ptr: int) -> Any:

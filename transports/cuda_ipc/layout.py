@@ -8,7 +8,8 @@ Offsets in bytes::
     256    per side (0 = creator = lower rank): pid, ready flag, IPC handle and
            raw pointer of the side's ring
     1024   per side: "closed" flag
-    4096   direction 0 (lo -> hi) control: head, tail (own cache lines), piece lengths
+    4096   direction 0 (lo -> hi) control: head, tail (own cache lines), each slot's
+           piece length and tag
     6144   direction 1 (hi -> lo) control
     8192   side 0's windows: exposed and released counts, the "ready" word, one
            descriptor per window slot
@@ -31,7 +32,7 @@ from transports.cuda_driver import runtime
 NAME = "cuda_ipc"
 SHM_DIR = _segment.SHM_DIR
 _MAGIC = 0x70636F6C6C697063  # "pcollipc"
-_VERSION = 5  # 4: the exposure's "ready" word is in the segment; 5: its call's tag
+_VERSION = 5  # 4: the exposure's "ready" word is in the segment; 5: calls' tags
 _HDR = struct.Struct("<IIQ")  # at 8: version, nslots, slot_bytes
 # per side (0 = creator = lower rank): pid, ready flag, ipc handle, raw pointer
 _SIDE_OFF = (256, 512)
@@ -52,7 +53,8 @@ _W_DESC_TAG = _W_DESC_BYTES - 8  # in a descriptor slot: the exposing call's tag
 _W_MAX_SPANS = 4
 _W_SPAN = struct.Struct("<64sQQQ")  # handle, offset in the allocation, nbytes, raw pointer
 _SEG_BYTES = 16384
-_MAX_SLOTS = (_CTRL_SIZE - 256) // 8
+_META = struct.Struct("<QQ")  # per ring slot, after head and tail: the piece's length, its tag
+_MAX_SLOTS = (_CTRL_SIZE - 256) // _META.size
 _FLAG_BYTES = 256  # device words after the ring: "released" at +128
 _F_RELEASED = 128
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess

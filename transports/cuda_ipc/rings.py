@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from transports.base import (
     QueuedRequest,
     Request,
     Sink,
+    TagMismatchError,
     TransportError,
 )
 from transports.cuda_driver import on_device, runtime
@@ -37,6 +37,7 @@ from transports.cuda_ipc.layout import (
     _CTRL_SIZE,
     _FLAG_BYTES,
     _HDR,
+    _META,
     _SIDE,
     _SIDE_OFF,
     NAME,
@@ -182,17 +183,17 @@ class CudaIpcConnection(Connection):
         )
 
     # ------------------------------------------------------------------ posting
-    def isend_device(self, data: DeviceSpan) -> Request:
+    def isend_device(self, data: DeviceSpan, tag: int = 0) -> Request:
         self._check_open()
         if data.nbytes == 0:
             return DoneRequest(self.peer)
         if not self._peer_opened:
             self._open_peer()
-        req = _IpcSend(self, data)
+        req = _IpcSend(self, data, tag)
         self._to_issue.append(req)
         return req
 
-    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
+    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int, tag: int = 0) -> Request:
         self._check_open()
         if nbytes == 0:
             return DoneRequest(self.peer)
@@ -203,7 +204,7 @@ class CudaIpcConnection(Connection):
                 peer=self.peer,
                 transport=NAME,
             )
-        req = _IpcRecv(self, nbytes, sink)
+        req = _IpcRecv(self, nbytes, sink, tag)
         self._to_sink.append(req)
         return req
 
@@ -271,7 +272,7 @@ class CudaIpcConnection(Connection):
             slot, ev, n, req = c[0]
             if rt.eventQuery(ev) == _NOT_READY:
                 return
-            struct.pack_into("<Q", self._mm, self._out.meta_off + 8 * slot, n)
+            _META.pack_into(self._mm, self._out.meta_off + _META.size * slot, n, req.tag)
             self._sent += 1
             self._out.head.store(self._sent)
             c.popleft()
@@ -291,7 +292,16 @@ class CudaIpcConnection(Connection):
             while q and self._consumed < head:
                 req = q[0]
                 slot = self._consumed % ns
-                (n,) = struct.unpack_from("<Q", self._mm, self._in.meta_off + 8 * slot)
+                n, tag = _META.unpack_from(self._mm, self._in.meta_off + _META.size * slot)
+                if tag != req.tag:
+                    raise TagMismatchError(
+                        f"cuda_ipc: peer {self.peer} sent a piece of another call "
+                        f"(tag {tag:#018x}, this receive's {req.tag:#018x})",
+                        got=tag,
+                        expected=req.tag,
+                        peer=self.peer,
+                        transport=NAME,
+                    )
                 want = min(sb, req.nbytes - req.handed)
                 if n != want:
                     raise TransportError(
@@ -415,17 +425,19 @@ class CudaIpcConnection(Connection):
 
 
 class _IpcSend(QueuedRequest):
-    def __init__(self, conn: CudaIpcConnection, span: DeviceSpan) -> None:
+    def __init__(self, conn: CudaIpcConnection, span: DeviceSpan, tag: int) -> None:
         super().__init__(conn, conn._progress_sends)
         self.span = span
+        self.tag = tag
         self.issued = 0
         self.published = 0
 
 
 class _IpcRecv(QueuedRequest):
-    def __init__(self, conn: CudaIpcConnection, nbytes: int, sink: DeviceSink) -> None:
+    def __init__(self, conn: CudaIpcConnection, nbytes: int, sink: DeviceSink, tag: int) -> None:
         super().__init__(conn, conn._progress_recvs)
         self.nbytes = nbytes
+        self.tag = tag
         self.sink: Callable[[int, DeviceSpan], None] = sink
         self.handed = 0
         self.done_bytes = 0

@@ -261,13 +261,14 @@ class RdmaConnection(Connection):
             return 0
         return int(_TAG.unpack_from(self.recv_view, slot * self.slot_bytes + TAG_AT)[0])
 
-    def isend_device(self, data: DeviceSpan) -> Request:
+    def isend_device(self, data: DeviceSpan, tag: int = 0) -> Request:
         """Post a send of device memory (paths dmabuf and gdr).
 
         Each piece is copied on ``data.stream`` (after the work queued there) into
         this connection's registered device staging and written from there into
         the peer's device slot; a peer without device slots gets it in its host
-        slot instead (staged through this side's host staging).
+        slot instead (staged through this side's host staging).  ``tag`` is not
+        sent: device slots carry data only (the module's docstring).
         """
         if Cap.DEVICE not in self.caps:
             return super().isend_device(data)
@@ -275,7 +276,7 @@ class RdmaConnection(Connection):
             return DoneRequest(self.peer)
         return self._queue_send(_SendReq(self, data))
 
-    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int) -> Request:
+    def irecv_device(self, nbytes: int, sink: DeviceSink, device: int, tag: int = 0) -> Request:
         """Post a receive whose pieces reach ``sink`` as spans of this side's device
         slots (on the stream of :meth:`set_sink_stream`); a slot is reused only
         after the work the sink enqueued there has finished (a CUDA event)."""
