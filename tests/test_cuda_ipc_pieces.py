@@ -57,7 +57,7 @@ def test_a_piece_of_another_call_is_refused_before_its_sink(same: bool) -> None:
         b._progress_recvs()
         assert handed == [(0, 4096), (4096, 1904)] and recv._done
     else:
-        with pytest.raises(TagMismatchError, match="another call") as info:
+        with pytest.raises(TagMismatchError, match="disagree on the call") as info:
             b._progress_recvs()
         assert (info.value.got, info.value.expected) == ((7 << 32) | 2, want)
         assert handed == []

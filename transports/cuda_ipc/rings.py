@@ -27,8 +27,8 @@ from transports.base import (
     QueuedRequest,
     Request,
     Sink,
-    TagMismatchError,
     TransportError,
+    tag_mismatch,
 )
 from transports.cuda_driver import on_device, runtime
 from transports.cuda_ipc.layout import (
@@ -294,14 +294,7 @@ class CudaIpcConnection(Connection):
                 slot = self._consumed % ns
                 n, tag = _META.unpack_from(self._mm, self._in.meta_off + _META.size * slot)
                 if tag != req.tag:
-                    raise TagMismatchError(
-                        f"cuda_ipc: peer {self.peer} sent a piece of another call "
-                        f"(tag {tag:#018x}, this receive's {req.tag:#018x})",
-                        got=tag,
-                        expected=req.tag,
-                        peer=self.peer,
-                        transport=NAME,
-                    )
+                    raise tag_mismatch(NAME, self.peer, tag, req.tag)
                 want = min(sb, req.nbytes - req.handed)
                 if n != want:
                     raise TransportError(
