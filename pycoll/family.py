@@ -85,6 +85,8 @@ class Family:
         if self.wiring is not None:
             self.wiring.close(self.blame)
             self.wiring = None
+            if self.gpu is not None:  # its connections close with it, later
+                self.gpu.announce_closed(self.blame)
         self.conns = {}
 
     def teardown(self, wait: bool) -> None:

@@ -1,7 +1,7 @@
-"""cuda_ipc's ring pieces carry their message's tag, on CPU: a connection's
-send and receive progress run over a plain host segment with a stand-in CUDA
-runtime (copies and events that do nothing), the pieces' lengths and tags
-written and read where a peer would see them."""
+"""The host side of cuda_ipc connections, on CPU, over a plain host segment with
+a stand-in CUDA runtime (copies and events that do nothing): ring pieces carry
+their message's tag, written and read where a peer would see them; a close
+announced before the connection is released names its cause to the peer."""
 
 from __future__ import annotations
 
@@ -61,3 +61,36 @@ def test_a_piece_of_another_call_is_refused_before_its_sink(same: bool) -> None:
             b._progress_recvs()
         assert (info.value.got, info.value.expected) == ((7 << 32) | 2, want)
         assert handed == []
+
+
+def test_an_announced_close_names_its_cause_to_the_peer() -> None:
+    """A rank whose communicator failed announces the close of its device
+    connections before it releases them: the peer's next check raises
+    PeerClosedError naming the rank that failed, and the exit hook keeps it."""
+    from transports import _atomic, _segment
+    from transports.base import PeerClosedError
+    from transports.cuda_ipc.layout import _CLOSED_OFF
+
+    mm = mmap.mmap(-1, _SEG_BYTES)
+    a = _conn(0, mm)
+    a._closed, a._closed_me = False, _atomic.Counter(mm, _CLOSED_OFF[0])
+    seen_by_b = _atomic.Counter(mm, _CLOSED_OFF[0])
+    _segment.check_alive(seen_by_b, 0, "cuda_ipc: peer 0", peer=0, transport="cuda_ipc")
+    a.announce_close(3)
+    a.mark_exiting()  # (the interpreter exits before close())
+    with pytest.raises(PeerClosedError, match="because rank 3 failed") as info:
+        _segment.check_alive(seen_by_b, 0, "cuda_ipc: peer 0", peer=0, transport="cuda_ipc")
+    assert info.value.cause_rank == 3
+
+
+def test_a_failure_that_closes_the_wiring_announces_the_device_side() -> None:
+    from pycoll.family import Family
+
+    told: list[int | None] = []
+    fam = object.__new__(Family)
+    fam.wiring = SimpleNamespace(close=lambda blame: None)
+    fam.gpu = SimpleNamespace(announce_closed=told.append)
+    fam.blame = 2
+    fam.close_wiring()
+    fam.close_wiring()  # once
+    assert told == [2] and fam.wiring is None

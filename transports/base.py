@@ -686,6 +686,14 @@ class Connection(abc.ABC):
         """
         self.close()
 
+    def announce_close(self, cause: int | None = None) -> None:
+        """Tell the peer that this end is about to close (because rank ``cause``
+        failed, as :meth:`close_because` says it), before :meth:`close` releases
+        anything: its waits on us raise :class:`PeerClosedError` from now on.  For
+        a connection whose :meth:`close` must wait for device work first.  A
+        transport that cannot say it early says it at :meth:`close` (this default)."""
+        return
+
     def __enter__(self) -> Connection:
         return self
 

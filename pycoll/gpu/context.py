@@ -261,6 +261,14 @@ class GpuContext:
 
         return cupy.cuda.runtime
 
+    def announce_closed(self, cause: int | None) -> None:
+        """After a failure that closes the host connections: the device peers see
+        this rank closed too (because rank ``cause`` failed), so their next
+        exposure or wait on it raises now, not when its slots run out or the
+        timeout passes; the connections themselves close with the context."""
+        for c in self.dconns.values():
+            c.announce_close(cause)
+
     def close(self) -> None:
         """Release everything; first open the gates of jobs that never ran and wait
         (bounded by the timeout) for the device work of the others to end."""

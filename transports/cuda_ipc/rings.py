@@ -358,9 +358,13 @@ class CudaIpcConnection(Connection):
             transport=NAME,
         )
 
+    def announce_close(self, cause: int | None = None) -> None:
+        if not self._closed:
+            self._closed_me.store(_segment.closed_word(cause))
+
     def mark_exiting(self) -> None:
         """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
-        if not self._closed:
+        if not self._closed and not self._closed_me.load():
             self._closed_me.store(1)
 
     def _check_open(self) -> None:
@@ -375,7 +379,8 @@ class CudaIpcConnection(Connection):
         self._closed = True
         _exit.forget(self)
         try:
-            self._closed_me.store(1)
+            if not self._closed_me.load():  # else announced, with its cause
+                self._closed_me.store(1)
         except ValueError:
             pass
         rt = self._rt
