@@ -277,3 +277,31 @@ def test_slots_wait_for_the_sinks_gpu_work(make_pair):
     cudas[1].hold_events = False
     wait_all([s, r], Deadline.after(10))
     np.testing.assert_array_equal(out, a)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["dmabuf", "gdr"])
+def test_device_pieces_carry_their_tag(make_pair, path):
+    """A device piece's tag goes ahead of it into the head of the same slot's host
+    side: a receive of the same tag gets the bytes (four pieces); one of
+    another tag raises TagMismatchError before its sink sees a byte."""
+    from transports.base import TagMismatchError
+
+    _, cudas, (c0, c1) = make_pair(path)
+    a = np.arange(3 * 4096 + 5, dtype=np.uint32).view(np.uint8)[: 3 * 4096 + 5].copy()
+    out = np.zeros_like(a)
+    t = (11 << 32) | 4
+    wait_all(
+        [
+            c0.isend_device(device_array(cudas[0], a), t),
+            c1.irecv_device(len(a), device_sink(out, []), 0, t),
+        ],
+        Deadline.after(10),
+    )
+    np.testing.assert_array_equal(out, a)
+    spans: list[DeviceSpan] = []
+    send = c1.isend_device(device_array(cudas[1], a), (12 << 32) | 5)
+    with pytest.raises(TagMismatchError, match="disagree on the call"):  # posting may see it
+        recv = c0.irecv_device(len(a), device_sink(out, spans), 0, t | 1)
+        wait_all([recv, send], Deadline.after(10))
+    assert spans == []

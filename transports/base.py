@@ -583,8 +583,8 @@ class Connection(abc.ABC):
         return None
 
     def isend_device(self, data: DeviceSpan, tag: int = 0) -> Request:
-        """Post a send of device memory (only with :attr:`Cap.DEVICE`); ``tag`` as
-        :meth:`isend`'s, where the connection's device pieces carry one."""
+        """Post a send of device memory (only with :attr:`Cap.DEVICE`), tagged as
+        :meth:`isend`'s."""
         raise TransportError(
             f"{self.transport} cannot send device memory directly",
             peer=self.peer,
@@ -594,8 +594,7 @@ class Connection(abc.ABC):
     def irecv_device(self, nbytes: int, sink: DeviceSink, device: int, tag: int = 0) -> Request:
         """Post a receive whose pieces reach ``sink`` as device memory on ``device``
         (only with :attr:`Cap.DEVICE`); same ordering and alignment as :meth:`irecv`,
-        and the same check of ``tag`` where the connection's device pieces carry
-        one (cuda_ipc's do; rdma's device slots carry data only)."""
+        and the same check of ``tag``."""
         raise TransportError(
             f"{self.transport} cannot receive into device memory directly",
             peer=self.peer,

@@ -502,9 +502,7 @@ class DeviceCall(Job):
             ctx.pool(),
             piece_bytes(ctx.chunk_bytes),
         )
-        # its pieces carry the call's tag, staged or over cuda_ipc (rdma's device
-        # slots carry data only)
-        L.tag = self.tag_of()
+        L.tag = self.tag_of()  # its pieces carry the call's tag, on every path
         return L
 
     def windows(self) -> Windows:

@@ -26,7 +26,10 @@ the same write carries the tag and the piece (``slot_bytes - HOST_HEAD`` bytes
 of data at most).  A receive checks each piece's sequence number, size and tag
 (:class:`~transports.base.TagMismatchError` before any byte reaches the sink),
 and :meth:`RdmaConnection.probe` reads the tag of the oldest arrival no receive
-took.  Device slots carry data only (device sends and receives name no tag).
+took.  A piece bound for the peer's device slot has its tag written ahead of
+it, 8 bytes into the head of the same slot's host side (a plain RDMA WRITE:
+writes on one QP land in order, so the tag is there when the piece's
+immediate arrives), and the receive checks it as a host piece's.
 A QP error becomes a :class:`~transports.base.PeerClosedError` naming the peer
 and the work completion status.
 
@@ -80,6 +83,7 @@ WR_DATA = 1 << 32
 WR_CREDIT = 2 << 32
 WR_RECV = 3 << 32
 WR_GOODBYE = 4 << 32
+WR_TAG = 5 << 32  # the tag ahead of a device piece
 #: A host slot's head: the data of a piece written there starts this far in,
 #: and the message's tag (8 bytes) sits just before it, so one write carries
 #: both, with 8 bytes more on the wire.  Device slots carry data only.
@@ -143,7 +147,7 @@ class _RecvReq(_ConnReq):
         super().__init__(conn, nbytes)
         self.sink = sink
         self.device = device
-        self.tag = tag  # None: a device receive, which names no tag
+        self.tag = tag  # None: checked by no tag (a caller that names none)
         self.received = 0
 
 
@@ -256,9 +260,7 @@ class RdmaConnection(Connection):
         if not self.arrivals:
             self._raise_if_broken()  # the peer's goodbye, or this side's error
             return None
-        slot, _, imm = self.arrivals[0]
-        if imm & IMM_DEVICE:
-            return 0
+        slot = self.arrivals[0][0]
         return int(_TAG.unpack_from(self.recv_view, slot * self.slot_bytes + TAG_AT)[0])
 
     def isend_device(self, data: DeviceSpan, tag: int = 0) -> Request:
@@ -267,14 +269,14 @@ class RdmaConnection(Connection):
         Each piece is copied on ``data.stream`` (after the work queued there) into
         this connection's registered device staging and written from there into
         the peer's device slot; a peer without device slots gets it in its host
-        slot instead (staged through this side's host staging).  ``tag`` is not
-        sent: device slots carry data only (the module's docstring).
+        slot instead (staged through this side's host staging).  ``tag`` goes
+        with every piece (ahead of a device piece: the module's docstring).
         """
         if Cap.DEVICE not in self.caps:
             return super().isend_device(data)
         if data.nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
-        return self._queue_send(_SendReq(self, data))
+        return self._queue_send(_SendReq(self, data, tag))
 
     def irecv_device(self, nbytes: int, sink: DeviceSink, device: int, tag: int = 0) -> Request:
         """Post a receive whose pieces reach ``sink`` as spans of this side's device
@@ -290,7 +292,7 @@ class RdmaConnection(Connection):
             )
         if nbytes == 0 and not self.closed:
             return DoneRequest(self.peer)
-        return self._queue_recv(_RecvReq(self, nbytes, sink, device=True))
+        return self._queue_recv(_RecvReq(self, nbytes, sink, device=True, tag=tag))
 
     def set_sink_stream(self, stream: int) -> None:
         """Hand device sinks ``stream``: a slot then goes back to the sender once a
@@ -443,6 +445,7 @@ class RdmaConnection(Connection):
             WR_CREDIT: "credit write",
             WR_RECV: "receive",
             WR_GOODBYE: "goodbye write",
+            WR_TAG: "tag write",
         }.get(wc.wr_id & ~0xFFFFFFFF, "request")
         hint = _WC_HINTS.get(name, "")
         msg = (
@@ -489,7 +492,7 @@ class RdmaConnection(Connection):
                 req.outstanding -= 1
                 if req.outstanding == 0 and req.posted == req.nbytes:
                     req._done = True
-        elif kind == WR_CREDIT:
+        elif kind in (WR_CREDIT, WR_TAG):
             self.sq_used -= 1
         elif kind == WR_GOODBYE:
             self.sq_used -= 1
@@ -530,7 +533,7 @@ class RdmaConnection(Connection):
             # a host piece's data follows the slot's head; a device piece for a host
             # receive is brought over to the start of the (idle) host slot
             hbase = base if in_device else base + HOST_HEAD
-            if not in_device and req.tag is not None:
+            if req.tag is not None:  # a device piece's came ahead of it, same place
                 tag = int(_TAG.unpack_from(self.recv_view, base + TAG_AT)[0])
                 if tag != req.tag:  # before any byte reaches the sink
                     self._fail(tag_mismatch(self.transport, self.peer, tag, req.tag))
@@ -598,6 +601,22 @@ class RdmaConnection(Connection):
             imm = req.seq | (IMM_LAST if last else 0) | (give << IMM_PIGGY_SHIFT)
             if to_device:
                 assert isinstance(data, DeviceSpan) and self.dev_staging_reg is not None
+                if self.sq_used >= tr.max_send_wr - 2:
+                    return  # room for the tag's write and the piece's
+                # the tag, ahead of the piece, into the head of the peer's host slot
+                _TAG.pack_into(self.staging.view, base + TAG_AT, req.tag)
+                tag_wr = verbs.SendWR(
+                    wr_id=WR_TAG | slot,
+                    opcode=e.IBV_WR_RDMA_WRITE,
+                    num_sge=1,
+                    sg=[
+                        verbs.SGE(
+                            self.staging.addr + base + TAG_AT, _TAG.size, self.staging_mr.lkey
+                        )
+                    ],
+                )
+                tag_wr.set_wr_rdma(self.remote_rkey, self.remote_base + base + TAG_AT)
+                self._post_send(tag_wr)
                 tr.cuda.copy_dtod(self.dev_staging + base, data.ptr + req.posted, n, data.stream)
                 reg = self.dev_staging_reg
                 sge = verbs.SGE(reg.addr + base, n, reg.lkey)
