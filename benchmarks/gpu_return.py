@@ -8,7 +8,9 @@ right after a barrier.  ``return`` is the host time of the call; ``gpu`` the
 time between CUDA events recorded on the stream before and after it (the
 collective's device work, waits for the peers included); ``early`` the share of
 calls after which the end event was not yet complete, i.e. the call returned
-before its GPU work was done.  Paths: ``direct`` (auto between CUDA IPC
+before its GPU work was done.  ``return`` is the slowest rank's median; each
+rank's follows the routes (on a shared GPU rank 0 leads: it opens the others'
+windows and launches the work).  Paths: ``direct`` (auto between CUDA IPC
 peers), ``ring`` (cuda_ipc slots), ``host`` (pinned host memory and the host
 algorithm, sizes up to 4 MiB), ``staged-shm`` (no device connection).
 docs/gpu.md ("Streams and the host") says what each path waits for.
@@ -74,8 +76,13 @@ def returns(comm: Any, nbytes: int, algo: str, reps: int, warmup: int) -> dict[s
         s.synchronize()
         back.append(dt * 1e6)
         gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-    worst = W.allreduce(statistics.median(back), op=MPI.MAX)
-    return {"return_us": worst, "gpu_us": statistics.median(gpu), "early": early / reps}
+    per_rank = W.allgather(statistics.median(back))
+    return {
+        "return_us": max(per_rank),
+        "ranks_us": per_rank,
+        "gpu_us": statistics.median(gpu),
+        "early": early / reps,
+    }
 
 
 def part1(sizes: list[int], reps: int, warmup: int) -> list[dict[str, Any]]:
@@ -172,11 +179,15 @@ def main() -> None:
     if RANK:
         return
     print(f"# n = {N}: host return time and GPU time of a blocking float32 allreduce")
-    print(f"{'path':>11} {'bytes':>10} {'return us':>10} {'gpu us':>10} {'early':>6}")
+    print(
+        f"{'path':>11} {'bytes':>10} {'return us':>10} {'gpu us':>10} {'early':>6}"
+        "  routes; each rank's return (us)"
+    )
     for r in rows:
         print(
             f"{r['path']:>11} {r['bytes']:>10} "
-            f"{r['return_us']:>10.1f} {r['gpu_us']:>10.1f} {r['early']:>6.2f}  {r['routes']}"
+            f"{r['return_us']:>10.1f} {r['gpu_us']:>10.1f} {r['early']:>6.2f}  {r['routes']}; "
+            + " ".join(f"{t:.1f}" for t in r["ranks_us"])
         )
     if tor is not None:
         print(f"# n = {N}: {args.torch_bytes} allreduce, busbw GB/s (time us)")
