@@ -142,12 +142,12 @@ class _RecvReq(_ConnReq):
         nbytes: int,
         sink: Sink | DeviceSink,
         device: bool = False,
-        tag: int | None = None,
+        tag: int = 0,
     ) -> None:
         super().__init__(conn, nbytes)
         self.sink = sink
         self.device = device
-        self.tag = tag  # None: checked by no tag (a caller that names none)
+        self.tag = tag
         self.received = 0
 
 
@@ -533,11 +533,11 @@ class RdmaConnection(Connection):
             # a host piece's data follows the slot's head; a device piece for a host
             # receive is brought over to the start of the (idle) host slot
             hbase = base if in_device else base + HOST_HEAD
-            if req.tag is not None:  # a device piece's came ahead of it, same place
-                tag = int(_TAG.unpack_from(self.recv_view, base + TAG_AT)[0])
-                if tag != req.tag:  # before any byte reaches the sink
-                    self._fail(tag_mismatch(self.transport, self.peer, tag, req.tag))
-                    raise self.error  # type: ignore[misc]
+            # (a device piece's tag came ahead of it, to the same place)
+            tag = int(_TAG.unpack_from(self.recv_view, base + TAG_AT)[0])
+            if tag != req.tag:  # before any byte reaches the sink
+                self._fail(tag_mismatch(self.transport, self.peer, tag, req.tag))
+                raise self.error  # type: ignore[misc]
             self.arrivals.popleft()
             event = None
             try:
