@@ -360,12 +360,17 @@ class CudaIpcConnection(Connection):
 
     def announce_close(self, cause: int | None = None) -> None:
         if not self._closed:
-            self._closed_me.store(_segment.closed_word(cause))
+            self._say_closed(cause)
 
     def mark_exiting(self) -> None:
         """At interpreter exit without close(): the peer sees "closed" (:mod:`transports._exit`)."""
-        if not self._closed and not self._closed_me.load():
-            self._closed_me.store(1)
+        if not self._closed:
+            self._say_closed(None)
+
+    def _say_closed(self, cause: int | None) -> None:
+        """Our "closed" word, once: a close announced with its cause keeps it."""
+        if not self._closed_me.load():
+            self._closed_me.store(_segment.closed_word(cause))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -379,8 +384,7 @@ class CudaIpcConnection(Connection):
         self._closed = True
         _exit.forget(self)
         try:
-            if not self._closed_me.load():  # else announced, with its cause
-                self._closed_me.store(1)
+            self._say_closed(None)
         except ValueError:
             pass
         rt = self._rt
