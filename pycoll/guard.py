@@ -111,15 +111,14 @@ def mismatch(
     ``fps``: the calls this rank made, by fingerprint (to name the peer's)."""
     here = f"rank {rank}: {call.collective} #{seq}"
     p = exc.peer
-    text = str(exc)
-    if (exc.transport == "shm" and "group:" in text) or "exposed buffers of" in text:
-        why = text  # the group's chain of calls; a device window's sizes (no tags)
+    if (exc.transport == "shm" and "group:" in str(exc)) or exc.of == "sizes":
+        why = str(exc)  # the group's chain of calls; a device window's sizes (no tags)
     else:
         got_seq, got_fp = exc.got & M32, exc.got >> 32
         mine_seq, mine_fp = exc.expected & M32, exc.expected >> 32
         theirs = fps.get(got_fp)
         desc = describe(theirs) if theirs is not None else f"fingerprint {got_fp:#010x}"
-        sent = "exposed its buffers for" if "exposed buffers for" in text else "sent a message of"
+        sent = "exposed its buffers for" if exc.of == "window" else "sent a message of"
         why = (
             f"rank {p} {sent} its call #{got_seq} ({desc}) where this rank "
             f"runs call #{mine_seq} ({describe(call)})"

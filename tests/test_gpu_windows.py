@@ -50,7 +50,7 @@ def test_other_sizes_raise_a_mismatch_naming_the_peer(
 ) -> None:
     with pytest.raises(TagMismatchError, match="rank 1 exposed buffers of") as info:
         Windows.open(_windows(*exposed), 1, F4, first, last)
-    assert info.value.peer == 1
+    assert info.value.peer == 1 and info.value.of == "sizes"
 
 
 def _kept(exposed: list[list[DeviceSpan]]) -> Any:
@@ -213,7 +213,7 @@ def test_an_opening_checks_the_tag_of_the_exposing_call(monkeypatch: pytest.Monk
     with pytest.raises(TagMismatchError, match="another call") as info:
         b.open(0, Deadline.after(5), tag=(7 << 32) | 7)
     got = (info.value.got, info.value.expected, info.value.peer)
-    assert got == ((9 << 32) | 7, (7 << 32) | 7, 0)
+    assert got == ((9 << 32) | 7, (7 << 32) | 7, 0) and info.value.of == "window"
     assert b.opened == 6 and waits == []
 
 
@@ -245,11 +245,14 @@ def test_a_window_of_another_call_is_named_as_a_mismatch() -> None:
         "cuda_ipc: peer 1 exposed buffers for another call",
         got=(theirs.fp << 32) | 5,
         expected=(mine.fp << 32) | 5,
+        of="window",
         peer=1,
         transport="cuda_ipc",
     )
     err = mismatch(0, 5, mine, exc, {mine.fp: mine, theirs.fp: theirs})
     assert "rank 1 exposed its buffers for its call #5 (broadcast(" in str(err)
     assert "where this rank runs call #5 (allreduce(" in str(err) and err.ranks == (1,)
-    sizes = TagMismatchError("windows: rank 1 exposed buffers of [12] bytes", got=12, expected=24)
+    sizes = TagMismatchError(
+        "windows: rank 1 exposed buffers of [12] bytes", got=12, expected=24, of="sizes"
+    )
     assert str(mismatch(0, 5, mine, sizes, {})).endswith("exposed buffers of [12] bytes")

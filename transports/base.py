@@ -109,12 +109,18 @@ class TagMismatchError(TransportError):
     """A message arrived with another tag than the receive posted for it.
 
     ``got`` is the sender's tag, ``expected`` the receiver's (64-bit integers).
+    ``of``: what carried it: ``"message"``, or ``"window"`` (a peer's exposure,
+    :meth:`Connection.open_window`); ``"sizes"`` where ``got`` and ``expected``
+    are the sizes of windows opened without tags.
     """
 
-    def __init__(self, message: str, *, got: int, expected: int, **kw: object) -> None:
+    def __init__(
+        self, message: str, *, got: int, expected: int, of: str = "message", **kw: object
+    ) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.got = got
         self.expected = expected
+        self.of = of
 
 
 class TransportTimeout(TransportError):

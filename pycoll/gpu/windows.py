@@ -158,6 +158,7 @@ class Windows:
                 f"call needs {want}: the ranks' calls differ (counts, dtypes or collectives)",
                 got=got[0] if got else -1,
                 expected=first,
+                of="sizes",
                 peer=peer,
             )
         return [self._as_array(sp.ptr, sp.nbytes, dtype, sp.device) for sp in spans]

@@ -234,6 +234,7 @@ class _Window:
                 f"(tag {theirs:#018x}, this call's {tag:#018x})",
                 got=theirs,
                 expected=tag,
+                of="window",
                 peer=self._conn.peer,
                 transport=NAME,
             )
