@@ -141,8 +141,8 @@ class GpuContext:
         stream: Any,
         host_conns: dict[int, Connection],
         backoff: Backoff,
-        async_op: bool = False,
-        tag_of: Callable[[], int] | None = None,
+        async_op: bool,
+        tag_of: Callable[[], int],
     ) -> DeviceCall:
         """Validate and start a device collective (see :class:`DeviceCall`);
         ``tag_of()``: the running call's tag, once its engine has numbered it.
@@ -445,8 +445,8 @@ class DeviceCall(Job):
         user: int,
         host_conns: dict[int, Connection],
         backoff: Backoff,
-        async_op: bool = False,
-        tag_of: Callable[[], int] | None = None,
+        async_op: bool,
+        tag_of: Callable[[], int],
     ) -> None:
         import cupy
 
@@ -454,8 +454,8 @@ class DeviceCall(Job):
         self._cp = cupy
         self.async_op = async_op
         #: the running call's tag (its engine's, read when the call runs), which
-        #: the windows' exposures carry and their openings check; 0 without one
-        self.tag_of: Callable[[], int] = tag_of or _untagged
+        #: the windows' exposures and the links' pieces carry
+        self.tag_of = tag_of
         self.ctx = ctx
         self.x = x
         self.out = out
@@ -589,7 +589,3 @@ class DeviceCall(Job):
     @staticmethod
     def copy(dst: Any, src: Any) -> None:
         dst[...] = src
-
-
-def _untagged() -> int:
-    return 0
