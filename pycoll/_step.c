@@ -1108,11 +1108,105 @@ step_broadcast_by_address(PyObject *self, PyObject *args)
         return NULL;
     return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
 }
+/* allgather_by_address(layout, K, rank, x, nbytes, own, out, out_nbytes, piece, s, w,
+                        phase, k, spin_ns, yields, nap_ns, budget_ns)
+
+   pycoll.algorithms.direct's allgather by address, whole, without the GIL:
+   the same words and bytes as its Python steps.  [x, x + nbytes): this
+   rank's block, which it writes at offset rank * nbytes of every peer's
+   output; [out, out + out_nbytes): its own output, posted for the peers to
+   write into; own: where its own block goes (0: the caller placed it), copied
+   in pieces of `piece` bytes beside the writes, so that each piece of x is
+   read from memory once.  Step s has posted word w.  Phases, from `phase`
+   (and peer index k within it, peers taken in the order rank + 1, ...):
+
+     0 claim s: every peer's done >= s - K;  1 post out as range s % K, done =
+     s - 1, word = w;  2 wait for every peer's word w;  3 piece by piece: the
+     own copy, then a write into each peer's output (process_vm_writev);
+     4 done = s, wait until every peer's done reaches s (every block is in).
+
+   It returns as reduction_by_address does (code 3 or 4 in phase 3: a write). */
+static Outcome
+allgather_by(const Layout *L, const char *x, Py_ssize_t nbytes, char *own, char *out,
+             Py_ssize_t out_nbytes, Py_ssize_t piece, uint64_t s, uint64_t w, int phase, int k,
+             const Patience *pt)
+{
+    Outcome o = {0, phase, k, -1, 0};
+    int n = L->n, r = L->rank, i = (int)(s % (uint64_t)L->K);
+    for (; o.phase < 5; o.phase++, o.k = 0) {
+        int ph = o.phase;
+        if (ph == 0) {
+            if (claim_step(L, s, pt, &o))
+                return o;
+        } else if (ph == 1) {
+            post_step(L, s, out, out_nbytes, w);
+        } else if (ph == 2) {
+            for (; o.k < n - 1; o.k++) {
+                int j = (r + 1 + o.k) % n;
+                if (await_peer(L, j, WORD(L, j, i), w, 1, pt, &o))
+                    return o;
+            }
+        } else if (ph == 3) {
+            uint64_t at = (uint64_t)r * (uint64_t)nbytes;
+            for (Py_ssize_t a = 0; a < nbytes; a += piece) {
+                size_t len = (size_t)(nbytes - a < piece ? nbytes - a : piece);
+                if (own != NULL)
+                    memcpy(own + a, x + a, len);
+                for (int q = 0; q < n - 1; q++)
+                    if (move_range(L, (r + 1 + q) % n, i, at + (uint64_t)a, (char *)x + a, len, 1,
+                                   &o))
+                        return o;
+            }
+        } else {
+            if (o.k == 0)
+                __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
+            if (await_dones(L, s, pt, &o))
+                return o;
+        }
+    }
+    o.phase = 5;
+    return o;
+}
+
+static PyObject *
+step_allgather_by_address(PyObject *self, PyObject *args)
+{
+    PyObject *mem, *pids;
+    Layout L;
+    Py_ssize_t ctrl0, nbytes, out_nbytes, piece;
+    unsigned long long x, own, out, s, w;
+    int phase, k;
+    Patience pt;
+    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiKnKKnnKKiiLlLL:allgather_by_address", &mem, &ctrl0,
+                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
+                          &L.rank, &x, &nbytes, &own, &out, &out_nbytes, &piece, &s, &w, &phase,
+                          &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+        return NULL;
+    if (phase < 0 || phase > 4 || k < 0 || nbytes < 0 || piece <= 0 ||
+        out_nbytes != nbytes * PyTuple_Size(pids)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError,
+                            "allgather_by_address: bad sizes, piece or phase");
+        return NULL;
+    }
+    Py_buffer seg;
+    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
+        return NULL;
+    Outcome o;
+    Py_BEGIN_ALLOW_THREADS
+    o = allgather_by(&L, (const char *)(uintptr_t)x, nbytes, (char *)(uintptr_t)own,
+                     (char *)(uintptr_t)out, out_nbytes, piece, s, w, phase, k, &pt);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&seg);
+    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+}
 #define BY_ADDRESS                                                                          \
     {"reduction_by_address", (PyCFunction)step_reduction_by_address, METH_VARARGS,          \
      "A direct allreduce or reduce_scatter by address, whole, without the GIL."},           \
     {"broadcast_by_address", (PyCFunction)step_broadcast_by_address, METH_VARARGS,          \
-     "A direct broadcast by address, whole, without the GIL."},
+     "A direct broadcast by address, whole, without the GIL."},                             \
+    {"allgather_by_address", (PyCFunction)step_allgather_by_address, METH_VARARGS,          \
+     "A direct allgather by address, whole, without the GIL."},
 #else
 #define BY_ADDRESS
 #endif

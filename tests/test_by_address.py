@@ -155,7 +155,7 @@ def test_a_peer_slower_than_the_patience_is_waited_for_by_the_group(
     assert handed[0] >= 2, handed  # rank 0 waited for rank 1 twice past the patience
 
 
-@pytest.mark.parametrize("entry", ["reduction", "broadcast"])
+@pytest.mark.parametrize("entry", ["reduction", "broadcast", "allgather"])
 def test_the_call_releases_the_gil_and_hands_back_a_wait(entry: str) -> None:
     """Waiting for a word no peer posts (the peers' inputs; a reader: the
     root's), the call returns after its patience with the wait to finish (code
@@ -168,12 +168,18 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait(entry: str) -> None:
         lay = G.control()
         x = np.ones(4096, np.float32)
         out = np.empty_like(x)
+        ag = np.empty(2 * x.size, np.float32)
         s = G.seq + 1
         w = G.chains[s % G.slots] | s  # never posted: rank 1 makes no call
 
         def wait(budget_ns: int) -> tuple[Any, float]:
             t0 = time.monotonic()
-            if entry == "broadcast":  # rank 0 reads all of root 1's buffer
+            if entry == "allgather":  # rank 0 waits for rank 1's output
+                got = _step.allgather_by_address(
+                    lay, G.slots, 0, x.ctypes.data, x.nbytes, 0, ag.ctypes.data, ag.nbytes,
+                    1 << 16, s, w, 2, 0, 0, 16, 200_000, budget_ns,
+                )  # fmt: skip
+            elif entry == "broadcast":  # rank 0 reads all of root 1's buffer
                 got = _step.broadcast_by_address(
                     lay, G.slots, 0, x.ctypes.data, x.nbytes, x.nbytes, 1,
                     s, w, 2, 0, 0, 16, 200_000, budget_ns,
@@ -249,11 +255,14 @@ def test_a_peer_that_closes_mid_call_raises_and_returns_nothing_wrong() -> None:
         ("broadcast", "another root"),
         ("broadcast", "another count"),
         ("broadcast", "an allgather"),
+        ("allgather", "another count"),
+        ("allgather", "an allreduce"),
     ],
 )
 def test_mismatched_calls_by_address_raise(first: str, other: str) -> None:
-    """Rank 1 runs another call than rank 0's compiled allreduce or broadcast by
-    address: the mismatch surfaces at once on some rank, and no rank returns twice."""
+    """Rank 1 runs another call than rank 0's compiled allreduce, broadcast or
+    allgather by address: the mismatch surfaces at once on some rank, and no
+    rank returns twice."""
     from tests.test_mismatch import _run_case
 
     k = 4099
@@ -261,12 +270,16 @@ def test_mismatched_calls_by_address_raise(first: str, other: str) -> None:
     def run(c: Any, a: str, x: Any, op: str = "sum", root: int = 0) -> Any:
         if first == "allreduce":
             return c.allreduce(x, op=op, algorithm=a)
+        if first == "allgather":
+            return c.allgather(x, np.empty(2 * x.size, x.dtype), algorithm=a)
         return c.broadcast(x, root=root, algorithm=a)
 
     def make(r: int) -> tuple[Any, Any]:
         x = np.full(k, r + 1, np.int32)
         if r == 0:
             return (lambda c, a: run(c, a, x)), None
+        if other == "an allreduce":
+            return (lambda c, a: c.allreduce(x, algorithm=a)), None
         if other in ("another op", "another root"):
             return (lambda c, a: run(c, a, x, op="max", root=1)), None
         if other == "another count":
@@ -423,4 +436,112 @@ def test_compiled_off_broadcasts_by_the_python_steps(monkeypatch: pytest.MonkeyP
 
         outs = run_ranks(2, body, timeout=60)
     assert outs == [np.arange(4099, dtype=np.int32).tobytes()] * 2
+    assert used == {0: 0, 1: 0}, used
+
+
+# ---------------------------------------------------------------- allgather
+def _count_allgathers(monkeypatch: pytest.MonkeyPatch, python_ranks: set[int]) -> dict[int, int]:
+    return _count_compiled(monkeypatch, python_ranks, "_compiled_allgather")
+
+
+#: blocks by address ("cma": from one 4 KiB slot up), one of them large enough
+#: that the algorithm copies its own block, in pieces beside its writes
+AG_CASES = [(np.float32, 4099), (np.int8, 8209), (np.complex128, 1031), (np.float32, 524309)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_compiled_and_python_allgathers_agree_bit_for_bit(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An allgather by address, out of place (poisoned) and in place, every
+    rank's block a prime of elements: odd ranks take the Python steps, even
+    ones the compiled call (they pair, step for step); every output holds
+    every rank's block in rank order and no input changes."""
+    used = _count_allgathers(monkeypatch, python_ranks={1, 3})
+    with communicators(n, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> None:
+            c = comms[r]
+            for dtype, count in AG_CASES:
+                xs = [data(q, count, np.dtype(dtype), "sum") for q in range(n)]
+                ref = np.concatenate(xs)
+                what = (np.dtype(dtype).name, count, r)
+                out = np.full(n * count, 7, dtype)
+                x = xs[r].copy()
+                c.allgather(x, out, algorithm="cma")
+                assert out.tobytes() == ref.tobytes(), ("out of place", *what)
+                assert x.tobytes() == xs[r].tobytes(), what
+                inplace = np.full(n * count, 7, dtype)
+                inplace[r * count : (r + 1) * count] = xs[r]
+                c.allgather(inplace[r * count : (r + 1) * count], inplace, algorithm="cma")
+                assert inplace.tobytes() == ref.tobytes(), ("in place", *what)
+
+        run_ranks(n, body, timeout=120)
+    assert used == {r: 2 * len(AG_CASES) for r in range(0, n, 2)}, used
+
+
+def test_an_allgather_peer_slower_than_the_patience_is_waited_for_by_the_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 1 ms of patience, each rank in turn 200 ms late: the compiled
+    allgather hands the waits (for a posted output, for the peers' writes) to
+    the group's and goes on; every output ends right."""
+    monkeypatch.setattr(direct, "BY_ADDRESS_PATIENCE_NS", 1_000_000)
+    used = _count_allgathers(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> bytes:
+            x = np.arange(4099, dtype=np.float64) + r
+            out = np.zeros(2 * 4099)
+            for late in (1, 0, 1):
+                if r == late:
+                    time.sleep(0.2)
+                comms[r].allgather(x, out, algorithm="cma")
+            return out.tobytes()
+
+        outs = run_ranks(2, body, timeout=60)
+    want = np.concatenate([np.arange(4099.0), np.arange(4099.0) + 1]).tobytes()
+    assert outs == [want, want]
+    assert used == {0: 3, 1: 3}, used
+
+
+def test_an_allgather_peer_that_closes_mid_call_raises() -> None:
+    """Rank 1 closes after a few allgathers; rank 0's next one, waiting without
+    the GIL for rank 1's posted output, raises within the timeout."""
+    with communicators(2, timeout=TIMEOUT, **SLOTS) as comms:
+
+        def body(r: int) -> Any:
+            c = comms[r]
+            x = np.full(4099, r + 1, np.int32)
+            out = np.empty(2 * 4099, np.int32)
+            for _ in range(3):
+                c.allgather(x, out, algorithm="cma")
+            if r == 1:
+                c.close()
+                return None
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(pycoll.PycollError) as ei:
+                c.allgather(x, out, algorithm="cma")
+            return type(ei.value).__name__, time.monotonic() - t0
+
+        res = run_ranks(2, body, timeout=TIMEOUT + 30)
+    name, waited = res[0]
+    assert name in ("PeerAbortedError", "CollectiveTimeout"), res
+    assert waited < TIMEOUT + 3, res
+
+
+def test_compiled_off_allgathers_by_the_python_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PYCOLL_COMPILED=0``: the allgather by address runs the Python steps."""
+    used = _count_allgathers(monkeypatch, python_ranks=set())
+    with communicators(2, timeout=TIMEOUT, compiled=False, **SLOTS) as comms:
+
+        def body(r: int) -> bytes:
+            out = np.zeros(2 * 4099, np.int32)
+            comms[r].allgather(np.arange(4099, dtype=np.int32) * (r + 1), out, algorithm="cma")
+            return out.tobytes()
+
+        outs = run_ranks(2, body, timeout=60)
+    a = np.arange(4099, dtype=np.int32)
+    assert outs == [np.concatenate([a, 2 * a]).tobytes()] * 2
     assert used == {0: 0, 1: 0}, used

@@ -797,13 +797,17 @@ def test_allgather_algorithms_place_a_large_own_block(n: int, slot_bytes: int | 
     """From OWN_PLACED_MIN bytes a block, the envelope leaves a rank's own block
     to the allgather algorithm: every algorithm places it, out of place (a
     plan, and fresh arrays) and in place, outputs poisoned, a ragged last piece;
-    ``direct`` by address copies it and writes it to every peer piece by piece.
-    With 4 MiB slots such a block would fit a prepared slot step, which never
-    copies the own block: none is made, so the blocks still arrive whole."""
+    ``direct`` by address copies it and writes it to every peer piece by piece
+    (its Python steps here, whose writes can be counted; the compiled call's are
+    tests/test_by_address.py's).  With 4 MiB slots such a block would fit a
+    prepared slot step, which never copies the own block: none is made, so the
+    blocks still arrive whole."""
     from pycoll.algorithms.direct import OWN_PIECE_BYTES
     from pycoll.buffers import OWN_PLACED_MIN
 
-    cfg = {} if slot_bytes is None else {"group_slot_bytes": slot_bytes}
+    cfg: dict[str, Any] = {"compiled": False}
+    if slot_bytes is not None:
+        cfg = {"group_slot_bytes": slot_bytes}
     with communicators(n, **cfg) as comms:
         writes = [0] * n
         _on_all(comms, lambda c: _count_calls(c, "write", writes))
@@ -842,10 +846,12 @@ def test_direct_allgather_slot_rounds_then_by_address(n: int) -> None:
     """Blocks of up to three slots go through the slots in rounds; larger ones by
     address: each rank writes its block into its place in every peer's output,
     and reads nothing.  Every rank gets every block, on both sides of the
-    threshold, in place and out of place, crowded or not."""
+    threshold, in place and out of place, crowded or not.  (The Python steps,
+    whose writes can be counted; the compiled call makes the same ones:
+    tests/test_by_address.py.)"""
     from pycoll.algorithms.direct import ALLGATHER_SLOT_ROUNDS
 
-    with communicators(n) as comms:
+    with communicators(n, compiled=False) as comms:
         slot = comms[0]._engine.group.slot_bytes
         top = ALLGATHER_SLOT_ROUNDS * slot
         reads = [0] * n
