@@ -255,9 +255,9 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ Step
 
-   Step(mode, group, claim, wait, reduce, K, mul, mask, fpw, spins, nbytes,
-        count, op, kind, slot, word, done, theirs, rows, dones, ahead, piece,
-        yield_ns)
+   Step(mode, group, claim, wait, reduce, K, kd, small, mul, mask, fpw, spins,
+        nbytes, count, op, kind, slot, word, done, theirs, rows, dones, ahead,
+        piece, yield_ns)
 
    One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
    it does what that module's Python closure of the same mode does, in one C
@@ -265,13 +265,18 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
      s = group.seq + 1; c = (group.chain * mul + fpw) & mask (64-bit words:
      the chain lives in the bits of mask); both stored back on group;
-     i = s % K; w = c | s.
-     Unless mode is LEAF, the slot of step s - K must be free: every peer's
-     done word (at the addresses dones) at least s - K.  The step knows a
-     bound below which they all are (from those loads, and from its waits: a
-     peer seen at step s is done with step s - ahead); past it, it loads them,
-     and where one is short, yields the CPU for up to yield_ns, then
-     claim(s) waits (Python: it backs off).
+     i = s % K (K: the group's posted words, W; the address tables below
+     have K rows); w = c | s.
+     Unless mode is LEAF, the slot (small: its part of it) and word of step s
+     must be free: every peer's done word (at the addresses dones) at least
+     need, which is s - kd (kd: the group's slots) for a step that fills its
+     whole slot, which also stores group.last_big = s; for a small one,
+     max(s - K, min(group.last_big, s - kd)) (as the group's claim, in
+     transports/shm_group.py).  The step knows a bound below which they all
+     are (from those loads, and from its waits: a peer seen at step s is done
+     with step s - ahead); past it, it loads them, and where one is short,
+     yields the CPU for up to yield_ns, then claim(s) waits (Python: it backs
+     off).
      Then by mode:
        READ (allreduce, a reduce's root): copy x (nbytes) into slot[i], store
          done = s - 1 and word[i] = w (release), wait for theirs[i] to hold w,
@@ -307,7 +312,7 @@ enum { READ, WRITE, GATHER, SCATTER, ROOT, LEAF };
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    int mode, K, op, kind, m, nrows;
+    int mode, K, kd, small, op, kind, m, nrows;
     PyObject *group, *claim, *wait, *reduce;
     uint64_t mul, mask, fpw, smask; /* smask: a posted word's step bits */
     long spins;
@@ -322,7 +327,7 @@ typedef struct {
     char **rows;   /* K x nrows */
 } Step;
 
-static PyObject *s_seq, *s_chain;
+static PyObject *s_seq, *s_chain, *s_last_big;
 
 static void
 step_dealloc(Step *self)
@@ -375,7 +380,7 @@ static PyObject *step_vectorcall(PyObject *, PyObject *const *, size_t, PyObject
 static PyObject *
 step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    int mode, K, op, kind;
+    int mode, K, kd, small, op, kind;
     PyObject *group, *claim, *wait, *reduce, *slot, *word, *done, *theirs, *rows;
     unsigned long long mul, mask, fpw;
     long spins;
@@ -388,17 +393,18 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     unsigned long long ahead;
     Py_ssize_t piece;
     long long yield_ns;
-    if (!PyArg_ParseTuple(args, "iOOOOiKKKlnniiOOOOOOKnL:Step", &mode, &group, &claim, &wait,
-                          &reduce, &K, &mul, &mask, &fpw, &spins, &nbytes, &count, &op, &kind,
-                          &slot, &word, &done, &theirs, &rows, &dones, &ahead, &piece,
-                          &yield_ns))
+    if (!PyArg_ParseTuple(args, "iOOOOiipKKKlnniiOOOOOOKnL:Step", &mode, &group, &claim,
+                          &wait, &reduce, &K, &kd, &small, &mul, &mask, &fpw, &spins, &nbytes,
+                          &count, &op, &kind, &slot, &word, &done, &theirs, &rows, &dones, &ahead,
+                          &piece, &yield_ns))
         return NULL;
     if (!PyTuple_Check(dones) || PyTuple_GET_SIZE(dones) > MAXN) {
         PyErr_SetString(PyExc_TypeError, "Step: dones must be a tuple of the peers' addresses");
         return NULL;
     }
-    if (mode < READ || mode > LEAF || K < 2 || K > MAXK || nbytes < 0 || count < 0) {
-        PyErr_SetString(PyExc_ValueError, "Step: bad mode, K, nbytes or count");
+    if (mode < READ || mode > LEAF || K < 2 || K > MAXK || kd < 2 || kd > K || K % kd ||
+        nbytes < 0 || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "Step: bad mode, K, kd, nbytes or count");
         return NULL;
     }
     Py_ssize_t rounds = piece > 0 && nbytes > piece ? (nbytes + piece - 1) / piece : 1;
@@ -419,6 +425,8 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->vectorcall = step_vectorcall;
     self->mode = mode;
     self->K = K;
+    self->kd = kd;
+    self->small = small;
     self->op = op;
     self->kind = kind;
     self->mul = mul;
@@ -516,11 +524,27 @@ step_take(Step *self, uint64_t *sp)
     if (set_u64(group, s_seq, s) || set_u64(group, s_chain, c))
         return -1;
     *sp = c | s;
-    uint64_t K = (uint64_t)self->K;
-    if (self->mode == LEAF || s <= K || s - K <= self->floor)
+    if (self->mode == LEAF)
         return 0;
-    /* the slot of step s - K: free once every peer is done with that step */
-    uint64_t need = s - K, least = step_least_done(self);
+    uint64_t kd = (uint64_t)self->kd, W = (uint64_t)self->K;
+    if (!self->small && set_u64(group, s_last_big, s))
+        return -1;
+    if (s <= kd || s - kd <= self->floor) /* need is at most s - kd */
+        return 0;
+    /* the slot (part) and word of the last step that used them: free once every
+       peer is done with that step */
+    uint64_t need = s - kd;
+    if (self->small) {
+        uint64_t big;
+        if (get_u64(group, s_last_big, &big))
+            return -1;
+        need = big < need ? big : need;
+        if (s > W && s - W > need)
+            need = s - W;
+        if (need <= self->floor)
+            return 0;
+    }
+    uint64_t least = step_least_done(self);
     if (least < need && self->yield_ns > 0) {
         long long until = now_ns() + self->yield_ns;
         do {
@@ -1231,7 +1255,8 @@ PyInit__step(void)
 {
     s_seq = PyUnicode_InternFromString("seq");
     s_chain = PyUnicode_InternFromString("chain");
-    if (s_seq == NULL || s_chain == NULL || PyType_Ready(&StepType) < 0)
+    s_last_big = PyUnicode_InternFromString("last_big");
+    if (s_seq == NULL || s_chain == NULL || s_last_big == NULL || PyType_Ready(&StepType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -15,6 +15,8 @@ class Step:
         wait: Any,
         reduce: Any,
         K: int,
+        kd: int,
+        small: bool,
         mul: int,
         mask: int,
         fpw: int,

@@ -170,23 +170,23 @@ def test_the_call_releases_the_gil_and_hands_back_a_wait(entry: str) -> None:
         out = np.empty_like(x)
         ag = np.empty(2 * x.size, np.float32)
         s = G.seq + 1
-        w = G.chains[s % G.slots] | s  # never posted: rank 1 makes no call
+        w = G.chains[s % G.words] | s  # never posted: rank 1 makes no call
 
         def wait(budget_ns: int) -> tuple[Any, float]:
             t0 = time.monotonic()
             if entry == "allgather":  # rank 0 waits for rank 1's output
                 got = _step.allgather_by_address(
-                    lay, G.slots, 0, x.ctypes.data, x.nbytes, 0, ag.ctypes.data, ag.nbytes,
+                    lay, G.words, 0, x.ctypes.data, x.nbytes, 0, ag.ctypes.data, ag.nbytes,
                     1 << 16, s, w, 2, 0, 0, 16, 200_000, budget_ns,
                 )  # fmt: skip
             elif entry == "broadcast":  # rank 0 reads all of root 1's buffer
                 got = _step.broadcast_by_address(
-                    lay, G.slots, 0, x.ctypes.data, x.nbytes, x.nbytes, 1,
+                    lay, G.words, 0, x.ctypes.data, x.nbytes, x.nbytes, 1,
                     s, w, 2, 0, 0, 16, 200_000, budget_ns,
                 )  # fmt: skip
             else:
                 got = _step.reduction_by_address(
-                    lay, G.slots, 0, x, out, 0, 2048, ord("f"), 0, 1 << 16,
+                    lay, G.words, 0, x, out, 0, 2048, ord("f"), 0, 1 << 16,
                     s, w, s + 1, w, 1, 2, 0, 0, 16, 200_000, budget_ns,
                 )  # fmt: skip
             return got, time.monotonic() - t0

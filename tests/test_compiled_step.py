@@ -171,7 +171,7 @@ class _Group:
     """The attributes of a group that a Step reads and writes."""
 
     def __init__(self) -> None:
-        self.seq, self.chain = 0, 0
+        self.seq, self.chain, self.last_big = 0, 0, 0
 
 
 _MASK = ((1 << 64) - 1) ^ ((1 << 40) - 1)
@@ -207,9 +207,12 @@ def _make(
     piece: int = 0,
     yield_ns: int = 0,
     ahead: int = 0,
+    kd: int = 0,
+    small: bool = False,
 ) -> Any:
     """A Step on the fake segment ``at`` whose calls back are recorded in ``calls``
-    (K ahead, one piece, chain multiplier 5, fingerprint word 3 << 40 unless said)."""
+    (K words and K slots unless kd says, K ahead, one piece, chain multiplier 5,
+    fingerprint word 3 << 40 unless said)."""
     return step.Step(
         mode,
         G,
@@ -217,6 +220,8 @@ def _make(
         lambda late, i, w: calls.append(("wait", late, i, w)),
         lambda i, out: calls.append(("reduce", i)),
         K,
+        kd or K,
+        small,
         5,
         _MASK,
         3 << 40,
@@ -265,6 +270,37 @@ def test_step_posts_waits_and_reduces() -> None:
     assert ("claim", 4) not in calls and calls[-1] == ("wait", 0, 0, G.chain | 4)
     with pytest.raises(ValueError, match="4 bytes for a 8-byte step"):
         st(x[:1], out)
+
+
+@needs_step
+def test_a_small_step_claims_w_back_and_a_whole_slot_step_k_back() -> None:
+    """WRITE steps (a reduce off its root; no waits) with 8 words and 2 slots, the
+    peer done with nothing: a small one takes steps 1-8 with no claim and claims
+    step 9 (its word's last step is 1); one that fills its slot claims from
+    step 3 (its slot's last step is 1) and marks the group's last_big; a small
+    step after it in the same slot waits for it (its claim need is last_big),
+    as the group's claim would."""
+    W, kd, n, nbytes = 8, 2, 2, 4
+    words, slots, at = _fake(W, n, nbytes)
+    G, calls = _Group(), []  # type: ignore[var-annotated]
+    mk = {"K": W, "nbytes": nbytes, "count": 1, "spins": 0, "kd": kd}
+    small = _make(direct._WRITE, G, at, calls, small=True, **mk)
+    big = _make(direct._WRITE, G, at, calls, **mk)
+    x = np.array([1], np.int32)
+    for _ in range(W):
+        small(x, None)
+    assert calls == [] and G.last_big == 0
+    small(x, None)
+    assert calls == [("claim", W + 1)]
+    words[-1] = W + 1  # the peer is done with every step so far
+    big(x, None)  # step 10: its slot's last step, 8, is done
+    assert G.last_big == W + 2 and calls == [("claim", W + 1)]
+    big(x, None)  # step 11: slot 1, last used by step 9: done
+    small(x, None)  # step 12, slot 0: the whole-slot step 10 is not done
+    assert G.last_big == W + 3 and calls[1:] == [("claim", W + 4)]
+    words[-1] = W + 3
+    small(x, None)  # step 13: no claim
+    assert calls[2:] == []
 
 
 @needs_step

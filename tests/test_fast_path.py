@@ -588,16 +588,16 @@ def test_crowded_is_one_verdict_for_all_ranks(
 
 @pytest.mark.parametrize("then", ["reduce to rank 1", "barrier"])
 def test_a_rank_steps_ahead_never_rewrites_a_posted_word_its_peer_has_not_seen(then: str) -> None:
-    """The leaves of a reduce wait on no peer, so rank 1 runs K steps ahead of a
-    root that is off its core.  Its next step, one that fills no slot (a root
-    of rank 0 or 1 reduces its own input in place; a barrier), must still wait
-    until the root saw the word it posted K steps before, which that step's
-    word replaces: else the root meets a later step and raises a mismatch
-    between calls that matched."""
+    """The leaves of a reduce wait on no peer, so rank 1 runs W small steps
+    ahead of a root that is off its core.  Its next step, one that fills no
+    slot (a root of rank 0 or 1 reduces its own input in place; a barrier),
+    must still wait until the root saw the word it posted W steps before, which
+    that step's word replaces: else the root meets a later step and raises a
+    mismatch between calls that matched."""
     with communicators(2) as comms:
         G0 = comms[0]._engine.group
         assert G0 is not None
-        K = G0.slots
+        K = G0.words
         for name in ("wait", "wait_word"):  # rank 0's first wait starts late
             real = getattr(G0, name)
 
@@ -771,7 +771,7 @@ def test_direct_allgather_rounds_written_ahead_then_a_burst_of_broadcasts(
     still to read."""
     with communicators(n) as comms:
         G = comms[0]._engine.group
-        slot, ahead, K = G.slot_bytes, G.ahead, G.slots
+        slot, ahead, K = G.slot_bytes, G.ahead, G.words
         for c in comms:
             c._engine.group.cma = cma
 
@@ -927,5 +927,44 @@ def test_alltoall_by_address_replays_read_fresh_data(n: int) -> None:
                 np.testing.assert_array_equal(got, want(it))
             steps = [s for key, s in c._engine.plans.steps.items() if key[0] == "alltoall"]
             assert steps and all("_prepare_alltoall" in s.__qualname__ for s in steps), steps
+
+        _on_all(comms, body)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_small_and_whole_slot_steps_mixed_with_ranks_running_ahead(n: int, compiled: bool) -> None:
+    """Small steps run W ahead, whole-slot ones K: a seeded mix of broadcasts and
+    reduces (whose roots wait for nobody, so run ahead of a late reader), of
+    small (a part of a slot), whole-slot and several-slot sizes, with ranks
+    late in turn, the arrays of each size replayed; every result is the
+    reference's, so no step rewrote a slot part or word a peer had still to read."""
+    rng = np.random.default_rng(7)
+    with communicators(n, compiled=compiled, tune=False) as comms:
+        sub, slot = comms[0]._engine.group.sub_bytes, comms[0]._engine.group.slot_bytes
+        sizes = [8, sub // 8, sub // 8 + 1, slot // 8, 3 * slot // 8 + 5]  # float64 elements
+        plan = [
+            (str(rng.choice(["broadcast", "reduce"])), int(rng.choice(sizes)), int(rng.integers(n)))
+            for _ in range(160)
+        ]
+        late = {int(i): int(rng.integers(n)) for i in rng.choice(len(plan), 12, replace=False)}
+
+        def body(c: pycoll.Communicator) -> None:
+            r = c.rank
+            bufs = {k: np.empty(k) for k in sizes}
+            for it, (coll, k, root) in enumerate(plan):
+                if late.get(it) == r:
+                    time.sleep(0.02)
+                want = [np.full(k, float(q * 1000 + it)) for q in range(n)]
+                x = bufs[k]
+                if coll == "broadcast":
+                    x[...] = want[root] if r == root else np.nan
+                    c.broadcast(x, root=root, algorithm="direct")
+                    assert np.array_equal(x, want[root]), (it, coll, k, root, r)
+                else:
+                    x[...] = want[r]
+                    got = c.reduce(x, root=root, algorithm="direct")
+                    if r == root:
+                        assert np.array_equal(got, sum(want)), (it, coll, k, root, r)
 
         _on_all(comms, body)

@@ -491,13 +491,14 @@ def _group_pair(k: int) -> typing.Iterator[tuple[typing.Any, typing.Any]]:
 
 @pytest.mark.parametrize("k", [2, 8])
 def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
-    """Step s uses slot and posted range s % K: a rank claims K steps without its
-    peer, the next claim waits for the peer's done, and ranges of K steps coexist."""
+    """Step s uses slot s % K and posted range s % W: a rank claims K steps that
+    fill whole slots without its peer, the next claim waits for the peer's done,
+    and ranges of K steps coexist."""
     from transports.base import Backoff, Deadline, TransportError, TransportTimeout
 
     quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
     with _group_pair(k) as (a, b):
-        assert b.slots == k and len(b.views(np.uint8, 16)) == k
+        assert b.slots == k and len(b.views(np.uint8, 16)) == b.words == 64
         srcs = [np.full(8 * s, s, np.uint8) for s in range(1, k + 1)]
         for s in range(1, k + 1):
             a.claim(s, Deadline.after(5), quick)  # no wait: slots 1..K are fresh
@@ -518,6 +519,53 @@ def test_group_segment_runs_k_steps_ahead_with_a_range_per_slot(k: int) -> None:
         a.claim(k + 1, Deadline.after(5), quick)
         with pytest.raises(TransportTimeout):
             a.claim(k + 2, Deadline.after(0.05), quick)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_group_segment_runs_w_small_steps_ahead(k: int) -> None:
+    """A small step (at most sub_bytes a rank) fills a part of its slot of its
+    own: a rank claims W of them without its peer, each part keeps its bytes
+    until the peer read them, and the next claim waits for the peer's done.  A
+    step that fills a whole slot waits K steps back, and a small step in that
+    slot afterwards waits until the peer is done with it."""
+    from transports.base import Backoff, Deadline, TransportTimeout
+
+    quick = Backoff(spins=1, yields=1, max_sleep=1e-4)
+
+    def late(g: typing.Any, s: int, small: bool) -> None:
+        with pytest.raises(TransportTimeout):
+            g.claim(s, Deadline.after(0.05), quick, small)
+
+    with _group_pair(k) as (a, b):
+        W, sub = a.words, a.sub_bytes
+        assert W == 64 and sub == a.slot_bytes // (W // k) // 64 * 64 and a.small(sub)
+        assert not a.small(sub + 1)
+        parts = {a.addresses(0, i, True)[0] for i in range(W)}
+        assert len(parts) == W  # a part of its own for each word index
+        first = a.addresses(0, 0)[0]
+        assert all(first <= p < first + k * a.slot_bytes for p in parts)
+        for s in range(1, W + 1):
+            a.claim(s, Deadline.after(5), quick, True)  # no wait: W fresh words
+            a.views(np.uint16, sub // 2)[s % W][0][:] = s
+            a.post(s)
+        late(a, W + 1, True)  # the word and part of step 1: b has not read them
+        for s in range(1, W + 1):
+            b.wait([0], s, Deadline.after(5), quick)
+            assert (b.views(np.uint16, sub // 2)[s % W][0] == s).all(), s
+        b.done(1)
+        a.claim(W + 1, Deadline.after(5), quick, True)
+        a.post(W + 1)
+        b.done(W + 1)
+        big = W + 2
+        a.claim(big, Deadline.after(5), quick)  # whole slot: step big - K is read
+        assert a.last_big == big
+        a.post(big)
+        for s in range(big + 1, big + k):  # small, in the other slots
+            a.claim(s, Deadline.after(5), quick, True)
+            a.post(s)
+        late(a, big + k, True)  # small, in the big step's slot: b has not read it
+        b.done(big)
+        a.claim(big + k, Deadline.after(5), quick, True)
 
 
 @pytest.mark.parametrize("k", [2, 8])

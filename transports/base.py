@@ -751,21 +751,27 @@ class Group(Protocol):
 
     Every rank counts the same steps (``seq``); for each it writes its slot or
     posts ranges of its own memory, publishes the step, and says when it is done
-    reading the others'.  Each rank has ``slots`` (K) slots and step ``s`` uses
-    slot ``s % K`` (and posted range ``s % K``): it is rewritten K steps later, once
-    every peer is done with it.
+    reading the others'.  Each rank has ``slots`` (K) slots and ``words`` (W, a
+    multiple of K) posted words and ranges: step ``s`` uses slot ``s % K`` and
+    word and range ``s % W``.  A step of at most ``sub_bytes`` a rank (small)
+    fills part ``(s // K) % (W / K)`` of its slot, one of more fills it from its
+    start; what a step uses is rewritten once every peer is done with it (see
+    :meth:`claim`).
     """
 
     rank: int
     size: int
     slot_bytes: int
     slots: int  # slots per rank (K); step s uses slot s % K
+    words: int  # posted words (and ranges) per rank (W); step s uses word s % W
+    sub_bytes: int  # the part of a slot a small step fills
+    last_big: int  # the last step that may have filled this rank's whole slot
     cma: bool  # whether posted ranges may be read and written (else all goes by slots)
     seq: int  # the last step this rank used
     ahead: int  # steps a rank may post before it has consumed them (at most slots)
     # The chain of the calls' fingerprints as of the latest step, and as of the
     # step of each slot index, kept above ``step_bits``; a step does ``chain =
-    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % slots]
+    # (chain * chain_mul + (fp << step_bits)) & chain_mask``, ``chains[s % words]
     # = chain`` (what :meth:`step` does; steps written out for post_word and
     # wait_word need not keep ``chains``), and its posted word is ``chain | s``.
     chain: int
@@ -782,13 +788,23 @@ class Group(Protocol):
         """Fold a call that took no step (one this rank rejected) into the chain."""
         ...
 
-    def views(self, dtype: Any, count: int) -> list[list[Any]]:
-        """``views[seq % slots][j]``: rank j's slot as ``count`` elements of ``dtype``."""
+    def small(self, nbytes: int) -> bool:
+        """Whether a step of ``nbytes`` a rank fills only its part of a slot."""
         ...
 
-    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
+    def views(self, dtype: Any, count: int, small: bool | None = None) -> list[list[Any]]:
+        """``views[seq % words][j]``: rank j's slot for step ``seq`` (its part, where
+        the step is ``small``; None: where ``count`` elements are) as ``count``
+        elements of ``dtype``."""
+        ...
+
+    def claim(self, seq: int, deadline: Deadline, backoff: Backoff, small: bool = False) -> None:
         """Wait until this rank may rewrite its slot and posted word for step ``seq``
-        (every step that posts claims first, even one that fills no slot)."""
+        (every step that posts claims first, even one that fills no slot):
+        every peer is done with step ``seq - slots``, or, where ``small`` (the
+        step fills at most its part of the slot, or none), with step ``seq -
+        words`` and with the last step that filled the whole slot, if later
+        than ``seq - slots``."""
         ...
 
     def post(self, seq: int, addr: int = 0, nbytes: int = 0, consumed: bool = True) -> None:
@@ -801,7 +817,7 @@ class Group(Protocol):
         ...
 
     def post_word(self, i: int, word: int, seq: int) -> None:
-        """``post(seq)`` with its posted word made by the caller (``i = seq % slots``)."""
+        """``post(seq)`` with its posted word made by the caller (``i = seq % words``)."""
         ...
 
     def wait_word(
@@ -815,10 +831,11 @@ class Group(Protocol):
         has another chain raises :class:`transports.base.TagMismatchError`."""
         ...
 
-    def addresses(self, j: int, i: int) -> tuple[int, int, int]:
-        """Where rank j's slot of index ``i``, its posted word of that index and its
-        "done" word lie in this process (for a compiled step that writes and
-        reads them as :meth:`post_word`, :meth:`wait_word` and :meth:`done` do)."""
+    def addresses(self, j: int, i: int, small: bool = False) -> tuple[int, int, int]:
+        """Where rank j's slot for word index ``i`` (small: its part), its posted
+        word of that index and its "done" word lie in this process (for a
+        compiled step that writes and reads them as :meth:`post_word`,
+        :meth:`wait_word` and :meth:`done` do)."""
         ...
 
     def control(self) -> Any:

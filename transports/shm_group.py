@@ -12,18 +12,22 @@ Nothing is ever named in ``/dev/shm``, so a kill at any moment leaks nothing
 Layout (offsets in bytes)::
 
     0        header: magic, version, ranks, slot_bytes, slots (K), identity (at 32)
-    4096     control, LINE bytes a rank: K "posted" words (one per slot index),
-             the "done" counter on its own cache line, then pid, pid namespace,
-             a "closed" word (and why: :func:`transports._segment.closed_word`),
-             the address of the rank's mapping (for the direct-read probe), and
-             a posted (address, length) range per slot index
+    4096     control, LINE bytes a rank: W "posted" words (one per word index;
+             W = 64 with K = 8, see WORDS), the "done" counter on its own cache
+             line, then pid, pid namespace, a "closed" word (and why:
+             :func:`transports._segment.closed_word`), the address of the
+             rank's mapping (for the direct-read probe), and a posted
+             (address, length) range per word index
     DATA0    slots: rank j's slot i at DATA0 + (K j + i) * slot_bytes
 
 Protocol.  Every rank counts the same sequence numbers (one per step of a
 collective).  For step ``s`` a rank writes its slot ``s % K`` (or its posted
-range ``s % K``) and then stores its posted word ``s % K`` with release
+range ``s % W``) and then stores its posted word ``s % W`` with release
 semantics; a reader loads that word with acquire semantics
-(:mod:`transports._atomic`), then reads the slot or the range.
+(:mod:`transports._atomic`), then reads the slot or the range.  A *small* step,
+one of at most ``sub_bytes`` (a slot's ``W / K``-th part) a rank, takes part
+``(s // K) % (W / K)`` of slot ``s % K``: word index ``i = s % W`` names slot
+``i % K`` and part ``i // K``.
 
 The posted word is the step in its low 40 bits and, above them, a 24-bit
 *chain*: each step folds the fingerprint of the call it belongs to (an integer
@@ -39,12 +43,15 @@ never posted is a mismatch too (it runs another collective).  A reader that has 
 yet.  A rank may post up to ``ahead`` (``min(AHEAD, K)``) steps it has not
 consumed (several rounds of slots written before any is read), never more: so
 a peer seen at step ``s`` has consumed step ``s - ahead``, and :meth:`claim`
-need not load its ``done`` for that.  A slot, range or posted word is rewritten
-(step ``s + K``) only after every peer's ``done`` reached ``s`` (:meth:`ShmGroup.claim`;
-so a step claims even where it fills no slot, or a peer that has not yet seen
-the word of step ``s`` would meet step ``s + K`` there and raise a mismatch):
-a rank runs up to K steps ahead of the slowest peer, so back-to-back small
-collectives rarely wait on a descheduled one.  A posted user buffer is returned
+need not load its ``done`` for that.  A slot part, range or posted word is
+rewritten only after every peer's ``done`` reached the last step that used it
+(:meth:`ShmGroup.claim`; so a step claims even where it fills no slot, or a
+peer that has not yet seen the word of step ``s`` would meet step ``s + W``
+there and raise a mismatch): a step that may fill its whole slot waits for
+step ``s - K``; a small one (or one that fills none) for step ``s - W``, and
+for the last whole-slot step before it where that came after ``s - K``.  So a
+rank runs up to W small steps ahead of the slowest peer, and back-to-back
+small collectives rarely wait on a descheduled one.  A posted user buffer is returned
 to its owner only after every reader said ``done`` (:meth:`ShmGroup.wait_done`).
 
 Large ranges are read with cross-memory attach (:mod:`transports._cma`): one
@@ -85,8 +92,21 @@ log = logging.getLogger(__name__)
 TRANSPORT = "shm"
 #: Default bytes of one slot; PYCOLL_GROUP_SLOT_BYTES sets it.
 SLOT_BYTES = 256 << 10
-#: Slots per rank (K): a rank may run this many steps ahead of the slowest peer.
+#: Slots per rank (K): a rank may run this many steps of more than a part of a
+#: slot (``sub_bytes``, below) ahead of the slowest peer.
 SLOTS = 8
+#: Posted words per rank (W, a multiple of K; with K = 8, 64): a step takes word
+#: and range ``s % W``, and a step of at most a slot's ``W / K``-th part
+#: (:attr:`ShmGroup.sub_bytes`, 32 KiB of 256 KiB) fills a part of its slot of
+#: its own, so that such steps run up to W ahead.  Where ranks outnumber cores
+#: a broadcast's root otherwise stops K steps ahead of a reader that is off its
+#: core, and each stop costs a switch of the two: at n = 3 on the 2-core
+#: machine a replayed 1 KiB broadcast took 2.03-2.13 us with 64 steps ahead
+#: against 2.42-2.89 with 8, and 2.23 against 3.19 with root and reader pinned
+#: to one core (benchmarks/RESULTS.md, "Small steps run 64 ahead").  Only their
+#: words grow: 64 slots would make every slot step's bytes cycle through
+#: 16 MiB a rank (a 256 KiB allreduce took 150-155 against 98-115 us so).
+WORDS = 64
 #: Steps a rank may post before it has consumed them (at most K; see ``post``):
 #: all K, so that an alltoall or allgather of up to K rounds through the slots
 #: writes them all before it reads any.  At n = 4 on two cores, an alltoall of
@@ -95,7 +115,7 @@ SLOTS = 8
 AHEAD = 8
 _MAX_SLOTS = 64
 _MAGIC = 0x70636F6C6C677270  # "pcollgrp"
-_VERSION = 6
+_VERSION = 7
 _PAGE = 4096
 # at offset 8, after the magic: version, ranks, slot_bytes, slots
 _HDR = struct.Struct("<IIQI")
@@ -115,13 +135,19 @@ def _up64(n: int) -> int:
     return -(-n // 64) * 64
 
 
+def words_of(slots: int) -> int:
+    """Posted words (and ranges) a rank has with ``slots`` slots: W (see WORDS)."""
+    return slots * max(1, WORDS // slots)
+
+
 def _offsets(slots: int) -> tuple[int, int, int, int, int, int, int]:
     """Offsets in a rank's control line (posted words, done, pid, pid namespace,
     closed, mapping address, ranges) and the line's length."""
-    done = _up64(8 * slots)  # the posted words, then done on its own cache line
+    W = words_of(slots)
+    done = _up64(8 * W)  # the posted words, then done on its own cache line
     pid = done + 64
     ranges = pid + 64
-    return done, pid, pid + 8, pid + 16, pid + 24, ranges, _up64(ranges + slots * _RANGE.size)
+    return done, pid, pid + 8, pid + 16, pid + 24, ranges, _up64(ranges + W * _RANGE.size)
 
 
 def _line(slots: int) -> int:
@@ -165,7 +191,10 @@ class ShmGroup:
         rank: this rank's index in the group.
         size: number of ranks.
         slot_bytes: bytes of one slot.
-        slots: slots per rank (K); step ``s`` uses slot (and range) ``s % K``.
+        slots: slots per rank (K); step ``s`` uses slot ``s % K``.
+        words: posted words (and ranges) per rank (W); step ``s`` uses word ``s % W``.
+        sub_bytes: the bytes of a small step's part of a slot.
+        last_big: the last step that may have filled this rank's whole slot.
         cma: whether peers' posted ranges may be read and written directly (set
             by the layer above once every rank's :meth:`probe` succeeded).
         ahead: how many steps a rank may post before it has consumed them.
@@ -181,24 +210,27 @@ class ShmGroup:
         _, self.size, self.slot_bytes, self.slots = _HDR.unpack_from(mm, 8)
         self.ahead = min(AHEAD, self.slots)
         K = self.slots
+        W = self.words = words_of(K)
+        self.sub_bytes = self.slot_bytes // (W // K) // 64 * 64
+        self.last_big = 0
         done_off, self._pid_off, pidns_off, closed_off, mapaddr_off, self._ranges_off, ln = (
             _offsets(K)
         )
         n, self._line = self.size, ln
         self._buf = np.frombuffer(mm, np.uint8)
-        # posted[j][i]: rank j's posted word of slot index i
+        # posted[j][i]: rank j's posted word of word index i
         self._posted = [
-            [_atomic.Counter(mm, _CTRL0 + j * ln + 8 * i) for i in range(K)] for j in range(n)
+            [_atomic.Counter(mm, _CTRL0 + j * ln + 8 * i) for i in range(W)] for j in range(n)
         ]
         self._done = [_atomic.Counter(mm, _CTRL0 + j * ln + done_off) for j in range(n)]
         self._closed_flag = [_atomic.Counter(mm, _CTRL0 + j * ln + closed_off) for j in range(n)]
         self._my_posted = [c.store for c in self._posted[rank]]
         self._my_done = self._done[rank].store
         #: the chain of fingerprints as of this rank's latest step, and as of the
-        #: step of each slot index (what that step's posted word holds), kept
+        #: step of each word index (what that step's posted word holds), kept
         #: above STEP_BITS as in the word
         self.chain = 0
-        self.chains = [0] * K
+        self.chains = [0] * W
         # for steps written out by the caller (post_word, wait_word)
         self.chain_mul, self.chain_mask, self.step_bits = CHAIN_MUL, CHAIN_MASK, STEP_BITS
         # what we know for sure of each rank's "done", to skip loads, and the
@@ -208,7 +240,7 @@ class ShmGroup:
         self._done_floor = 0
         self._pids = [0] * n
         self._data0 = _data0(n, self.slots)
-        self._views: dict[tuple[Any, int], list[list[Any]]] = {}
+        self._views: dict[tuple[Any, int, bool | None], list[list[Any]]] = {}
         self.cma = False
         self.seq = 0
         self._closed = False
@@ -333,41 +365,52 @@ class ShmGroup:
 
     # ------------------------------------------------------------------ data
     def slot(self, j: int, seq: int) -> Any:
-        """Rank ``j``'s slot for step ``seq``, as bytes (a uint8 array)."""
+        """Rank ``j``'s whole slot for step ``seq``, as bytes (a uint8 array)."""
         start = self._data0 + (self.slots * j + seq % self.slots) * self.slot_bytes
         return self._buf[start : start + self.slot_bytes]
 
-    def views(self, dtype: Any, count: int) -> list[list[Any]]:
-        """``views[seq % slots][j]``: the first ``count`` elements of rank j's slots as ``dtype``.
+    def small(self, nbytes: int) -> bool:
+        """Whether a step of ``nbytes`` a rank is small (fills a part of a slot)."""
+        return nbytes <= self.sub_bytes
+
+    def _at(self, j: int, i: int, small: bool) -> int:
+        """Offset of rank ``j``'s slot for word index ``i`` (small: of its part)."""
+        K = self.slots
+        part = i // K * self.sub_bytes if small else 0
+        return self._data0 + (K * j + i % K) * self.slot_bytes + part
+
+    def views(self, dtype: Any, count: int, small: bool | None = None) -> list[list[Any]]:
+        """``views[seq % words][j]``: ``count`` elements of ``dtype`` of rank j's
+        slot for step ``seq``: its part of the slot where the step is small
+        (``small``; None: where ``count`` elements are, :meth:`small`), else
+        from the slot's start.  (A message of several rounds is not small, its
+        short last round neither.)
 
         Cached: small collectives call this once per call.
         """
-        key = (dtype, count)
+        key = (dtype, count, small)
         v = self._views.get(key)
         if v is None:
             if len(self._views) > 256:
                 self._views.clear()
+            if small is None:
+                small = self.small(count * np.dtype(dtype).itemsize)
             v = [
                 [
-                    np.frombuffer(
-                        self._mm,
-                        dtype,
-                        count,
-                        self._data0 + (self.slots * j + i) * self.slot_bytes,
-                    )
+                    np.frombuffer(self._mm, dtype, count, self._at(j, i, small))
                     for j in range(self.size)
                 ]
-                for i in range(self.slots)
+                for i in range(self.words)
             ]
             self._views[key] = v
         return v
 
-    def addresses(self, j: int, i: int) -> tuple[int, int, int]:
-        """Rank ``j``'s slot of index ``i``, its posted word of that index and its
-        "done" word, as addresses in this process (valid while the group is open)."""
+    def addresses(self, j: int, i: int, small: bool = False) -> tuple[int, int, int]:
+        """Rank ``j``'s slot for word index ``i`` (small: its part), its posted
+        word of that index and its "done" word, as addresses in this process
+        (valid while the group is open)."""
         base = self._buf.__array_interface__["data"][0]
-        slot = base + self._data0 + (self.slots * j + i) * self.slot_bytes
-        return slot, self._posted[j][i].address, self._done[j].address
+        return base + self._at(j, i, small), self._posted[j][i].address, self._done[j].address
 
     def control(self) -> ControlLayout:
         """Where the control lines lie, for compiled steps that load and store the
@@ -385,13 +428,20 @@ class ShmGroup:
             )
         return c
 
-    def claim(self, seq: int, deadline: Deadline, backoff: Backoff) -> None:
+    def claim(self, seq: int, deadline: Deadline, backoff: Backoff, small: bool = False) -> None:
         """Wait until this rank may overwrite its slot and posted word for step ``seq``.
 
-        That is, until every peer is done with step ``seq - slots`` (the same slot),
-        so has seen this rank's word of that step.
+        That is, until every peer is done with the last step that used them, so
+        has seen this rank's word of that step: step ``seq - slots`` for a step
+        that may fill its whole slot; where ``small`` (it fills at most its
+        part, or nothing), step ``seq - words``, or the last whole-slot step
+        (:attr:`last_big`) where that came after ``seq - slots``.
         """
-        need = seq - self.slots
+        if small:
+            need = max(seq - self.words, min(self.last_big, seq - self.slots))
+        else:
+            self.last_big = seq
+            need = seq - self.slots
         if need <= self._done_floor:  # most calls: 0.1 us, against 0.3 for the loop
             return
         known = self._known_done
@@ -409,7 +459,7 @@ class ShmGroup:
         prepared steps do the same inline.
         """
         s = self.seq = self.seq + 1
-        self.chains[s % self.slots] = self.chain = (
+        self.chains[s % self.words] = self.chain = (
             self.chain * CHAIN_MUL + (fingerprint << STEP_BITS)
         ) & CHAIN_MASK
         return s
@@ -423,12 +473,12 @@ class ShmGroup:
         """Publish step ``seq``: the slot is written and, when ``nbytes``, peers may
         read ``[addr, addr + nbytes)`` of this process's memory until they are done.
 
-        The range is kept per slot index (``seq % slots``), like the slots: :meth:`claim`
+        The range is kept per word index (``seq % words``), like the words: :meth:`claim`
         the step first.  ``consumed``: this rank is done with step ``seq - 1``
         (else it says so later with :meth:`done`; it must have consumed step
         ``seq - ahead``).
         """
-        i = seq % self.slots
+        i = seq % self.words
         if nbytes:
             off = _CTRL0 + self.rank * self._line + self._ranges_off + i * _RANGE.size
             _RANGE.pack_into(self._mm, off, addr, nbytes)
@@ -441,7 +491,7 @@ class ShmGroup:
         self._my_done(seq)
 
     def post_word(self, i: int, word: int, seq: int) -> None:
-        """:meth:`post` of step ``seq`` (slot index ``i``, no range, consumed) whose
+        """:meth:`post` of step ``seq`` (word index ``i``, no range, consumed) whose
         posted word ``word`` the caller made as :meth:`step` would: the prepared
         steps of the direct algorithms, which compute it once for both calls."""
         self._my_done(seq - 1)
@@ -450,7 +500,7 @@ class ShmGroup:
     def wait_word(
         self, peers: Iterable[int], i: int, word: int, deadline: Deadline, backoff: Backoff
     ) -> None:
-        """:meth:`wait` for the step of posted word ``word`` (slot index ``i``)."""
+        """:meth:`wait` for the step of posted word ``word`` (word index ``i``)."""
         posted = self._posted
         known = self._known_done
         sure = (word & _STEP_MASK) - self.ahead
@@ -469,7 +519,7 @@ class ShmGroup:
         """
         posted = self._posted
         known = self._known_done
-        i = seq % self.slots
+        i = seq % self.words
         word = self.chains[i] | seq
         sure = seq - self.ahead  # what a peer that posted ``seq`` has consumed
         for j in peers:
@@ -523,7 +573,7 @@ class ShmGroup:
         self, copy: Callable[..., None], what: str, j: int, seq: int, offset: int, at: int, n: int
     ) -> None:
         addr, nbytes = _RANGE.unpack_from(
-            self._mm, _CTRL0 + j * self._line + self._ranges_off + (seq % self.slots) * _RANGE.size
+            self._mm, _CTRL0 + j * self._line + self._ranges_off + (seq % self.words) * _RANGE.size
         )
         if offset < 0 or offset + n > nbytes:
             raise self.range_error(what, j, offset, n, nbytes)
@@ -670,7 +720,7 @@ class ShmGroup:
             pass
         for c in (*(w for ws in self._posted for w in ws), *self._done, *self._closed_flag):
             c.release_buffer()
-        self._my_posted = [_closed] * self.slots  # they held the counters' memory
+        self._my_posted = [_closed] * self.words  # they held the counters' memory
         self._my_done = _closed
         self._views.clear()
         self._control = None

@@ -8,8 +8,10 @@ contribution and the readers wait only for the ranks they read from.
 Small messages (the contribution fits a slot) go through the slots: a rank
 copies its contribution into its slot and publishes the step; readers reduce or
 copy straight out of the peers' slots.  One step, one copy in, whatever n.  Each
-rank has K slots (``G.slots``), step ``s`` uses slot ``s % K``, so a rank may run
-K steps ahead of the slowest peer before it waits.
+rank has K slots (``G.slots``) and W posted words (``G.words``, 8 K), step ``s``
+uses slot ``s % K`` and word ``s % W``; a step of at most ``G.sub_bytes`` a rank
+(a slot's W / K-th part) fills a part of its slot of its own, so a rank may run
+W such steps ahead of the slowest peer before it waits, K of larger ones.
 Larger ones, when the group allows cross-memory copies, go by address: a rank
 posts where its buffer is and the peers copy out of it (``read``) or into it
 (``write``) with one kernel copy each; the collective ends when every peer said
@@ -140,10 +142,10 @@ def _step(L: Links, G: Group) -> int:
 
 
 def _post_buffer(L: Links, G: Group, a: Any) -> int:
-    """Take the next step, claim it and post where ``a`` lies for the peers to read
-    (or write)."""
+    """Take the next step, claim it (it fills no slot) and post where ``a`` lies
+    for the peers to read (or write)."""
     s = _step(L, G)
-    G.claim(s, L.deadline, L.backoff)
+    G.claim(s, L.deadline, L.backoff, small=True)
     G.post(s, _addr(a), a.nbytes)
     return s
 
@@ -151,12 +153,15 @@ def _post_buffer(L: Links, G: Group, a: Any) -> int:
 # ------------------------------------------------------------------ by slots
 def _rounds(L: Links, G: Group, dtype: Any, total: int, per_round: int, width: int = 1) -> Any:
     """The slot rounds of a message of ``total`` elements, ``per_round`` a round:
-    ``(lo, hi, s, views)`` with the step ``s`` taken and ``views[j]`` rank j's slot
-    for it, ``width * (hi - lo)`` elements long."""
+    ``(lo, hi, s, views, small)`` with the step ``s`` taken, ``views[j]`` rank j's
+    slot for it, ``width * (hi - lo)`` elements long, and whether the step is
+    small (the message is: one round of at most ``G.sub_bytes`` a rank; the
+    same on every rank, and as :func:`prepare`'s steps decide it)."""
+    small = G.small(width * total * np.dtype(dtype).itemsize)
     for lo in range(0, total, per_round):
         hi = min(lo + per_round, total)
         s = _step(L, G)
-        yield lo, hi, s, G.views(dtype, width * (hi - lo))[s % G.slots]
+        yield lo, hi, s, G.views(dtype, width * (hi - lo), small)[s % G.words], small
 
 
 def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None:
@@ -170,8 +175,8 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
     if root is None and split_allreduce(n, min(x.size, per_round) * x.itemsize, L.crowded):
         _slot_allreduce_split(L, G, x, out, per_round)
         return
-    for lo, hi, s, v in _rounds(L, G, x.dtype, x.size, per_round):
-        G.claim(s, dl, bo)
+    for lo, hi, s, v, small in _rounds(L, G, x.dtype, x.size, per_round):
+        G.claim(s, dl, bo, small)
         v[r][...] = x[lo:hi]
         G.post(s)
         if root is None or r == root:
@@ -189,9 +194,9 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
     assert f is not None
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
-    for lo, hi, s, v in _rounds(L, G, x.dtype, x.size, per_round):
+    for lo, hi, s, v, small in _rounds(L, G, x.dtype, x.size, per_round):
         b = segments(0, hi - lo, n)
-        G.claim(s, dl, bo)
+        G.claim(s, dl, bo, small)
         v[r][...] = x[lo:hi]
         G.post(s)
         G.wait(others, s, dl, bo)
@@ -200,8 +205,8 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
         reduce_rows(f, [row[seg] for row in v], acc)
         G.done(s)
         t = _step(L, G)
-        G.claim(t, dl, bo)
-        w = G.views(x.dtype, hi - lo)[t % G.slots]
+        G.claim(t, dl, bo, small)
+        w = G.views(x.dtype, hi - lo, small)[t % G.words]
         w[r][seg] = acc
         G.post(t)
         G.wait(others, t, dl, bo)
@@ -239,7 +244,7 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
     unread: list[Any] = []
 
     def read() -> None:
-        for lo, hi, s, v in unread:
+        for lo, hi, s, v, _ in unread:
             for j in others:
                 G.wait((j,), s, dl, bo)
                 out[j * k + lo : j * k + hi] = v[j]
@@ -247,8 +252,8 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
         unread.clear()
 
     for rnd in _rounds(L, G, x.dtype, k, per_round):
-        lo, hi, s, v = rnd
-        G.claim(s, dl, bo)
+        lo, hi, s, v, small = rnd
+        G.claim(s, dl, bo, small)
         v[r][...] = x[lo:hi]
         G.post(s, consumed=not unread)  # with no round unread, step s - 1 is consumed
         unread.append(rnd)
@@ -261,9 +266,9 @@ def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
     r = L.rank
     dl, bo = L.deadline, L.backoff
     per_round = max(1, G.slot_bytes // buf.itemsize)
-    for lo, hi, s, v in _rounds(L, G, buf.dtype, buf.size, per_round):
+    for lo, hi, s, v, small in _rounds(L, G, buf.dtype, buf.size, per_round):
         if r == root:
-            G.claim(s, dl, bo)
+            G.claim(s, dl, bo, small)
             v[r][...] = buf[lo:hi]
             G.post(s)
             G.done(s)  # (it reads nothing; see broadcast)
@@ -281,9 +286,11 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
     dl, bo = L.deadline, L.backoff
     others = _others(n, r)
     k = out.size
-    for lo, hi, s, v in _rounds(L, G, x.dtype, k, max(1, G.slot_bytes // x.itemsize // n), n):
+    for lo, hi, s, v, small in _rounds(
+        L, G, x.dtype, k, max(1, G.slot_bytes // x.itemsize // n), n
+    ):
         c = hi - lo
-        G.claim(s, dl, bo)
+        G.claim(s, dl, bo, small)
         mine = v[r]
         if c == k:
             mine[...] = x
@@ -394,7 +401,7 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
         return False
-    K = G.slots
+    K = G.words  # the entry's steps fill no slot: words and ranges s % W, claims s - W
     s = _step(L, G)
     t = _step(L, G) if two else s
     w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
@@ -435,7 +442,7 @@ def _drive(
         if rc == 1:  # a peer's done word: the group's wait, then on
             G.wait_done((j,), v, dl, bo)
         elif rc == 2:  # a peer's posted word: the group's wait raises on a mismatch
-            G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % G.slots, v, dl, bo)
+            G.wait_word((j,), (v & ((1 << G.step_bits) - 1)) % G.words, v, dl, bo)
         else:
             what = "read" if phase == reads else "write"
             if rc == 3:
@@ -514,7 +521,7 @@ def _compiled_allgather(L: Links, G: Group, x: Any, own: Any, out: Any) -> bool:
     entry = _entry(L, "allgather_by_address")
     if entry is None:
         return False
-    K, r = G.slots, L.rank
+    K, r = G.words, L.rank  # as _compiled's
     s = _step(L, G)
     oa = 0 if own is None else _addr(own)
     w = G.chains[s % K] | s
@@ -595,7 +602,7 @@ def _compiled_broadcast(L: Links, G: Group, buf: Any, root: int, cut: int) -> bo
     entry = _entry(L, "broadcast_by_address")
     if entry is None:
         return False
-    K, r = G.slots, L.rank
+    K, r = G.words, L.rank  # as _compiled's
     s = _step(L, G)
     cut *= buf.itemsize
     args = (G.control(), K, r, _addr(buf), buf.nbytes, cut, root, s, G.chains[s % K] | s)
@@ -640,7 +647,7 @@ def reduce(L: Links, x: Any, out: Any, root: int) -> None:
         t = _post_buffer(L, G, out)
     else:
         t = _step(L, G)
-        G.claim(t, dl, bo)
+        G.claim(t, dl, bo, small=True)  # no slot
         G.post(t)
         G.wait((root,), t, dl, bo)
         G.write(root, t, b[r] * x.itemsize, mine)
@@ -693,7 +700,7 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
     unread: list[Any] = []
 
     def read() -> None:
-        for lo, hi, s, v in unread:
+        for lo, hi, s, v, _ in unread:
             c = hi - lo
             for j in others:
                 G.wait((j,), s, dl, bo)
@@ -703,9 +710,9 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
         unread.clear()
 
     for rnd in _rounds(L, G, x.dtype, k, per_round, n - 1):
-        lo, hi, s, v = rnd
+        lo, hi, s, v, small = rnd
         c = hi - lo
-        G.claim(s, dl, bo)
+        G.claim(s, dl, bo, small)
         mine = v[r]
         for b in others:  # our own block is the envelope's
             p = b if b < r else b - 1
@@ -745,7 +752,7 @@ def _prepare_alltoall(
     def run(x: Any, out: Any) -> None:
         oa = _addr(out)
         s = step(fp)
-        claim(s, dl, backoff)
+        claim(s, dl, backoff, True)  # no slot
         post(s, _addr(x), nbytes)
         for j, off in reads:
             wait((j,), s, dl, backoff)
@@ -760,7 +767,7 @@ def _prepare_alltoall(
 def barrier(L: Links) -> None:
     G = _group(L)
     s = _step(L, G)
-    G.claim(s, L.deadline, L.backoff)  # no slot, but the posted word of step s - K
+    G.claim(s, L.deadline, L.backoff, small=True)  # no slot, but the posted word
     G.post(s)
     G.wait(_others(L.size, L.rank), s, L.deadline, L.backoff)
 
@@ -816,15 +823,15 @@ def _step_kind(dtype: Any) -> int:
 
 
 class _Compiled:
-    """The addresses a compiled step reads and writes, per slot index ``i``:
+    """The addresses a compiled step reads and writes, per word index ``i``:
     ``slot[i]`` and ``word[i]`` (this rank's), ``theirs[i]`` (the peers' posted
-    words, in ``others`` order) and ``rows[i]`` (every rank's slot, in rank
-    order); ``done``: this rank's done word, ``dones`` the peers' (in ``others``
-    order)."""
+    words, in ``others`` order) and ``rows[i]`` (every rank's slot, or its part
+    where the step is ``small``, in rank order); ``done``: this rank's done
+    word, ``dones`` the peers' (in ``others`` order)."""
 
-    def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...]) -> None:
-        K = G.slots
-        at = [[G.addresses(j, i) for i in range(K)] for j in range(n)]
+    def __init__(self, G: Group, r: int, n: int, others: tuple[int, ...], small: bool) -> None:
+        K = G.words
+        at = [[G.addresses(j, i, small) for i in range(K)] for j in range(n)]
         self.slot = tuple(at[r][i][0] for i in range(K))
         self.word = tuple(at[r][i][1] for i in range(K))
         self.done = at[r][0][2]
@@ -880,7 +887,8 @@ def prepare(
     if collective == "broadcast" and _broadcasts_by_address(L, G, count * L.dtype.itemsize):
         return None
     views = G.views(L.dtype, count)  # views[s % K][j]: rank j's slot for step s
-    K = G.slots
+    K = G.words
+    small = G.small(count * L.dtype.itemsize)  # as views and _rounds decide it
     mine = tuple(v[r] for v in views)
     others = tuple(_others(n, r))
     dl, bo, f = L.deadline, backoff, L.reduce
@@ -907,7 +915,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
-            claim(s, dl, bo)
+            claim(s, dl, bo, small)
             mine[i][...] = x
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
@@ -918,7 +926,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             j2 = t % K
             w2 = c | t
-            claim(t, dl, bo)
+            claim(t, dl, bo, small)
             mine[j2][seg] = acc
             post_word(j2, w2, t)
             wait_word(others, j2, w2, dl, bo)
@@ -943,7 +951,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
-            claim(s, dl, bo)
+            claim(s, dl, bo, small)
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
             rw = rows[i]
@@ -966,7 +974,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
-            claim(s, dl, bo)
+            claim(s, dl, bo, small)
             mine[i][...] = x
             post_word(i, w, s)
             if reader:
@@ -985,7 +993,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
-            claim(s, dl, bo)
+            claim(s, dl, bo, small)
             mine[i][...] = x
             post_word(i, w, s)
             v = views[i]
@@ -1007,7 +1015,7 @@ def prepare(
                 c = G.chain = (G.chain * mul + fpw) & cmask
                 i = s % K
                 w = c | s
-                claim(s, dl, bo)
+                claim(s, dl, bo, small)
                 mine[i][...] = buf
                 post_word(i, w, s)
                 done(s)
@@ -1036,7 +1044,7 @@ def prepare(
             c = G.chain = (G.chain * mul + fpw) & cmask
             i = s % K
             w = c | s
-            claim(s, dl, bo)
+            claim(s, dl, bo, small)
             mine[i][...] = x
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
@@ -1062,10 +1070,11 @@ def _compiled_step(
     in Python when they have something to do.  ``fp``: the call's fingerprint."""
     n, r = L.size, L.rank
     others = tuple(_others(n, r))
-    at = _Compiled(G, r, n, others)
-    K = G.slots
-    dl, f = L.deadline, L.reduce
     nbytes = count * L.dtype.itemsize
+    small = G.small(nbytes)  # a step of rounds (an allgather of more than a slot) is not
+    at = _Compiled(G, r, n, others, small)
+    K = G.words
+    dl, f = L.deadline, L.reduce
     code, kind = _STEP_OPS.get(f, -1), _step_kind(L.dtype)
     if code < 0:
         kind = 0  # C reduces nothing: reduce() each time
@@ -1077,7 +1086,7 @@ def _compiled_step(
     piece = nbytes
 
     if collective in ("allreduce", "reduce"):
-        parts = G.views(L.dtype, count)
+        parts = G.views(L.dtype, count, small)
         mode = _READ if collective == "allreduce" or r == root else _WRITE
     elif collective == "allgather":
         mode = _GATHER  # every rank's slot but this rank's own block (the envelope copies it)
@@ -1089,7 +1098,7 @@ def _compiled_step(
         off = r * k * L.dtype.itemsize  # block r of every rank's slot
         rows = tuple(tuple(a + off for a in row) for row in at.rows)
         blk = slice(r * k, (r + 1) * k)
-        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in G.views(L.dtype, count))
+        parts = tuple(tuple(v[j][blk] for j in range(n)) for v in G.views(L.dtype, count, small))
     elif r == root:
         mode = _ROOT
     else:
@@ -1099,7 +1108,7 @@ def _compiled_step(
         rows = tuple((at.rows[i][root],) for i in range(K))
 
     def claim(s: int) -> None:
-        G.claim(s, dl, backoff)
+        G.claim(s, dl, backoff, small)
 
     def wait(late: int, i: int, w: int) -> None:
         G.wait_word(peers[late:], i, w, dl, backoff)
@@ -1115,6 +1124,8 @@ def _compiled_step(
         wait,
         reduce,
         K,
+        G.slots,
+        small,
         G.chain_mul,
         G.chain_mask,
         (fp << G.step_bits) & _U64,  # fp above the step, as prepare's fpw
