@@ -873,6 +873,23 @@ post_step(const Layout *L, uint64_t st, const char *addr, Py_ssize_t nbytes, uin
     __atomic_store_n(WORD(L, r, i), w, __ATOMIC_RELEASE);
 }
 
+/* The last phase of a call by address: done = st (once: at peer index 0), then
+   wait until every peer's done reaches st, as await_dones. */
+static int
+finish_step(const Layout *L, uint64_t st, const Patience *pt, Outcome *o)
+{
+    if (o->k == 0)
+        __atomic_store_n(DONE(L, L->rank), st, __ATOMIC_RELEASE);
+    return await_dones(L, st, pt, o);
+}
+
+/* What an entry by address returns: (code, phase, k, peer, value). */
+static PyObject *
+outcome_tuple(Outcome o)
+{
+    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+}
+
 static Outcome
 by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py_ssize_t lo,
            Py_ssize_t hi, int kind, int op, Py_ssize_t piece, uint64_t s, uint64_t w1,
@@ -939,9 +956,7 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
                     return o;
             }
         } else { /* 7: done, and every peer done with our buffers */
-            if (o.k == 0)
-                __atomic_store_n(DONE(L, r), last, __ATOMIC_RELEASE);
-            if (await_dones(L, last, pt, &o))
+            if (finish_step(L, last, pt, &o))
                 return o;
         }
     }
@@ -1036,7 +1051,7 @@ out:
     PyBuffer_Release(&seg);
     if (PyErr_Occurred())
         return NULL;
-    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+    return outcome_tuple(o);
 }
 
 /* broadcast_by_address(layout, K, rank, addr, nbytes, cut, root, s, w, phase, k,
@@ -1130,7 +1145,7 @@ step_broadcast_by_address(PyObject *self, PyObject *args)
     PyBuffer_Release(&seg);
     if (PyErr_Occurred())
         return NULL;
-    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+    return outcome_tuple(o);
 }
 /* allgather_by_address(layout, K, rank, x, nbytes, own, out, out_nbytes, piece, s, w,
                         phase, k, spin_ns, yields, nap_ns, budget_ns)
@@ -1181,11 +1196,8 @@ allgather_by(const Layout *L, const char *x, Py_ssize_t nbytes, char *own, char 
                                    &o))
                         return o;
             }
-        } else {
-            if (o.k == 0)
-                __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
-            if (await_dones(L, s, pt, &o))
-                return o;
+        } else if (finish_step(L, s, pt, &o)) {
+            return o;
         }
     }
     o.phase = 5;
@@ -1222,7 +1234,7 @@ step_allgather_by_address(PyObject *self, PyObject *args)
                      (char *)(uintptr_t)out, out_nbytes, piece, s, w, phase, k, &pt);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&seg);
-    return Py_BuildValue("iiiiK", o.code, o.phase, o.k, o.peer, (unsigned long long)o.value);
+    return outcome_tuple(o);
 }
 #define BY_ADDRESS                                                                          \
     {"reduction_by_address", (PyCFunction)step_reduction_by_address, METH_VARARGS,          \

@@ -513,11 +513,12 @@ def _compiled_allgather(L: Links, G: Group, x: Any, own: Any, out: Any) -> bool:
     block's place in ``out``, or None where it is already there.  False,
     touching nothing, without the compiled module or with ``PYCOLL_COMPILED=0``.
 
-    Its waits yield in C: where ranks outnumber cores, the Python waits spent
-    about 1.5 ms of CPU a call of the 16 MiB allgather at n = 4 on the 2-core
-    machine (a sixth of the call's CPU, against a twentieth for MPI's), CPU
-    that the rank sharing the core needed for its copies (benchmarks/RESULTS.md,
-    "The allgather's waits in C")."""
+    The Python steps spent about 1.5 ms of CPU a call in the interpreter at
+    16 MiB, n = 4, on the 2-core machine (per-piece calls, and waits that yield
+    from Python: a sixth of the call's CPU, against a twentieth for MPI's), CPU
+    that the rank sharing the core needed for its copies; compiled, 16 MiB took
+    2332 against 2833 us at n = 3 and 976 against 1115 at n = 2
+    (benchmarks/RESULTS.md, "The allgather by address in C")."""
     entry = _entry(L, "allgather_by_address")
     if entry is None:
         return False
