@@ -107,6 +107,13 @@ SLOTS = 8
 #: words grow: 64 slots would make every slot step's bytes cycle through
 #: 16 MiB a rank (a 256 KiB allreduce took 150-155 against 98-115 us so).
 WORDS = 64
+#: The bytes of a small step a rank (at most a slot's W / K-th part): the
+#: parts of a slot lie in its first W / K * 4 KiB, 16 pages a rank with K = 8,
+#: and are touched at set-up, so that a run of small steps meets no page fault.
+#: Parts of 32 KiB cycled the first 64 steps through 2 MiB a rank: sweep.py's
+#: default 20 calls of an 8 B allreduce at n = 4 then took 18.4-20.7 us a call
+#: against 8.5-16.6 (RESULTS.md, "Small steps run 64 ahead").
+SUB_BYTES = 4 << 10
 #: Steps a rank may post before it has consumed them (at most K; see ``post``):
 #: all K, so that an alltoall or allgather of up to K rounds through the slots
 #: writes them all before it reads any.  At n = 4 on two cores, an alltoall of
@@ -211,7 +218,7 @@ class ShmGroup:
         self.ahead = min(AHEAD, self.slots)
         K = self.slots
         W = self.words = words_of(K)
-        self.sub_bytes = self.slot_bytes // (W // K) // 64 * 64
+        self.sub_bytes = min(SUB_BYTES, self.slot_bytes // (W // K)) // 64 * 64
         self.last_big = 0
         done_off, self._pid_off, pidns_off, closed_off, mapaddr_off, self._ranges_off, ln = (
             _offsets(K)
@@ -240,6 +247,7 @@ class ShmGroup:
         self._done_floor = 0
         self._pids = [0] * n
         self._data0 = _data0(n, self.slots)
+        self._touch_parts()
         self._views: dict[tuple[Any, int, bool | None], list[list[Any]]] = {}
         self.cma = False
         self.seq = 0
@@ -252,6 +260,21 @@ class ShmGroup:
         # the pid last: a peer that sees it sees the rest of our line
         _atomic.Counter(mm, line + self._pid_off).store(os.getpid())
         _exit.watch(self)
+
+    def _touch_parts(self) -> None:
+        """Map every page of the small steps' parts of every rank's slots now (a
+        write to this rank's own, a read of the others'), not at a step's first
+        touch: a part is first used up to W steps in."""
+        K, span = self.slots, self.words // self.slots * self.sub_bytes
+        for j in range(self.size):
+            first = self._data0 + K * j * self.slot_bytes
+            pages = np.array(
+                [first + i * self.slot_bytes + o for i in range(K) for o in range(0, span, _PAGE)]
+            )
+            if j == self.rank:
+                self._buf[pages] = 0  # nothing is posted before set-up ends
+            else:
+                self._buf[pages].sum()
 
     # ------------------------------------------------------------------ set-up
     @classmethod
