@@ -96,9 +96,8 @@ SLOT_BYTES = 256 << 10
 #: slot (``sub_bytes``, below) ahead of the slowest peer.
 SLOTS = 8
 #: Posted words per rank (W, a multiple of K; with K = 8, 64): a step takes word
-#: and range ``s % W``, and a step of at most a slot's ``W / K``-th part
-#: (:attr:`ShmGroup.sub_bytes`, 32 KiB of 256 KiB) fills a part of its slot of
-#: its own, so that such steps run up to W ahead.  Where ranks outnumber cores
+#: and range ``s % W``, and a small step (:attr:`ShmGroup.sub_bytes`, SUB_BYTES)
+#: fills a part of its slot of its own, so that such steps run up to W ahead.  Where ranks outnumber cores
 #: a broadcast's root otherwise stops K steps ahead of a reader that is off its
 #: core, and each stop costs a switch of the two: at n = 3 on the 2-core
 #: machine a replayed 1 KiB broadcast took 2.03-2.13 us with 64 steps ahead
@@ -111,8 +110,8 @@ WORDS = 64
 #: parts of a slot lie in its first W / K * 4 KiB, 16 pages a rank with K = 8,
 #: and are touched at set-up, so that a run of small steps meets no page fault.
 #: Parts of 32 KiB cycled the first 64 steps through 2 MiB a rank: sweep.py's
-#: default 20 calls of an 8 B allreduce at n = 4 then took 18.4-20.7 us a call
-#: against 8.5-16.6 (RESULTS.md, "Small steps run 64 ahead").
+#: default 20 calls of an 8 B allreduce at n = 4 then took 18.4-30.4 us a call
+#: against 8.3-21.0 with 8 slots (RESULTS.md, "Small steps run 64 ahead").
 SUB_BYTES = 4 << 10
 #: Steps a rank may post before it has consumed them (at most K; see ``post``):
 #: all K, so that an alltoall or allgather of up to K rounds through the slots
