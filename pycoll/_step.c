@@ -854,6 +854,19 @@ await_dones(const Layout *L, uint64_t want, const Patience *pt, Outcome *o)
     return 0;
 }
 
+/* Wait until every peer's posted word i holds w, peers from index o->k on in
+   the order rank + 1, rank + 2, ...: 0, or 1 as await_peer. */
+static int
+await_posts(const Layout *L, int i, uint64_t w, const Patience *pt, Outcome *o)
+{
+    for (; o->k < L->n - 1; o->k++) {
+        int j = (L->rank + 1 + o->k) % L->n;
+        if (await_peer(L, j, WORD(L, j, i), w, 1, pt, o))
+            return 1;
+    }
+    return 0;
+}
+
 /* Claim step st (every peer done with step st - K, the same slot): as await_dones. */
 static int
 claim_step(const Layout *L, uint64_t st, const Patience *pt, Outcome *o)
@@ -908,12 +921,8 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
         } else if (ph == 1 || ph == 5) { /* post */
             post_step(L, ph == 1 ? s : t, ph == 1 ? x : out, nbytes, ph == 1 ? w1 : w2);
         } else if (ph == 2) { /* wait for the inputs */
-            int i = (int)(s % (uint64_t)K);
-            for (; o.k < n - 1; o.k++) {
-                int j = (r + 1 + o.k) % n;
-                if (await_peer(L, j, WORD(L, j, i), w1, 1, pt, &o))
-                    return o;
-            }
+            if (await_posts(L, (int)(s % (uint64_t)K), w1, pt, &o))
+                return o;
         } else if (ph == 3) { /* reduce this rank's block, in rank order, piece by piece */
             int i = (int)(s % (uint64_t)K);
             Py_ssize_t per = piece / wd;
@@ -964,12 +973,19 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
     return o;
 }
 
-/* L's ranks and their pids from the tuple pids; seg: the segment mem exports,
-   L->ctrl its control lines from ctrl0.  0, or -1 with an exception set (seg
-   then released). */
+/* L from layout, the group's ControlLayout (mem, ctrl0, line, done_off,
+   closed_off, ranges_off, pids), and the entry's K and rank: the ranks and
+   their pids; seg: the segment mem exports, L->ctrl its control lines from
+   ctrl0.  0, or -1 with an exception set (seg then released). */
 static int
-open_layout(PyObject *mem, Py_ssize_t ctrl0, PyObject *pids, Layout *L, Py_buffer *seg)
+open_layout(PyObject *layout, int K, int rank, Layout *L, Py_buffer *seg)
 {
+    PyObject *mem, *pids;
+    Py_ssize_t ctrl0;
+    if (!PyArg_ParseTuple(layout, "OnnnnnO:layout", &mem, &ctrl0, &L->line, &L->done_off,
+                          &L->closed_off, &L->ranges_off, &pids))
+        return -1;
+    L->K = K, L->rank = rank;
     if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) < 2 || PyTuple_GET_SIZE(pids) > MAXN ||
         L->K < 2 || L->rank < 0 || L->rank >= PyTuple_GET_SIZE(pids)) {
         PyErr_SetString(PyExc_ValueError, "by address: bad pids, K or rank");
@@ -996,16 +1012,15 @@ open_layout(PyObject *mem, Py_ssize_t ctrl0, PyObject *pids, Layout *L, Py_buffe
 static PyObject *
 step_reduction_by_address(PyObject *self, PyObject *args)
 {
-    PyObject *mem, *pids, *xo, *outo;
+    PyObject *layout, *xo, *outo;
     Layout L;
-    Py_ssize_t ctrl0, lo, hi, piece;
+    Py_ssize_t lo, hi, piece;
     unsigned long long s, w1, t, w2;
-    int kind, op, two, phase, k;
+    int K, rank, kind, op, two, phase, k;
     Patience pt;
-    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiOOnniinKKKKiiiLlLL:reduction_by_address", &mem,
-                          &ctrl0, &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
-                          &L.rank, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2,
-                          &two, &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+    if (!PyArg_ParseTuple(args, "OiiOOnniinKKKKiiiLlLL:reduction_by_address", &layout, &K,
+                          &rank, &xo, &outo, &lo, &hi, &kind, &op, &piece, &s, &w1, &t, &w2, &two,
+                          &phase, &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
         return NULL;
     int wd = width(kind);
     if (op < 0 || op > 6 || ((kind == 'f' || kind == 'd') && op > 1))
@@ -1015,7 +1030,7 @@ step_reduction_by_address(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_buffer seg, xb, ob;
-    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
+    if (open_layout(layout, K, rank, &L, &seg) < 0)
         return NULL;
     if (PyObject_GetBuffer(xo, &xb, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&seg);
@@ -1118,26 +1133,24 @@ broadcast_by(const Layout *L, char *buf, Py_ssize_t nbytes, Py_ssize_t cut, int 
 static PyObject *
 step_broadcast_by_address(PyObject *self, PyObject *args)
 {
-    PyObject *mem, *pids;
+    PyObject *layout;
     Layout L;
-    Py_ssize_t ctrl0, nbytes, cut;
+    Py_ssize_t nbytes, cut;
     unsigned long long addr, s, w;
-    int root, phase, k;
+    int K, rank, root, phase, k;
     Patience pt;
-    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiKnniKKiiLlLL:broadcast_by_address", &mem, &ctrl0,
-                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
-                          &L.rank, &addr, &nbytes, &cut, &root, &s, &w, &phase, &k, &pt.spin_ns,
+    if (!PyArg_ParseTuple(args, "OiiKnniKKiiLlLL:broadcast_by_address", &layout, &K, &rank,
+                          &addr, &nbytes, &cut, &root, &s, &w, &phase, &k, &pt.spin_ns,
                           &pt.yields, &pt.nap_ns, &pt.budget_ns))
         return NULL;
-    if (phase < 0 || phase > 3 || k < 0 || root < 0 || root >= PyTuple_Size(pids) ||
-        cut < 0 || cut > nbytes) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "broadcast_by_address: bad root, cut or phase");
+    Py_buffer seg;
+    if (open_layout(layout, K, rank, &L, &seg) < 0)
+        return NULL;
+    if (phase < 0 || phase > 3 || k < 0 || root < 0 || root >= L.n || cut < 0 || cut > nbytes) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "broadcast_by_address: bad root, cut or phase");
         return NULL;
     }
-    Py_buffer seg;
-    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
-        return NULL;
     Outcome o;
     Py_BEGIN_ALLOW_THREADS
     o = broadcast_by(&L, (char *)(uintptr_t)addr, nbytes, cut, root, s, w, phase, k, &pt);
@@ -1180,11 +1193,8 @@ allgather_by(const Layout *L, const char *x, Py_ssize_t nbytes, char *own, char 
         } else if (ph == 1) {
             post_step(L, s, out, out_nbytes, w);
         } else if (ph == 2) {
-            for (; o.k < n - 1; o.k++) {
-                int j = (r + 1 + o.k) % n;
-                if (await_peer(L, j, WORD(L, j, i), w, 1, pt, &o))
-                    return o;
-            }
+            if (await_posts(L, i, w, pt, &o))
+                return o;
         } else if (ph == 3) {
             uint64_t at = (uint64_t)r * (uint64_t)nbytes;
             for (Py_ssize_t a = 0; a < nbytes; a += piece) {
@@ -1207,27 +1217,25 @@ allgather_by(const Layout *L, const char *x, Py_ssize_t nbytes, char *own, char 
 static PyObject *
 step_allgather_by_address(PyObject *self, PyObject *args)
 {
-    PyObject *mem, *pids;
+    PyObject *layout;
     Layout L;
-    Py_ssize_t ctrl0, nbytes, out_nbytes, piece;
+    Py_ssize_t nbytes, out_nbytes, piece;
     unsigned long long x, own, out, s, w;
-    int phase, k;
+    int K, rank, phase, k;
     Patience pt;
-    if (!PyArg_ParseTuple(args, "(OnnnnnO)iiKnKKnnKKiiLlLL:allgather_by_address", &mem, &ctrl0,
-                          &L.line, &L.done_off, &L.closed_off, &L.ranges_off, &pids, &L.K,
-                          &L.rank, &x, &nbytes, &own, &out, &out_nbytes, &piece, &s, &w, &phase,
-                          &k, &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+    if (!PyArg_ParseTuple(args, "OiiKnKKnnKKiiLlLL:allgather_by_address", &layout, &K, &rank,
+                          &x, &nbytes, &own, &out, &out_nbytes, &piece, &s, &w, &phase, &k,
+                          &pt.spin_ns, &pt.yields, &pt.nap_ns, &pt.budget_ns))
+        return NULL;
+    Py_buffer seg;
+    if (open_layout(layout, K, rank, &L, &seg) < 0)
         return NULL;
     if (phase < 0 || phase > 4 || k < 0 || nbytes < 0 || piece <= 0 ||
-        out_nbytes != nbytes * PyTuple_Size(pids)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError,
-                            "allgather_by_address: bad sizes, piece or phase");
+        out_nbytes != nbytes * L.n) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "allgather_by_address: bad sizes, piece or phase");
         return NULL;
     }
-    Py_buffer seg;
-    if (open_layout(mem, ctrl0, pids, &L, &seg) < 0)
-        return NULL;
     Outcome o;
     Py_BEGIN_ALLOW_THREADS
     o = allgather_by(&L, (const char *)(uintptr_t)x, nbytes, (char *)(uintptr_t)own,

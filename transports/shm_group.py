@@ -97,14 +97,15 @@ SLOT_BYTES = 256 << 10
 SLOTS = 8
 #: Posted words per rank (W, a multiple of K; with K = 8, 64): a step takes word
 #: and range ``s % W``, and a small step (:attr:`ShmGroup.sub_bytes`, SUB_BYTES)
-#: fills a part of its slot of its own, so that such steps run up to W ahead.  Where ranks outnumber cores
-#: a broadcast's root otherwise stops K steps ahead of a reader that is off its
-#: core, and each stop costs a switch of the two: at n = 3 on the 2-core
-#: machine a replayed 1 KiB broadcast took 2.03-2.13 us with 64 steps ahead
-#: against 2.42-2.89 with 8, and 2.23 against 3.19 with root and reader pinned
-#: to one core (benchmarks/RESULTS.md, "Small steps run 64 ahead").  Only their
-#: words grow: 64 slots would make every slot step's bytes cycle through
-#: 16 MiB a rank (a 256 KiB allreduce took 150-155 against 98-115 us so).
+#: fills a part of its slot of its own, so that such steps run up to W ahead.
+#: Where ranks outnumber cores a broadcast's root otherwise stops K steps ahead
+#: of a reader that is off its core, and each stop costs a switch of the two:
+#: at n = 3 on the 2-core machine a replayed 1 KiB broadcast took 2.03-2.13 us
+#: with 64 steps ahead against 2.42-2.89 with 8, and 2.23 against 3.19 with
+#: root and reader pinned to one core (benchmarks/RESULTS.md, "Small steps run
+#: 64 ahead").  Only their words grow: 64 slots would make every slot step's
+#: bytes cycle through 16 MiB a rank (a 256 KiB allreduce took 150-155 against
+#: 98-115 us so).
 WORDS = 64
 #: The bytes of a small step a rank (at most a slot's W / K-th part): the
 #: parts of a slot lie in its first W / K * 4 KiB, 16 pages a rank with K = 8,

@@ -401,13 +401,24 @@ def _compiled(L: Links, G: Group, x: Any, out: Any, lo: int, hi: int, two: bool)
     code, kind = _STEP_OPS.get(L.reduce, -1), _step_kind(x.dtype)
     if code < 0 or not kind or (chr(kind) in "fd" and code > 1):
         return False
-    K = G.words  # the entry's steps fill no slot: words and ranges s % W, claims s - W
-    s = _step(L, G)
-    t = _step(L, G) if two else s
-    w1, w2 = G.chains[s % K] | s, G.chains[t % K] | t
-    args = (G.control(), K, L.rank, x, out, lo, hi, kind, code, PIECE_BYTES, s, w1, t, w2, two)
+    s, w1 = _entry_step(L, G)
+    t, w2 = _entry_step(L, G) if two else (s, w1)
+    args = (*_entry_head(L, G), x, out, lo, hi, kind, code, PIECE_BYTES, s, w1, t, w2, two)
     _drive(L, G, entry, args, 3, lo * x.itemsize, (hi - lo) * x.itemsize)
     return True
+
+
+def _entry_head(L: Links, G: Group) -> tuple[Any, int, int]:
+    """The first arguments of a compiled entry by address: the group's control
+    layout, its K and this rank.  The entries' steps fill no slot, so their K is
+    the group's posted words: word and range s % W, a claim of step s - W."""
+    return G.control(), G.words, L.rank
+
+
+def _entry_step(L: Links, G: Group) -> tuple[int, int]:
+    """Take the next step of a compiled entry by address: it and its posted word."""
+    s = _step(L, G)
+    return s, G.chains[s % G.words] | s
 
 
 def _entry(L: Links, name: str) -> Callable[..., Any] | None:
@@ -522,24 +533,11 @@ def _compiled_allgather(L: Links, G: Group, x: Any, own: Any, out: Any) -> bool:
     entry = _entry(L, "allgather_by_address")
     if entry is None:
         return False
-    K, r = G.words, L.rank  # as _compiled's
-    s = _step(L, G)
+    s, w = _entry_step(L, G)
     oa = 0 if own is None else _addr(own)
-    w = G.chains[s % K] | s
-    args = (
-        G.control(),
-        K,
-        r,
-        _addr(x),
-        x.nbytes,
-        oa,
-        _addr(out),
-        out.nbytes,
-        OWN_PIECE_BYTES,
-        s,
-        w,
-    )
-    _drive(L, G, entry, args, -1, r * x.nbytes, x.nbytes)
+    bufs = (_addr(x), x.nbytes, oa, _addr(out), out.nbytes)
+    args = (*_entry_head(L, G), *bufs, OWN_PIECE_BYTES, s, w)
+    _drive(L, G, entry, args, -1, L.rank * x.nbytes, x.nbytes)
     return True
 
 
@@ -603,11 +601,10 @@ def _compiled_broadcast(L: Links, G: Group, buf: Any, root: int, cut: int) -> bo
     entry = _entry(L, "broadcast_by_address")
     if entry is None:
         return False
-    K, r = G.words, L.rank  # as _compiled's
-    s = _step(L, G)
+    s, w = _entry_step(L, G)
     cut *= buf.itemsize
-    args = (G.control(), K, r, _addr(buf), buf.nbytes, cut, root, s, G.chains[s % K] | s)
-    if r == root:  # its failed copy is a write of the tail
+    args = (*_entry_head(L, G), _addr(buf), buf.nbytes, cut, root, s, w)
+    if L.rank == root:  # its failed copy is a write of the tail
         _drive(L, G, entry, args, -1, cut, buf.nbytes - cut)
     else:
         _drive(L, G, entry, args, 2, 0, cut)
