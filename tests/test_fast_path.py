@@ -968,3 +968,24 @@ def test_small_and_whole_slot_steps_mixed_with_ranks_running_ahead(n: int, compi
                         assert np.array_equal(got, sum(want)), (it, coll, k, root, r)
 
         _on_all(comms, body)
+
+
+def test_a_root_running_ahead_of_a_reader_that_closed_raises_within_w_calls() -> None:
+    """Small broadcasts let the root run up to W steps ahead of its readers: with
+    the reader closed, the root's calls go on returning (each only publishes
+    its bytes) until the step whose word the reader never released, which
+    raises within the timeout instead of waiting for ever."""
+    with communicators(2, timeout=10.0, tune=False) as comms:
+        W = comms[0]._engine.group.words
+        buf = np.ones(2)
+        for _ in range(3):  # both ranks, the step prepared
+            _on_all(comms, lambda c: c.broadcast(buf.copy(), root=0, algorithm="direct"))
+        comms[1].close()
+        returned = 0
+        t0 = time.monotonic()
+        with pytest.raises(pycoll.PycollError) as ei:
+            for _ in range(W + 2):
+                comms[0].broadcast(buf, root=0, algorithm="direct")
+                returned += 1
+        assert type(ei.value).__name__ in ("PeerAbortedError", "CollectiveTimeout"), ei.value
+        assert returned <= W and time.monotonic() - t0 < 13, (returned, time.monotonic() - t0)
