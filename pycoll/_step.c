@@ -1118,11 +1118,12 @@ broadcast_by(const Layout *L, char *buf, Py_ssize_t nbytes, Py_ssize_t cut, int 
                 return o;
             if (move_range(L, root, i, 0, buf, (size_t)cut, 0, &o))
                 return o;
+        } else if (r == root) {
+            if (finish_step(L, s, pt, &o))
+                return o;
         } else {
-            if (o.k == 0)
-                __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
-            if (r == root ? await_dones(L, s, pt, &o)
-                          : tail && await_peer(L, root, DONE(L, root), s, 0, pt, &o))
+            __atomic_store_n(DONE(L, r), s, __ATOMIC_RELEASE);
+            if (tail && await_peer(L, root, DONE(L, root), s, 0, pt, &o))
                 return o;
         }
     }
