@@ -98,8 +98,11 @@ class Family:
             self.executor.shutdown(wait=wait, cancel_futures=not wait)
             self.executor = None
         if self.gpu is not None:
-            self.gpu.close()
+            lost = self.gpu.close()
             self.gpu = None
+            if lost is not None and self.failed is None:
+                # a stream let go after its call returned: its output is wrong
+                self.failed, self.unseen = lost, True
         self.close_wiring()
         if self.status is not None:
             self.status.close()

@@ -8,6 +8,8 @@ returned the root's first 12 bytes with no error, before this check.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -98,6 +100,7 @@ def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
     from transports.cuda_ipc.layout import (
         _CLOSED_OFF,
         _SEG_BYTES,
+        _W_DONE,
         _W_EXPOSED,
         _W_READY,
         _W_RELEASED,
@@ -108,7 +111,8 @@ def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
     mine, theirs = _WIN_OFF[side], _WIN_OFF[1 - side]
     w = object.__new__(ipc._Window)
     w._mm, w._mine, w._theirs, w._dev, w._read, w._last = mm, mine, theirs, 0, None, 0
-    w.opened = w.exposed = w.opened_ready = w.opened_waiting = 0
+    w.opened = w.exposed = w.opened_ready = w.opened_waiting = w.waited = w.released = 0
+    w._give_up_at, w.abandoned, w._sides = None, None, []
     w.ready_by_host = w.ready_by_stream = 0
     w._written = [None] * 4
     w._exposed_me = _atomic.Counter(mm, mine + _W_EXPOSED)
@@ -116,6 +120,8 @@ def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
     w._exposed_peer = _atomic.Counter(mm, theirs + _W_EXPOSED)
     w._ready_peer = _atomic.Counter(mm, theirs + _W_READY)
     w._released_peer = _atomic.Counter(mm, theirs + _W_RELEASED)
+    w._done_me = _atomic.Counter(mm, mine + _W_DONE)
+    w._done_peer = _atomic.Counter(mm, theirs + _W_DONE)
     closed = _atomic.Counter(mm, _CLOSED_OFF[1 - side])
     peer = 1 - side
 
@@ -127,6 +133,147 @@ def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
     waits: list[int] = []
     w._on_stream = lambda op, stream, addr, value: waits.append(value)
     return w, waits
+
+
+def _wait_released(w: Any, seconds: float = 5.0) -> None:
+    """The follower's end of a call: expose (its peer releases nothing yet) and
+    have the stream wait for the peer's "done" word."""
+    from transports.base import Deadline
+
+    w.exposed += 1
+    w.wait_released(0, Deadline.after(seconds, idle=True))
+
+
+@pytest.mark.parametrize("how", ["exited", "failed"])
+def test_a_stream_waiting_on_a_gone_peer_is_let_go(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower's call returns with its stream waiting for the leader's "done"
+    word.  A leader that dies or fails never writes it: the watchdog stores it
+    itself (the stream goes on rather than hold the process for good), and the
+    failure is kept for the connection to raise at its next use."""
+    from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    w, waits = _ipc_window(1)
+    _wait_released(w)
+    assert waits == [1] and w.unmet()
+    assert watchdog._look(w) is False  # the leader is alive: keep waiting
+    if how == "exited":  # as check_peer sees a pid that is gone
+        w._conn.check_peer = lambda: (_ for _ in ()).throw(
+            PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0)
+        )
+    else:  # it failed and said so
+        w._conn._closed_peer.store(2)
+    assert watchdog._look(w) is True
+    assert w._done_peer.load() == 1 and not w.unmet()
+    assert isinstance(w.abandoned, PeerClosedError)
+
+
+def test_outputs_the_gone_peer_never_wrote_are_poisoned_before_the_stream_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the leader should have written into the follower's exposed outputs
+    is filled with 0xFF bytes (NaN) on a side stream, and that stream, not the
+    host, then writes the "done" count: the waiting stream never sees the
+    stale output as a result.  Inputs are left alone."""
+    from transports.base import Deadline
+    from transports.cuda_ipc import windows as ipc
+
+    done: list[tuple[str, Any]] = []
+    monkeypatch.setattr(ipc, "stream_idle", lambda stream: True)
+    monkeypatch.setattr(ipc.watchdog, "watch", lambda w: None)
+    monkeypatch.setattr(ipc, "stream_write", lambda st, addr, v: done.append(("write", st, v)))
+    monkeypatch.setattr(ipc, "on_device", lambda d: contextlib.nullcontext())
+    w, _ = _ipc_window(1)
+    w._marked_done = lambda: True
+    w._rt = SimpleNamespace(
+        streamCreateWithFlags=lambda flags: 77,
+        memsetAsync=lambda ptr, v, n, st: done.append(("memset", ptr, v, n, st)),
+    )
+    x = DeviceSpan(0x1000, 64, 0, 0, b"h" * 64, 0)
+    out = DeviceSpan(0x2000, 64, 0, 0, b"h" * 64, 0, written=True)
+    w.expose([x, out], 0, Deadline.after(5))
+    w.wait_released(0, Deadline.after(5, idle=True))
+    w.abandon(PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0))
+    assert done == [("memset", 0x2000, 0xFF, 64, 77), ("write", 77, 1)]
+    assert w._done_peer.load() == 0 and w._sides == [77]  # the side stream writes it
+
+
+def test_a_stream_waiting_on_a_peer_that_wrote_before_it_went_is_not_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    w, _ = _ipc_window(1)
+    _wait_released(w)
+    w._done_peer.store(1)  # the leader's stream wrote it, then the leader exited
+    w._conn._closed_peer.store(1)
+    assert watchdog._look(w) is True and w.abandoned is None
+
+
+def test_a_stream_waiting_past_the_timeout_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader that is alive but never comes: after the call's timeout the
+    stream goes on and the connection raises a timeout at its next use."""
+    from transports.base import TransportTimeout
+    from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    w, _ = _ipc_window(1)
+    _wait_released(w, seconds=0.05)
+    assert watchdog._look(w) is False
+    time.sleep(0.06)
+    assert watchdog._look(w) is True
+    assert isinstance(w.abandoned, TransportTimeout) and w._done_peer.load() == 1
+
+
+def test_the_leader_stream_waiting_on_a_gone_follower_is_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader's opening queued a wait for the follower's "ready" word (its
+    stream was busy): a follower that dies before its stream wrote it is let go too."""
+    from transports.base import Deadline
+    from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    w, waits = _ipc_window(0)
+    w._exposed_peer.store(1)
+    w.open(0, Deadline.after(5))
+    assert waits == [1] and w.unmet()
+    w._conn._closed_peer.store(3)
+    assert watchdog._look(w) is True and w._ready_peer.load() == 1
+
+
+def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows() -> None:
+    """The thread itself: a window is looked at until its peer fails, then let go;
+    one forgotten (closed) is never looked at again."""
+    from transports.cuda_ipc import watchdog
+
+    w, _ = _ipc_window(1)
+    other, _ = _ipc_window(1)
+    looks: list[int] = []
+    other.unmet = lambda: looks.append(1) or True
+    _wait_released(w)  # registers it
+    watchdog.watch(other)
+    watchdog.forget(other)
+    n = len(looks)
+    w._conn._closed_peer.store(2)
+    end = time.monotonic() + 5
+    while w.abandoned is None and time.monotonic() < end:
+        time.sleep(0.01)
+    assert isinstance(w.abandoned, PeerClosedError) and w._done_peer.load() == 1
+    assert len(looks) == n
+    assert id(w) not in watchdog._waiting
+
+
+def test_a_connection_raises_what_the_watchdog_saw_at_its_next_use() -> None:
+    from transports.cuda_ipc.rings import CudaIpcConnection
+
+    exc = PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0)
+    conn = SimpleNamespace(_closed=False, peer=0, _win=SimpleNamespace(abandoned=exc))
+    with pytest.raises(PeerClosedError, match="has exited"):
+        CudaIpcConnection._check_open(conn)
 
 
 def test_an_exposure_already_ready_needs_no_stream_wait() -> None:

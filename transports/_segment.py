@@ -380,6 +380,18 @@ def process_gone(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    # the state follows the command name, which sits in parentheses and may hold any byte
-    end = stat.rfind(b")")
-    return stat[end + 2 : end + 3] in (b"Z", b"X")
+    # the state follows the command name, which sits in parentheses and may hold
+    # any byte; the flags are the 7th field after it.  A process that has begun to
+    # exit (PF_EXITING) runs no more of its code: it is gone for its peers, also
+    # while its exit waits in the kernel (on an H100, the exit of a process whose
+    # device memory another process's stream waited on did not end)
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return True
+    try:
+        return bool(int(fields[6]) & _PF_EXITING)
+    except (IndexError, ValueError):
+        return False
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h

@@ -384,6 +384,9 @@ class DeviceSpan:
             ``ptr``'s offset in it (``cuda_driver.export``), where the caller
             worked them out already and keeps the memory alive (else empty: a
             connection that exposes the span works them out each time).
+        written: the peer writes into it (an output).  A connection that lets a
+            stream go without the peer's write fills it with 0xFF bytes (NaN for
+            floating types) first, so that a wrong result does not pass for one.
     """
 
     ptr: int
@@ -392,6 +395,7 @@ class DeviceSpan:
     stream: int = 0
     handle: bytes = b""
     offset: int = 0
+    written: bool = False
 
     def __getitem__(self, s: slice) -> DeviceSpan:
         start, stop, _ = s.indices(self.nbytes)
@@ -664,6 +668,13 @@ class Connection(abc.ABC):
 
     def check_peer(self) -> None:  # noqa: B027 - optional hook
         """Raise :class:`PeerClosedError` if the peer is known to be gone."""
+
+    def stream_failure(self) -> TransportError | None:
+        """A failure seen after the call it concerns returned: the peer never wrote
+        what a stream of ours waited for, and the transport let the stream go
+        rather than wait forever (that call's output is wrong).  The connection
+        raises it at its next use; None when there was none."""
+        return None
 
     def check_incoming(self) -> None:
         """:meth:`check_peer` for a wait for the peer's next message with no

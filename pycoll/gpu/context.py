@@ -269,13 +269,17 @@ class GpuContext:
         for c in self.dconns.values():
             c.announce_close(cause)
 
-    def close(self) -> None:
+    def close(self) -> Exception | None:
         """Release everything; first open the gates of jobs that never ran and wait
-        (bounded by the timeout) for the device work of the others to end."""
+        (bounded by the timeout) for the device work of the others to end.
+        Returns the first failure a connection saw after its call had returned
+        (a stream let go: :meth:`~transports.base.Connection.stream_failure`)."""
         self.inflight.close()
+        conns = list(self.dconns.values())
         if self._close is not None:
             self._close()
             self._close = None
+        lost = next((e for e in (c.stream_failure() for c in conns) if e is not None), None)
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
@@ -292,6 +296,7 @@ class GpuContext:
         self._copy = None
         self._gates_mem = None
         self._starts_mem = None
+        return lost
 
 
 class HostJob(Job):

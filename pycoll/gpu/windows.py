@@ -124,7 +124,8 @@ class Windows:
                     self._copy_back.append((ptr, tmp, n))
                 ptr = tmp
                 use = self._as_array(ptr, n, a.dtype, dev)
-            spans.append(DeviceSpan(ptr, n, dev, self._sptr))
+            out = i < len(written) and written[i]
+            spans.append(DeviceSpan(ptr, n, dev, self._sptr, written=out))
             local.append(use)
         return spans, local
 
@@ -219,7 +220,7 @@ class KeptWindows(Windows):
         from transports.cuda_driver import export
 
         spans = [
-            DeviceSpan(sp.ptr, sp.nbytes, sp.device, sp.stream, *export(sp.ptr))
+            DeviceSpan(sp.ptr, sp.nbytes, sp.device, sp.stream, *export(sp.ptr), sp.written)
             if sp.nbytes
             else sp
             for sp in spans

@@ -11,6 +11,7 @@ one rank.  Run: ``python -m pytest tests/gpu/test_gpu_faults.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,15 +36,25 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize(
+    "path,exits",
+    [("direct", 1), ("direct", 0), ("ring", 1), ("ring", 0), ("host", 1), ("staged", 1)],
+)
 @pytest.mark.parametrize("when", ["before", "during"])
-@pytest.mark.parametrize("path", ["direct", "ring", "host", "staged"])
-def test_peer_exits_in_a_device_collective(path: str, when: str, tmp_path: Path) -> None:
+def test_peer_exits_in_a_device_collective(
+    path: str, exits: int, when: str, tmp_path: Path
+) -> None:
+    """``exits`` = 0 on ``direct``: the leader goes, and the survivor's call has
+    already returned with its stream waiting for the leader's "done" word.
+    The watchdog lets that stream go once it sees the leader gone, the output
+    filled with NaN, and the next call raises."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PYCOLL_TRANSPORT"):
         env.pop(k, None)
+    args = [str(tmp_path / "store"), "2", path, when, str(exits)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(RANK), str(tmp_path / "store"), str(r), "2", path, when],
+            [sys.executable, str(RANK), args[0], str(r), *args[1:]],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -53,22 +64,28 @@ def test_peer_exits_in_a_device_collective(path: str, when: str, tmp_path: Path)
         for r in range(2)
     ]
     outs = [p.communicate(timeout=150) for p in procs]
-    survivor = procs[0]
-    report = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
-    assert report, f"rank 0 reported nothing (rc {survivor.returncode}): {outs[0][1][-3000:]}"
+    s = 1 - exits
+    lines = outs[s][0].splitlines()
+    report = [json.loads(line) for line in lines if line.startswith("{")]
+    assert report, f"rank {s} reported nothing (rc {procs[s].returncode}): {outs[s][1][-3000:]}"
     res = report[-1]
-    print(path, when, json.dumps(res))  # the device log keeps what each path raised
+    print(path, when, exits, json.dumps(res))  # the device log keeps what each path raised
     assert res["first"] == 3.0, res
-    # only a call rank 1 took part in may complete, and then with the right sum
-    assert res["completed"] in ([], [[3.0, 3.0]]), res
-    assert when == "during" or res["completed"] == [], res
+    # only a call the exiting rank took part in may complete, with the right sum;
+    # one whose stream was let go (the leader exited) holds NaN, never a stale value
+    done = res["completed"]
+    poisoned = [c for c in done if all(math.isnan(v) for v in c)]
+    assert len(done) <= 1 and all(c == [3.0, 3.0] for c in done if c not in poisoned), res
+    assert not poisoned or (path, exits) == ("direct", 0), res
+    assert when == "during" or exits == 0 or done == [], res
     assert res["error"] in ("PeerAbortedError", "CollectiveTimeout"), res
-    if when == "during" and not res["completed"]:
+    if when == "during" and exits == 1 and not done:
         assert res["elapsed"] > 0.3, res  # it was inside the call when rank 1 died
     assert res["elapsed"] < TIMEOUT + SLACK, res
+    assert max(res["sync_s"], default=0.0) < TIMEOUT + SLACK, res
     assert res["close_s"] < SLACK, res
     assert res["segments"] == [], res
-    assert procs[1].returncode == 3, outs[1][1][-2000:]
+    assert procs[exits].returncode == 3, outs[exits][1][-2000:]
 
 
 @pytest.mark.parametrize("n", [2, 3])

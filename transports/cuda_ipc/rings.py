@@ -35,7 +35,6 @@ from transports.cuda_ipc.layout import (
     _CLOSED_OFF,
     _CTRL0,
     _CTRL_SIZE,
-    _FLAG_BYTES,
     _HDR,
     _META,
     _SIDE,
@@ -137,9 +136,7 @@ class CudaIpcConnection(Connection):
         self._sink_stream = 0
         self._own_stream = 0
         with on_device(device):
-            # the ring, then the window words (see _Window) in the same allocation
-            self._ring = int(rt.malloc(self.nslots * self.slot_bytes + _FLAG_BYTES))
-            rt.memset(self._ring + self.nslots * self.slot_bytes, 0, _FLAG_BYTES)
+            self._ring = int(rt.malloc(self.nslots * self.slot_bytes))
             try:
                 handle = rt.ipcGetMemHandle(self._ring)
             except BaseException:
@@ -358,6 +355,9 @@ class CudaIpcConnection(Connection):
             transport=NAME,
         )
 
+    def stream_failure(self) -> TransportError | None:
+        return self._win.abandoned
+
     def announce_close(self, cause: int | None = None) -> None:
         if not self._closed:
             self._say_closed(cause)
@@ -377,6 +377,8 @@ class CudaIpcConnection(Connection):
             raise TransportError(
                 f"cuda_ipc connection to peer {self.peer} is closed", peer=self.peer, transport=NAME
             )
+        if self._win.abandoned is not None:  # the watchdog let a stream of ours go
+            raise self._win.abandoned
 
     def close(self) -> None:
         if self._closed:

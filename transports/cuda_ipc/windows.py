@@ -11,6 +11,7 @@ import ctypes
 import logging
 import mmap
 import struct
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,12 +35,13 @@ from transports.cuda_driver import (
     stream_wait,
     stream_write,
 )
+from transports.cuda_ipc import watchdog
 from transports.cuda_ipc.layout import (
-    _F_RELEASED,
     _SEG_BYTES,
     _W_DESC,
     _W_DESC_BYTES,
     _W_DESC_TAG,
+    _W_DONE,
     _W_EXPOSED,
     _W_MAX_SPANS,
     _W_READY,
@@ -86,9 +88,17 @@ class _Window:
       a GPU: a word that only our stream can write makes the peer's stream wait
       for a time slice of our context (on the H200 at n = 2, 2.1-2.4 ms of GPU
       time for a 1 MiB allreduce against 0.29 ms).
-    * "released" (device memory after our ring, which the peer has mapped):
-      our stream writes the peer's release count after the work that read its
-      buffers; the peer's stream waits on it.
+    * "done" (in the segment too): our stream writes the count of the peer's
+      exposures we released after the work that read its buffers; the peer's
+      stream waits on it.
+
+    Every word a stream of ours waits on is the peer's, in the segment, which
+    our host can store too.  While such a wait is queued and not met, the
+    :mod:`~transports.cuda_ipc.watchdog` looks at the peer; a peer that failed
+    or is gone, or that has not come within the call's timeout, will never
+    write it, and the watchdog stores the awaited count itself
+    (:meth:`abandon`): the stream goes on rather than wait forever, the
+    failure is logged, and the connection raises it at its next use.
     """
 
     def __init__(self, conn: CudaIpcConnection, mm: mmap.mmap) -> None:
@@ -110,9 +120,10 @@ class _Window:
         self._exposed_peer = _atomic.Counter(mm, theirs + _W_EXPOSED)
         self._ready_peer = _atomic.Counter(mm, theirs + _W_READY)
         self._released_peer = _atomic.Counter(mm, theirs + _W_RELEASED)
+        self._done_me = _atomic.Counter(mm, mine + _W_DONE)
+        self._done_peer = _atomic.Counter(mm, theirs + _W_DONE)
         self.exposed = self.waited = 0  # our exposures made / whose release we waited for
         self.opened = self.released = 0  # the peer's exposures opened / released
-        self._flags = conn._ring + conn.nslots * conn.slot_bytes  # our device words
         self._maps: OrderedDict[bytes, int] = OrderedDict()  # peer handle -> mapped base
         self._last = 0  # an event after the latest stream work on the segment's words
         self._last_stream = 0
@@ -122,6 +133,10 @@ class _Window:
         self._written: list[Sequence[DeviceSpan] | None] = [None] * _WIN_SLOTS
         # the peer's last descriptor as read, the stream, and the spans made of it
         self._read: tuple[bytes, int, list[DeviceSpan]] | None = None
+        self._give_up_at: float | None = None  # when the watchdog lets our stream go
+        self._sides: list[int] = []  # streams that poisoned outputs (abandon)
+        #: why the watchdog let our stream go; the connection raises it at next use
+        self.abandoned: TransportError | None = None
 
     def counters(self) -> tuple[_atomic.Counter, ...]:
         return (
@@ -131,6 +146,8 @@ class _Window:
             self._exposed_peer,
             self._ready_peer,
             self._released_peer,
+            self._done_me,
+            self._done_peer,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -146,12 +163,6 @@ class _Window:
                     pending=[self._conn.peer],
                 )
             bo.pause()
-
-    def _peer_flags(self) -> int:
-        conn = self._conn
-        if not conn._peer_opened:
-            conn._open_peer()
-        return conn._peer_ring + conn.nslots * conn.slot_bytes
 
     def _map(self, handle: bytes, raw: int, stream: int) -> int:
         """The base of the peer's allocation ``handle`` in our address space (cached;
@@ -247,12 +258,13 @@ class _Window:
         else:
             spans = self._spans_of(off, count, stream)
             self._read = (raw_desc, stream, spans)
+        self.opened = seq
         if _reached(self._ready_peer.load(), seq):
             self.opened_ready += 1  # final already: nothing for the stream to wait for
         else:
             self._on_stream(stream_wait, stream, self._dev + self._theirs + _W_READY, seq)
             self.opened_waiting += 1
-        self.opened = seq
+            self._watch(deadline)
         return spans
 
     def _spans_of(self, off: int, count: int, stream: int) -> list[DeviceSpan]:
@@ -293,7 +305,7 @@ class _Window:
             raise TransportError(
                 "cuda_ipc: release() without an open window", peer=self._conn.peer, transport=NAME
             )
-        self._on_stream(stream_write, stream, self._flags + _F_RELEASED, seq)
+        self._on_stream(stream_write, stream, self._dev + self._mine + _W_DONE, seq)
         self.released = seq
         self._released_me.store(seq)
 
@@ -305,32 +317,131 @@ class _Window:
                 peer=self._conn.peer,
                 transport=NAME,
             )
-        stream_wait(stream, self._peer_flags() + _F_RELEASED, seq)
         self.waited = seq
+        if not _reached(self._done_peer.load(), seq):
+            self._on_stream(stream_wait, stream, self._dev + self._theirs + _W_DONE, seq)
+            self._watch(deadline)
+
+    # ------------------------------------------------------------------ failures
+    def _watch(self, deadline: Deadline) -> None:
+        """A stream wait on a peer's word was queued: the watchdog looks after it
+        until it is met, within the call's timeout (an idle deadline's stretch)."""
+        seconds = deadline.idle
+        if seconds is None and deadline.at is not None:
+            seconds = max(0.0, deadline.at - time.monotonic())
+        self._give_up_at = None if seconds is None else time.monotonic() + seconds
+        watchdog.watch(self)
+
+    def unmet(self) -> bool:
+        """Whether a stream wait we queued may still wait: a count of the peer's
+        that our stream waits for has not been written."""
+        return not (
+            _reached(self._ready_peer.load(), self.opened)
+            and _reached(self._done_peer.load(), self.waited)
+        )
+
+    def failure(self) -> TransportError | None:
+        """Why the peer will never write what our stream waits for (None: it may)."""
+        try:
+            self._conn.check_peer()
+        except TransportError as exc:
+            return exc
+        at = self._give_up_at
+        if at is not None and time.monotonic() >= at:
+            peer = self._conn.peer
+            return TransportTimeout(
+                f"cuda_ipc: peer {peer} did not write what our stream waited for "
+                "within the call's timeout",
+                pending=[peer],
+            )
+        return None
+
+    def abandon(self, why: TransportError) -> None:
+        """Write the counts our stream waits for into the peer's words ourselves, so
+        that it goes on (the connection raises ``why`` at its next use).  Only
+        ever for a peer that will not.  What the peer should have written into
+        our exposed outputs is filled with 0xFF bytes first (NaN for floating
+        types), on a side stream that then writes the "done" count."""
+        if self.abandoned is None:
+            self.abandoned = why
+        if not _reached(self._ready_peer.load(), self.opened):
+            self._ready_peer.store(self.opened)
+        seq = self.waited
+        if _reached(self._done_peer.load(), seq):
+            return
+        outputs = [
+            sp
+            for k in range(max(1, seq - _WIN_SLOTS + 1), seq + 1)
+            if not _reached(self._done_peer.load(), k)
+            for sp in self._written[(k - 1) % _WIN_SLOTS] or ()
+            if sp.written and sp.nbytes
+        ]
+        if not outputs:
+            self._done_peer.store(seq)
+            return
+        rt = self._rt
+        with on_device(self._conn.device):
+            side = int(rt.streamCreateWithFlags(1))  # cudaStreamNonBlocking: waits for nothing
+            for sp in outputs:
+                rt.memsetAsync(sp.ptr, 0xFF, sp.nbytes, side)
+            stream_write(side, self._dev + self._theirs + _W_DONE, seq)
+        self._sides.append(side)  # destroyed at close, once it ran
+
+    def _synchronize(self) -> None:
+        try:
+            with on_device(self._conn.device):
+                self._rt.deviceSynchronize()
+        except Exception as exc:  # a failed context: nothing left to wait for
+            log.debug("cuda_ipc: device synchronize at close: %s", exc)
 
     def close(self) -> None:
-        """Unmap the peer's buffers (after the device is done with them) and our
-        segment's device mapping (once no queued work waits on or writes its
-        words; work that never ends, waiting for a dead peer, keeps it mapped
-        until the process exits)."""
+        """Unmap the peer's buffers and our segment's device mapping, once the
+        device is done with them, never waiting without a bound.
+
+        A stream wait on a word of a peer that failed or is gone is let go at
+        once (:meth:`abandon`); one on a live peer's word, after
+        :data:`_UNMAP_WAIT` seconds (we are leaving: nothing may wait for us).
+        Work that still does not end keeps the mappings until the process exits."""
         rt = self._rt
-        if self._maps:
-            rt.deviceSynchronize()
+        watchdog.forget(self)
+        if self.unmet():
+            why = self.failure()
+            if why is not None:
+                self.abandon(why)
+        done = not self._last or _settled(rt, self._last, _UNMAP_WAIT)
+        if not done and self.unmet():
+            self.abandon(
+                TransportTimeout(
+                    f"cuda_ipc: closed while our stream still waited for peer {self._conn.peer}",
+                    pending=[self._conn.peer],
+                )
+            )
+            log.warning("cuda_ipc: %s; let go at close()", self.abandoned)
+            done = _settled(rt, self._last, 1.0)
+        # other streams of ours may read the peer's buffers (a copy queued before
+        # a call failed): the device must be done with them before they unmap
+        if done and self._maps:
+            done = _bounded(self._synchronize, _UNMAP_WAIT)
+        if self._last:
+            rt.eventDestroy(self._last)
+            self._last = 0
+        for side in self._sides:
+            if done:
+                rt.streamSynchronize(side)  # a memset and a word write: they end
+            rt.streamDestroy(side)
+        self._sides.clear()
+        if not done:
+            log.warning(
+                "cuda_ipc: queued work still uses the windows of peer %d after %.0f s; "
+                "they stay mapped until the process exits",
+                self._conn.peer,
+                _UNMAP_WAIT,
+            )
+            self._maps.clear()
+            self._dev = 0
         for base in self._maps.values():
             rt.ipcCloseMemHandle(base)
         self._maps.clear()
-        if self._last:
-            done = _settled(rt, self._last, _UNMAP_WAIT)
-            rt.eventDestroy(self._last)
-            self._last = 0
-            if not done:
-                log.warning(
-                    "cuda_ipc: queued work still uses the windows of peer %d after %.0f s; "
-                    "their host words stay mapped until the process exits",
-                    self._conn.peer,
-                    _UNMAP_WAIT,
-                )
-                self._dev = 0
         if self._dev:
             host_unmap(self._host)
             self._dev = 0
@@ -351,3 +462,13 @@ def _settled(rt: object, event: int, seconds: float) -> bool:
             return True
         bo.pause()
     return False
+
+
+def _bounded(call: Any, seconds: float) -> bool:
+    """Whether ``call()`` (a driver call that may block, such as a device
+    synchronize) returns within ``seconds``; if not, it is left blocked on a
+    daemon thread."""
+    t = threading.Thread(target=call, name="pycoll-cuda-ipc-sync", daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
