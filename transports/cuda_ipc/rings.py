@@ -42,7 +42,7 @@ from transports.cuda_ipc.layout import (
     NAME,
     _ipc_open,
 )
-from transports.cuda_ipc.windows import _Window
+from transports.cuda_ipc.windows import _UNMAP_WAIT, _settled, _Window
 
 log = logging.getLogger(__name__)
 
@@ -392,15 +392,22 @@ class CudaIpcConnection(Connection):
         rt = self._rt
         try:
             with on_device(self.device):
-                for ev, *_ in list(self._sinking):
-                    rt.eventSynchronize(ev)
-                for _, ev, *_ in list(self._copying):
-                    rt.eventSynchronize(ev)
-                self._win.close()
-                if self._peer_ipc:
-                    rt.ipcCloseMemHandle(self._peer_ring)
-                if self._ring:
-                    rt.free(self._ring)
+                self._win.close()  # first: it lets go of streams that wait on the peer
+                events = [ev for ev, *_ in self._sinking] + [ev for _, ev, *_ in self._copying]
+                # copies in flight end, unless their stream waits on a peer that
+                # is alive and late: then the ring stays mapped until exit
+                if all(_settled(rt, ev, _UNMAP_WAIT) for ev in events):
+                    if self._peer_ipc:
+                        rt.ipcCloseMemHandle(self._peer_ring)
+                    if self._ring:
+                        rt.free(self._ring)
+                else:
+                    log.warning(
+                        "cuda_ipc: copies to or from peer %d still queued after %.0f s; "
+                        "the rings stay mapped until the process exits",
+                        self.peer,
+                        _UNMAP_WAIT,
+                    )
                 if self._own_stream:
                     rt.streamDestroy(self._own_stream)
                 self._events.close()
