@@ -904,51 +904,6 @@ def test_a_driver_call_on_a_thread_without_a_context_binds_one_and_retries(monke
     assert cuda_driver._call(fn, 3) == 201  # still no context: the error is the caller's
 
 
-def test_stream_words_go_through_cuda_bindings_where_installed(monkeypatch):
-    """Where NVIDIA's cuda.bindings is installed, the stream words, the stream
-    query and a packed launch go through it (each stream's CUstream made once;
-    its answers are tuples, CUDA_ERROR_INVALID_CONTEXT retried as ever)."""
-    import ctypes
-    from types import SimpleNamespace
-
-    from transports import cuda_driver
-
-    calls: list[tuple] = []
-    made: list[int] = []
-
-    class CUstream:
-        def __init__(self, v):
-            made.append(v)
-            self.v = v
-
-    answers = iter([(201,), (0,), (0,), (600,), (0,)])
-
-    def rec(name):
-        return lambda *a: calls.append((name, *a)) or next(answers)
-
-    cu = SimpleNamespace(
-        CUstream=CUstream,
-        CUfunction=lambda f: ("fn", f),
-        cuStreamWriteValue32=rec("write"),
-        cuStreamWaitValue32=rec("wait"),
-        cuStreamQuery=rec("query"),
-        cuLaunchKernel=rec("launch"),
-    )
-    monkeypatch.setattr(cuda_driver, "_cu", cu)
-    monkeypatch.setattr(cuda_driver, "_streams", {})
-    monkeypatch.setattr(cuda_driver, "runtime", lambda: SimpleNamespace(free=lambda p: None))
-    cuda_driver.stream_write(7, 0x1000, (1 << 32) + 5)  # answered 201, then 0
-    cuda_driver.stream_wait(7, 0x1000, 5)
-    assert cuda_driver.stream_idle(7) is False  # 600: not ready
-    launch = cuda_driver.Launch(99, 4, 128, 7, [ctypes.c_uint64(1)])
-    launch()
-    assert made == [7]
-    names = [(c[0], *c[2:4]) for c in calls[:4]]
-    assert names == [("write", 0x1000, 5), ("write", 0x1000, 5), ("wait", 0x1000, 5), ("query",)]
-    assert calls[4][:2] == ("launch", ("fn", 99)) and calls[4][2:8] == (4, 1, 1, 128, 1, 1)
-    assert calls[4][10] == ctypes.addressof(launch._params)
-
-
 def test_queuer_binds_the_devices_context_once_and_names_a_failed_call(monkeypatch):
     """The driver calls made with the GIL held (torch's mirrored allreduces): one
     answering CUDA_ERROR_INVALID_CONTEXT makes the device's primary context

@@ -81,71 +81,27 @@ def _call(fn: Any, *args: Any, bind: Any = None) -> int:
     """``fn(*args)``, a driver call, on the calling thread's current context.  A
     thread that has made no runtime call yet (a progress thread) has none: then
     ``bind()`` makes one current, once, and the call runs again; by default
-    ``cudaFree(NULL)`` binds the current device's primary context.  ``fn`` is a
-    ctypes function (it returns the error) or a ``cuda.bindings`` one (a tuple
-    that starts with it)."""
+    ``cudaFree(NULL)`` binds the current device's primary context."""
     err = fn(*args)
-    if type(err) is tuple:
-        err = err[0]
     if err == _INVALID_CONTEXT:
         if bind is None:
             runtime().free(0)
         else:
             bind()
         err = fn(*args)
-        if type(err) is tuple:
-            err = err[0]
     return int(err)
-
-
-# The stream-word calls and the stream query go through NVIDIA's cuda.bindings
-# where it is installed: 0.3-1.0 us a call less than through ctypes on an H100
-# (benchmarks/gpu_driver_calls.py), and a replayed call makes three to five.
-_cu: Any = None  # cuda.bindings.driver; False where it is not installed
-_streams: dict[int, Any] = {}  # cudaStream_t -> its CUstream (made once: 0.2 us each)
-
-
-def bindings() -> Any:
-    """``cuda.bindings.driver``, or False where it is not installed (the ctypes
-    calls serve then)."""
-    global _cu
-    if _cu is None:
-        try:
-            from cuda.bindings import driver as cu
-        except ImportError:
-            cu = False
-        _cu = cu
-    return _cu
-
-
-def _cs(stream: int) -> Any:
-    """The ``CUstream`` of ``stream`` (cached; bounded, since streams come and go)."""
-    cs = _streams.get(stream)
-    if cs is None:
-        if len(_streams) >= 256:
-            _streams.clear()
-        cs = _streams[stream] = _cu.CUstream(stream)
-    return cs
 
 
 def stream_write(stream: int, addr: int, value: int) -> None:
     """Enqueue ``*addr = value`` (32 bits) on ``stream``, after its queued work."""
-    cu = _cu if _cu is not None else bindings()
-    if cu:
-        err = _call(cu.cuStreamWriteValue32, _cs(stream), addr, value & 0xFFFFFFFF, 0)
-    else:
-        err = _call(driver().cuStreamWriteValue32_v2, stream, addr, value & 0xFFFFFFFF, 0)
+    err = _call(driver().cuStreamWriteValue32_v2, stream, addr, value & 0xFFFFFFFF, 0)
     if err:
         raise TransportError(f"cuda: cuStreamWriteValue32 failed with CUDA error {err}")
 
 
 def stream_wait(stream: int, addr: int, value: int) -> None:
     """Make ``stream`` wait until the 32-bit word at ``addr`` reaches ``value``."""
-    cu = _cu if _cu is not None else bindings()
-    if cu:
-        err = _call(cu.cuStreamWaitValue32, _cs(stream), addr, value & 0xFFFFFFFF, _WAIT_GEQ)
-    else:
-        err = _call(driver().cuStreamWaitValue32_v2, stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
+    err = _call(driver().cuStreamWaitValue32_v2, stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ)
     if err:
         raise TransportError(f"cuda: cuStreamWaitValue32 failed with CUDA error {err}")
 
@@ -162,29 +118,15 @@ class Launch:
         args: the kernel's parameters as ctypes values (pointers as ``c_uint64``).
     """
 
-    __slots__ = ("_args", "_cf", "_fn", "_params", "blocks", "stream", "threads")
+    __slots__ = ("_args", "_fn", "_params", "blocks", "stream", "threads")
 
     def __init__(self, function: int, blocks: int, threads: int, stream: int, args: list) -> None:
         self._fn = function
         self.blocks, self.threads, self.stream = blocks, threads, stream
         self._args = args  # the values the parameter array points at
         self._params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        cu = bindings()
-        # through cuda.bindings: the function and stream as its handles, the
-        # parameter array by address
-        self._cf = (
-            (cu.CUfunction(function), _cs(stream), ctypes.addressof(self._params)) if cu else None
-        )
 
     def __call__(self) -> None:
-        if self._cf is not None:
-            f, cs, params = self._cf
-            err = _call(
-                _cu.cuLaunchKernel, f, self.blocks, 1, 1, self.threads, 1, 1, 0, cs, params, 0
-            )
-            if err:
-                raise TransportError(f"cuda: cuLaunchKernel failed with CUDA error {err}")
-            return
         err = _call(
             driver().cuLaunchKernel,
             self._fn,
@@ -208,8 +150,7 @@ _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 def stream_idle(stream: int) -> bool:
     """Whether everything queued on ``stream`` so far has run (its waits included)."""
-    cu = _cu if _cu is not None else bindings()
-    err = _call(cu.cuStreamQuery, _cs(stream)) if cu else _call(driver().cuStreamQuery, stream)
+    err = _call(driver().cuStreamQuery, stream)
     if err and err != _NOT_READY:
         raise TransportError(f"cuda: cuStreamQuery failed with CUDA error {err}")
     return not err
