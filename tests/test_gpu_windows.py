@@ -9,6 +9,7 @@ returned the root's first 12 bytes with no error, before this check.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -245,10 +246,15 @@ def test_the_leader_stream_waiting_on_a_gone_follower_is_let_go(
     assert watchdog._look(w) is True and w._ready_peer.load() == 1
 
 
-def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows() -> None:
+def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The thread itself: a window is looked at until its peer fails, then let go;
-    one forgotten (closed) is never looked at again."""
+    one forgotten (closed) is never looked at again; with nothing left to look
+    after, the thread ends."""
     from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "IDLE_EXIT", 0.05)
 
     w, _ = _ipc_window(1)
     other, _ = _ipc_window(1)
@@ -265,6 +271,12 @@ def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows() -> No
     assert isinstance(w.abandoned, PeerClosedError) and w._done_peer.load() == 1
     assert len(looks) == n
     assert id(w) not in watchdog._waiting
+    thread = watchdog._thread
+    if thread is not None:
+        thread.join(5)
+    assert watchdog._thread is None and not any(
+        t.name == "pycoll-cuda-ipc-watchdog" for t in threading.enumerate()
+    )
 
 
 def test_a_connection_raises_what_the_watchdog_saw_at_its_next_use() -> None:

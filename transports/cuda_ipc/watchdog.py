@@ -14,9 +14,10 @@ One daemon thread per process looks after the windows whose streams wait
 :data:`PERIOD` seconds it asks each whether its waits are met and, if not,
 whether the peer has failed, is gone or is late (the window's ``failure()``).
 Then the window stores the awaited counts itself (``abandon()``): the stream
-goes on, the output of that call is wrong, the error is logged here and the
-connection raises it at its next use.  The thread sleeps while no stream
-waits.  A window that :func:`forget` returned for is never looked at again.
+goes on, the outputs that peer should have written are filled with NaN
+(0xFF bytes), the error is logged here and the connection raises it at its
+next use.  The thread ends after :data:`IDLE_EXIT` seconds with no stream
+waiting.  A window that :func:`forget` returned for is never looked at again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ log = logging.getLogger("pycoll.transports.cuda_ipc")
 #: seconds between two looks at the waiting windows (a peer's death is seen
 #: about this long after the pid check sees it)
 PERIOD = 0.05
+#: seconds the thread stays with nothing to look after before it ends (the
+#: next wait starts another)
+IDLE_EXIT = 2.0
 
 
 class Watched(Protocol):
@@ -96,10 +100,14 @@ def _look(w: Watched) -> bool:
 
 
 def _run() -> None:
+    global _thread
     while True:
         with _reg:
-            while not _waiting:
-                _reg.wait()
+            if not _waiting:
+                _reg.wait(IDLE_EXIT)
+                if not _waiting:  # nothing to look after for a while: end
+                    _thread = None
+                    return
             items = list(_waiting.items())
         with _looking:  # forget() waits for the looks to end
             for key, w in items:
