@@ -95,8 +95,8 @@ class _Window:
     Every word a stream of ours waits on is the peer's, in the segment, which
     our host can store too.  While such a wait is queued and not met, the
     :mod:`~transports.cuda_ipc.watchdog` looks at the peer; a peer that failed
-    or is gone, or that has not come within the call's timeout, will never
-    write it, and the watchdog stores the awaited count itself
+    or is gone, or whose host has not released our exposure within the call's
+    timeout, will never write it, and the watchdog stores the awaited count itself
     (:meth:`abandon`): the stream goes on rather than wait forever, the
     failure is logged, and the connection raises it at its next use.
     """
@@ -346,12 +346,18 @@ class _Window:
             self._conn.check_peer()
         except TransportError as exc:
             return exc
+        # late: its host has not even queued what we wait for (a "done" count;
+        # a "ready" one we open only once the peer's host showed it) within the
+        # call's timeout.  One whose host queued it is only behind on its GPU.
         at = self._give_up_at
-        if at is not None and time.monotonic() >= at:
+        if (
+            at is not None
+            and time.monotonic() >= at
+            and not _reached(self._released_peer.load(), self.waited)
+        ):
             peer = self._conn.peer
             return TransportTimeout(
-                f"cuda_ipc: peer {peer} did not write what our stream waited for "
-                "within the call's timeout",
+                f"cuda_ipc: peer {peer} did not release our exposure within the call's timeout",
                 pending=[peer],
             )
         return None
