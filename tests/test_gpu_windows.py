@@ -130,7 +130,9 @@ def _ipc_window(side: int = 0, mm: Any = None) -> tuple[Any, list[int]]:
         if closed.load():
             raise PeerClosedError(f"cuda_ipc: peer {peer} closed its connection", peer=peer)
 
-    w._conn = SimpleNamespace(check_peer=check_peer, peer=peer, device=0, _closed_peer=closed)
+    w._conn = SimpleNamespace(
+        check_peer=check_peer, peer=peer, device=0, _closed_peer=closed, _peer_pid=0
+    )
     waits: list[int] = []
     w._on_stream = lambda op, stream, addr, value: waits.append(value)
     return w, waits
@@ -154,21 +156,45 @@ def test_a_stream_waiting_on_a_gone_peer_is_let_go(
     itself (the stream goes on rather than hold the process for good), and the
     failure is kept for the connection to raise at its next use."""
     from transports.cuda_ipc import watchdog
+    from transports.cuda_ipc import windows as ipc
 
     monkeypatch.setattr(watchdog, "watch", lambda w: None)
     w, waits = _ipc_window(1)
     _wait_released(w)
     assert waits == [1] and w.unmet()
     assert watchdog._look(w) is False  # the leader is alive: keep waiting
-    if how == "exited":  # as check_peer sees a pid that is gone
-        w._conn.check_peer = lambda: (_ for _ in ()).throw(
-            PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0)
-        )
-    else:  # it failed and said so
+    if how == "exited":
+        w._conn._peer_pid = 9
+        monkeypatch.setattr(ipc, "process_gone", lambda pid: pid == 9)
+    else:  # it failed and said so, before it released our exposure
         w._conn._closed_peer.store(2)
     assert watchdog._look(w) is True
     assert w._done_peer.load() == 1 and not w.unmet()
     assert isinstance(w.abandoned, PeerClosedError)
+    assert ("has exited" if how == "exited" else "closed") in str(w.abandoned)
+
+
+def test_a_live_peer_whose_host_released_is_waited_for_even_once_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leader whose host queued its release and then failed (a later call) or
+    closed is alive: its stream still writes the "done" count, however far
+    behind its GPU is, so the follower's stream is not let go early.  Once
+    its process is gone, what it queued died with it."""
+    from transports.cuda_ipc import watchdog
+    from transports.cuda_ipc import windows as ipc
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    w, _ = _ipc_window(1)
+    _wait_released(w, seconds=0.01)
+    w._released_peer.store(1)  # its host released our exposure
+    w._conn._closed_peer.store(2)  # then failed
+    time.sleep(0.02)  # past the timeout too
+    w._conn._peer_pid = 9
+    monkeypatch.setattr(ipc, "process_gone", lambda pid: False)
+    assert watchdog._look(w) is False and w.abandoned is None
+    monkeypatch.setattr(ipc, "process_gone", lambda pid: True)
+    assert watchdog._look(w) is True and isinstance(w.abandoned, PeerClosedError)
 
 
 def test_outputs_the_gone_peer_never_wrote_are_poisoned_before_the_stream_goes(
@@ -237,16 +263,24 @@ def test_the_leader_stream_waiting_on_a_gone_follower_is_let_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The leader's opening queued a wait for the follower's "ready" word (its
-    stream was busy): a follower that dies before its stream wrote it is let go too."""
+    stream was busy, its host had queued the write): a follower that fails is
+    still waited for, since its stream writes it; one that dies before its
+    stream did is let go."""
     from transports.base import Deadline
     from transports.cuda_ipc import watchdog
+    from transports.cuda_ipc import windows as ipc
 
     monkeypatch.setattr(watchdog, "watch", lambda w: None)
     w, waits = _ipc_window(0)
     w._exposed_peer.store(1)
-    w.open(0, Deadline.after(5))
+    w.open(0, Deadline.after(0.01))
     assert waits == [1] and w.unmet()
     w._conn._closed_peer.store(3)
+    w._conn._peer_pid = 9
+    time.sleep(0.02)
+    monkeypatch.setattr(ipc, "process_gone", lambda pid: False)
+    assert watchdog._look(w) is False
+    monkeypatch.setattr(ipc, "process_gone", lambda pid: True)
     assert watchdog._look(w) is True and w._ready_peer.load() == 1
 
 

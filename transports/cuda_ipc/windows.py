@@ -18,10 +18,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from transports import _atomic
+from transports._segment import process_gone
 from transports.base import (
     Backoff,
     Deadline,
     DeviceSpan,
+    PeerClosedError,
     TagMismatchError,
     TransportError,
     TransportTimeout,
@@ -341,21 +343,28 @@ class _Window:
         )
 
     def failure(self) -> TransportError | None:
-        """Why the peer will never write what our stream waits for (None: it may)."""
+        """Why the peer will never write what our stream waits for (None: it may).
+
+        A peer whose process is gone never will: its queued work died with it.
+        One that is alive and whose host queued every word we wait for (the
+        "done" count: its release; a "ready" one we open only once its host
+        showed it) will, however far behind its GPU is, even if it has closed
+        or failed since.  One whose host has not queued it will not if it has
+        closed, and is late once the call's timeout has passed."""
+        conn = self._conn
+        peer, pid = conn.peer, conn._peer_pid
+        if pid and process_gone(pid):
+            return PeerClosedError(
+                f"cuda_ipc: peer {peer} (pid {pid}) has exited", peer=peer, transport=NAME
+            )
+        if _reached(self._released_peer.load(), self.waited):
+            return None
         try:
-            self._conn.check_peer()
+            conn.check_peer()
         except TransportError as exc:
             return exc
-        # late: its host has not even queued what we wait for (a "done" count;
-        # a "ready" one we open only once the peer's host showed it) within the
-        # call's timeout.  One whose host queued it is only behind on its GPU.
         at = self._give_up_at
-        if (
-            at is not None
-            and time.monotonic() >= at
-            and not _reached(self._released_peer.load(), self.waited)
-        ):
-            peer = self._conn.peer
+        if at is not None and time.monotonic() >= at:
             return TransportTimeout(
                 f"cuda_ipc: peer {peer} did not release our exposure within the call's timeout",
                 pending=[peer],
@@ -404,8 +413,8 @@ class _Window:
         """Unmap the peer's buffers and our segment's device mapping, once the
         device is done with them, never waiting without a bound.
 
-        A stream wait on a word of a peer that failed or is gone is let go at
-        once (:meth:`abandon`); one on a live peer's word, after
+        A stream wait on a word the peer will never write (:meth:`failure`) is
+        let go at once (:meth:`abandon`); one on a live peer's word, after
         :data:`_UNMAP_WAIT` seconds (we are leaving: nothing may wait for us).
         Work that still does not end keeps the mappings until the process exits."""
         rt = self._rt
