@@ -284,6 +284,36 @@ def test_the_leader_stream_waiting_on_a_gone_follower_is_let_go(
     assert watchdog._look(w) is True and w._ready_peer.load() == 1
 
 
+@pytest.mark.parametrize("how", ["gone", "late"])
+def test_close_lets_a_waiting_stream_go_within_a_bound(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits for our stream's work on the words, and never without a
+    bound: a wait on a peer that is gone is let go at once, one on a live
+    peer whose host never released our exposure at the call's timeout."""
+    from transports.base import TransportTimeout
+    from transports.cuda_ipc import watchdog
+    from transports.cuda_ipc import windows as ipc
+
+    monkeypatch.setattr(watchdog, "watch", lambda w: None)
+    monkeypatch.setattr(ipc, "_UNMAP_WAIT", 0.05)
+    w, _ = _ipc_window(1)
+    _wait_released(w, seconds=0.1)
+    # the stream's last work (its wait) ends once the "done" word is written
+    w._last = 1
+    w._rt = SimpleNamespace(eventQuery=lambda ev: 0 if w._done_peer.load() >= 1 else 600)
+    w._conn._peer_pid = 9
+    monkeypatch.setattr(ipc, "process_gone", lambda pid: how == "gone")
+    t = time.monotonic()
+    assert w._drain() is True
+    took = time.monotonic() - t
+    if how == "gone":
+        assert isinstance(w.abandoned, PeerClosedError) and took < 0.05
+    else:
+        assert isinstance(w.abandoned, TransportTimeout) and 0.09 < took < 2
+    assert w._done_peer.load() == 1
+
+
 def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -409,30 +409,48 @@ class _Window:
         except Exception as exc:  # a failed context: nothing left to wait for
             log.debug("cuda_ipc: device synchronize at close: %s", exc)
 
+    def _drain(self) -> bool:
+        """Whether our stream work on the words ends, as close() waits for it: a
+        stream wait the peer will never meet (:meth:`failure`, looked at as the
+        watchdog does) is let go at once (:meth:`abandon`), and any still
+        unmet at the call's timeout (at least :data:`_UNMAP_WAIT` seconds from
+        now) then: we are leaving, and nothing may wait for us."""
+        rt = self._rt
+        if not self._last:
+            return True
+        end = max(time.monotonic() + _UNMAP_WAIT, self._give_up_at or 0.0)
+        look = 0.0
+        bo = Backoff()
+        while rt.eventQuery(self._last) != 0:
+            now = time.monotonic()
+            if now >= look and self.unmet():
+                look = now + watchdog.PERIOD
+                why = self.failure()
+                if why is not None:
+                    self.abandon(why)
+            if now >= end:
+                if not self.unmet():
+                    return False  # our stream is stuck on something else
+                self.abandon(
+                    TransportTimeout(
+                        f"cuda_ipc: closed while our stream still waited for peer "
+                        f"{self._conn.peer}",
+                        pending=[self._conn.peer],
+                    )
+                )
+                log.warning("cuda_ipc: %s; let go at close()", self.abandoned)
+                return _settled(rt, self._last, 1.0)
+            bo.pause()
+        return True
+
     def close(self) -> None:
         """Unmap the peer's buffers and our segment's device mapping, once the
-        device is done with them, never waiting without a bound.
-
-        A stream wait on a word the peer will never write (:meth:`failure`) is
-        let go at once (:meth:`abandon`); one on a live peer's word, after
-        :data:`_UNMAP_WAIT` seconds (we are leaving: nothing may wait for us).
-        Work that still does not end keeps the mappings until the process exits."""
+        device is done with them (:meth:`_drain`), never waiting without a
+        bound.  Work that still does not end keeps the mappings until the
+        process exits."""
         rt = self._rt
         watchdog.forget(self)
-        if self.unmet():
-            why = self.failure()
-            if why is not None:
-                self.abandon(why)
-        done = not self._last or _settled(rt, self._last, _UNMAP_WAIT)
-        if not done and self.unmet():
-            self.abandon(
-                TransportTimeout(
-                    f"cuda_ipc: closed while our stream still waited for peer {self._conn.peer}",
-                    pending=[self._conn.peer],
-                )
-            )
-            log.warning("cuda_ipc: %s; let go at close()", self.abandoned)
-            done = _settled(rt, self._last, 1.0)
+        done = self._drain()
         # other streams of ours may read the peer's buffers (a copy queued before
         # a call failed): the device must be done with them before they unmap
         if done and self._maps:
