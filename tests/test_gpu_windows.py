@@ -162,13 +162,13 @@ def test_a_stream_waiting_on_a_gone_peer_is_let_go(
     w, waits = _ipc_window(1)
     _wait_released(w)
     assert waits == [1] and w.unmet()
-    assert watchdog._look(w) is False  # the leader is alive: keep waiting
+    assert watchdog.look(w) is False  # the leader is alive: keep waiting
     if how == "exited":
         w._conn._peer_pid = 9
         monkeypatch.setattr(ipc, "process_gone", lambda pid: pid == 9)
     else:  # it failed and said so, before it released our exposure
         w._conn._closed_peer.store(2)
-    assert watchdog._look(w) is True
+    assert watchdog.look(w) is True
     assert w._done_peer.load() == 1 and not w.unmet()
     assert isinstance(w.abandoned, PeerClosedError)
     assert ("has exited" if how == "exited" else "closed") in str(w.abandoned)
@@ -192,9 +192,9 @@ def test_a_live_peer_whose_host_released_is_waited_for_even_once_closed(
     time.sleep(0.02)  # past the timeout too
     w._conn._peer_pid = 9
     monkeypatch.setattr(ipc, "process_gone", lambda pid: False)
-    assert watchdog._look(w) is False and w.abandoned is None
+    assert watchdog.look(w) is False and w.abandoned is None
     monkeypatch.setattr(ipc, "process_gone", lambda pid: True)
-    assert watchdog._look(w) is True and isinstance(w.abandoned, PeerClosedError)
+    assert watchdog.look(w) is True and isinstance(w.abandoned, PeerClosedError)
 
 
 def test_outputs_the_gone_peer_never_wrote_are_poisoned_before_the_stream_goes(
@@ -237,7 +237,7 @@ def test_a_stream_waiting_on_a_peer_that_wrote_before_it_went_is_not_let_go(
     _wait_released(w)
     w._done_peer.store(1)  # the leader's stream wrote it, then the leader exited
     w._conn._closed_peer.store(1)
-    assert watchdog._look(w) is True and w.abandoned is None
+    assert watchdog.look(w) is True and w.abandoned is None
 
 
 def test_a_stream_waiting_past_the_timeout_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,12 +250,12 @@ def test_a_stream_waiting_past_the_timeout_is_let_go(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(watchdog, "watch", lambda w: None)
     w, _ = _ipc_window(1)
     _wait_released(w, seconds=0.05)
-    assert watchdog._look(w) is False
+    assert watchdog.look(w) is False
     time.sleep(0.06)
     w._released_peer.store(1)  # its host queued the release: only its GPU is behind
-    assert watchdog._look(w) is False and w.abandoned is None
+    assert watchdog.look(w) is False and w.abandoned is None
     w._released_peer.store(0)  # (as if it had not)
-    assert watchdog._look(w) is True
+    assert watchdog.look(w) is True
     assert isinstance(w.abandoned, TransportTimeout) and w._done_peer.load() == 1
 
 
@@ -279,18 +279,20 @@ def test_the_leader_stream_waiting_on_a_gone_follower_is_let_go(
     w._conn._peer_pid = 9
     time.sleep(0.02)
     monkeypatch.setattr(ipc, "process_gone", lambda pid: False)
-    assert watchdog._look(w) is False
+    assert watchdog.look(w) is False
     monkeypatch.setattr(ipc, "process_gone", lambda pid: True)
-    assert watchdog._look(w) is True and w._ready_peer.load() == 1
+    assert watchdog.look(w) is True and w._ready_peer.load() == 1
 
 
-@pytest.mark.parametrize("how", ["gone", "late"])
+@pytest.mark.parametrize("how", ["gone", "failed", "late"])
 def test_close_lets_a_waiting_stream_go_within_a_bound(
     how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """close() waits for our stream's work on the words, and never without a
-    bound: a wait on a peer that is gone is let go at once, one on a live
-    peer whose host never released our exposure at the call's timeout."""
+    bound: a wait on a peer that is gone, or that failed before its host
+    released our exposure, is let go at once (our end is closed by then, so
+    its check_peer says nothing: the peer's "closed" word is read itself); one
+    on a live peer whose host never released it, at the call's timeout."""
     from transports.base import TransportTimeout
     from transports.cuda_ipc import watchdog
     from transports.cuda_ipc import windows as ipc
@@ -303,12 +305,19 @@ def test_close_lets_a_waiting_stream_go_within_a_bound(
     w._last = 1
     w._rt = SimpleNamespace(eventQuery=lambda ev: 0 if w._done_peer.load() >= 1 else 600)
     w._conn._peer_pid = 9
+    w._conn.check_peer = lambda: None  # as a closed connection's is
     monkeypatch.setattr(ipc, "process_gone", lambda pid: how == "gone")
+    if how == "failed":
+        w._conn._closed_peer.store(2)  # closed because rank 0 failed
     t = time.monotonic()
     assert w._drain() is True
     took = time.monotonic() - t
     if how == "gone":
         assert isinstance(w.abandoned, PeerClosedError) and took < 0.05
+        assert "has exited" in str(w.abandoned)
+    elif how == "failed":
+        assert isinstance(w.abandoned, PeerClosedError) and took < 0.05
+        assert "because rank 0 failed" in str(w.abandoned)
     else:
         assert isinstance(w.abandoned, TransportTimeout) and 0.09 < took < 2
     assert w._done_peer.load() == 1

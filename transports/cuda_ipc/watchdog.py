@@ -79,7 +79,7 @@ def forget(w: Watched) -> None:
         _waiting.pop(id(w), None)
 
 
-def _look(w: Watched) -> bool:
+def look(w: Watched) -> bool:
     """One look at ``w``: whether it needs no more looking after.  It reads host
     words and the peer's pid, and makes no CUDA call unless it lets a stream
     go (a thread of ours may hold the driver in a device synchronize)."""
@@ -115,7 +115,7 @@ def _run() -> None:
                     if _waiting.get(key) is not w:
                         continue  # forgotten
                 try:
-                    done = _look(w)
+                    done = look(w)
                 except Exception as exc:  # a failed context: nothing to look after
                     log.debug("cuda_ipc watchdog: %s", exc)
                     done = True

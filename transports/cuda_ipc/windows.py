@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from transports import _atomic
-from transports._segment import process_gone
+from transports._segment import check_alive, process_gone
 from transports.base import (
     Backoff,
     Deadline,
@@ -359,8 +359,8 @@ class _Window:
             )
         if _reached(self._released_peer.load(), self.waited):
             return None
-        try:
-            conn.check_peer()
+        try:  # its "closed" word, also once our own end closed (check_peer is quiet then)
+            check_alive(conn._closed_peer, 0, f"cuda_ipc: peer {peer}", peer=peer, transport=NAME)
         except TransportError as exc:
             return exc
         at = self._give_up_at
@@ -411,37 +411,27 @@ class _Window:
 
     def _drain(self) -> bool:
         """Whether our stream work on the words ends, as close() waits for it: a
-        stream wait the peer will never meet (:meth:`failure`, looked at as the
-        watchdog does) is let go at once (:meth:`abandon`), and any still
-        unmet at the call's timeout (at least :data:`_UNMAP_WAIT` seconds from
-        now) then: we are leaving, and nothing may wait for us."""
+        stream wait the peer will never meet is let go at once (the watchdog's
+        :func:`~transports.cuda_ipc.watchdog.look`, every
+        :data:`~transports.cuda_ipc.watchdog.PERIOD`), and any still unmet at
+        the call's timeout (at least :data:`_UNMAP_WAIT` seconds from now) then:
+        we are leaving, and nothing may wait for us."""
         rt = self._rt
         if not self._last:
             return True
-        end = max(time.monotonic() + _UNMAP_WAIT, self._give_up_at or 0.0)
-        look = 0.0
-        bo = Backoff()
-        while rt.eventQuery(self._last) != 0:
-            now = time.monotonic()
-            if now >= look and self.unmet():
-                look = now + watchdog.PERIOD
-                why = self.failure()
-                if why is not None:
-                    self.abandon(why)
-            if now >= end:
-                if not self.unmet():
-                    return False  # our stream is stuck on something else
-                self.abandon(
-                    TransportTimeout(
-                        f"cuda_ipc: closed while our stream still waited for peer "
-                        f"{self._conn.peer}",
-                        pending=[self._conn.peer],
-                    )
-                )
-                log.warning("cuda_ipc: %s; let go at close()", self.abandoned)
-                return _settled(rt, self._last, 1.0)
-            bo.pause()
-        return True
+        seconds = max(_UNMAP_WAIT, (self._give_up_at or 0.0) - time.monotonic())
+        if _settled(rt, self._last, seconds, lambda: watchdog.look(self)):
+            return True
+        if not self.unmet():
+            return False  # our stream is stuck on something else
+        self.abandon(
+            TransportTimeout(
+                f"cuda_ipc: closed while our stream still waited for peer {self._conn.peer}",
+                pending=[self._conn.peer],
+            )
+        )
+        log.warning("cuda_ipc: %s; let go at close()", self.abandoned)
+        return _settled(rt, self._last, 1.0)
 
     def close(self) -> None:
         """Unmap the peer's buffers and our segment's device mapping, once the
@@ -486,14 +476,20 @@ def _reached(word: int, seq: int) -> bool:
     return (word - seq) & 0xFFFFFFFF < 0x80000000
 
 
-def _settled(rt: object, event: int, seconds: float) -> bool:
-    """Whether ``event`` completes within ``seconds`` (polled, backing off)."""
-    end = time.monotonic() + seconds
+def _settled(rt: object, event: int, seconds: float, every: Any = None) -> bool:
+    """Whether ``event`` completes within ``seconds`` (polled, backing off);
+    ``every()``, if given, is called meanwhile once a watchdog period."""
+    now = time.monotonic()
+    end, look = now + seconds, now
     bo = Backoff()
-    while time.monotonic() < end:
+    while now < end:
         if rt.eventQuery(event) == 0:  # type: ignore[attr-defined]
             return True
+        if every is not None and now >= look:
+            look = now + watchdog.PERIOD
+            every()
         bo.pause()
+        now = time.monotonic()
     return False
 
 
