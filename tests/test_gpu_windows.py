@@ -225,6 +225,9 @@ def test_outputs_the_gone_peer_never_wrote_are_poisoned_before_the_stream_goes(
     w.abandon(PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0))
     assert done == [("memset", 0x2000, 0xFF, 64, 77), ("write", 77, 1)]
     assert w._done_peer.load() == 0 and w._sides == [77]  # the side stream writes it
+    # let go once: a look before the side stream's write landed poisons nothing again
+    assert ipc.watchdog.look(w) is True and not w.unmet()
+    assert len(done) == 2 and w._sides == [77]
 
 
 def test_a_stream_waiting_on_a_peer_that_wrote_before_it_went_is_not_let_go(

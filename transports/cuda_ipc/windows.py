@@ -336,8 +336,10 @@ class _Window:
 
     def unmet(self) -> bool:
         """Whether a stream wait we queued may still wait: a count of the peer's
-        that our stream waits for has not been written."""
-        return not (
+        that our stream waits for has not been written, and we have not let it
+        go (:meth:`abandon` wrote it, or queued its write; no wait is queued
+        after that, since the connection raises at its next use)."""
+        return self.abandoned is None and not (
             _reached(self._ready_peer.load(), self.opened)
             and _reached(self._done_peer.load(), self.waited)
         )
