@@ -116,15 +116,15 @@ class Windows:
         spans, local = [], []
         for i, a in enumerate(arrays):
             ptr, n, dev = int(a.data.ptr), int(a.nbytes), int(a.device.id)
+            out = i < len(written) and written[i]
             use = a
             if n and not self._scratch.shareable(ptr):
                 tmp = self._scratch.get(i, n, self._sptr)
                 self._rt.memcpyAsync(tmp, ptr, n, _D2D, self._sptr)
-                if i < len(written) and written[i]:
+                if out:
                     self._copy_back.append((ptr, tmp, n))
                 ptr = tmp
                 use = self._as_array(ptr, n, a.dtype, dev)
-            out = i < len(written) and written[i]
             spans.append(DeviceSpan(ptr, n, dev, self._sptr, written=out))
             local.append(use)
         return spans, local
