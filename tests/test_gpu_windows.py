@@ -495,3 +495,56 @@ def test_a_window_of_another_call_is_named_as_a_mismatch() -> None:
         "windows: rank 1 exposed buffers of [12] bytes", got=12, expected=24, of="sizes"
     )
     assert str(mismatch(0, 5, mine, sizes, {})).endswith("exposed buffers of [12] bytes")
+
+
+@pytest.mark.parametrize(
+    "stat,gone",
+    [
+        (b"42 (python) R 1 42 42 0 -1 4194560 0 0", False),  # running
+        (b"42 (python) S 1 42 42 0 -1 4194564 0 0", True),  # PF_EXITING (0x4) set
+        (b"42 (python) Z 1 42 42 0 -1 4194560 0 0", True),  # a zombie
+        (b"42 (a) Z (b) S 1 42 42 0 -1 4194560 0 0", False),  # a name holding ") Z ("
+        (b"42 (a) Z (b) D 1 42 42 0 -1 4194564 0 0", True),
+    ],
+)
+def test_a_peer_that_has_begun_to_exit_is_gone(
+    stat: bytes, gone: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer whose exit waits in the kernel (its flags say PF_EXITING) runs no more
+    of its code: the watchdog must not wait for it as for a live one."""
+    import io
+
+    from transports import _segment
+
+    monkeypatch.setattr(_segment.os, "kill", lambda pid, sig: None)
+    monkeypatch.setattr("builtins.open", lambda path, mode="r": io.BytesIO(stat))
+    assert _segment.process_gone(42) is gone
+
+
+def test_close_raises_a_let_go_stream_no_call_reported() -> None:
+    """A stream the watchdog let go after its call returned: the output was wrong,
+    so close() raises when no later call did (the device context hands the
+    connections' stream_failure up), and not when one did."""
+    import pycoll
+    from pycoll.gpu.context import GpuContext
+
+    lost = PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0)
+    ctx = object.__new__(GpuContext)
+    ctx.inflight = SimpleNamespace(close=lambda: None)
+    ctx.dconns = {
+        0: SimpleNamespace(stream_failure=lambda: None),
+        1: SimpleNamespace(stream_failure=lambda: lost),
+    }
+    ctx._close = ctx._scratch = ctx._back = ctx._back_event = ctx._pool = None
+    ctx._mirrors = {}
+    assert GpuContext.close(ctx) is lost and ctx.dconns == {}
+
+    comm = pycoll.init()
+    comm._engine.fam.gpu = SimpleNamespace(close=lambda: lost)
+    with pytest.raises(pycoll.CommunicatorClosedError, match="no later call reported") as ei:
+        comm.close()
+    assert ei.value.__cause__ is lost
+    comm = pycoll.init()
+    comm._engine.fam.gpu = SimpleNamespace(close=lambda: lost)
+    comm._engine.fam.failed = RuntimeError("reported by a call")
+    comm.close()  # a call raised already: nothing more
