@@ -51,10 +51,10 @@ def test_peer_exits_in_a_device_collective(
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PYCOLL_TRANSPORT"):
         env.pop(k, None)
-    args = [str(tmp_path / "store"), "2", path, when, str(exits)]
+    store = str(tmp_path / "store")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(RANK), args[0], str(r), *args[1:]],
+            [sys.executable, str(RANK), store, str(r), "2", path, when, str(exits)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -75,7 +75,7 @@ def test_peer_exits_in_a_device_collective(
     # one whose stream was let go (the leader exited) holds NaN, never a stale value
     done = res["completed"]
     poisoned = [c for c in done if all(math.isnan(v) for v in c)]
-    assert len(done) <= 1 and all(c == [3.0, 3.0] for c in done if c not in poisoned), res
+    assert len(done) <= 1 and all(c == [3.0, 3.0] or c in poisoned for c in done), res
     assert not poisoned or (path, exits) == ("direct", 0), res
     assert when == "during" or exits == 0 or done == [], res
     assert res["error"] in ("PeerAbortedError", "CollectiveTimeout"), res
@@ -83,7 +83,7 @@ def test_peer_exits_in_a_device_collective(
         assert res["elapsed"] > 0.3, res  # it was inside the call when rank 1 died
     assert res["elapsed"] < TIMEOUT + SLACK, res
     assert max(res["sync_s"], default=0.0) < TIMEOUT + SLACK, res
-    assert res["close_s"] < SLACK, res
+    assert res["close_s"] < SLACK and "close_error" not in res, res  # a call raised it
     assert res["segments"] == [], res
     assert procs[exits].returncode == 3, outs[exits][1][-2000:]
 
