@@ -9,6 +9,7 @@ returned the root's first 12 bytes with no error, before this check.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -357,6 +358,50 @@ def test_the_watchdog_thread_lets_a_stream_go_and_forgets_closed_windows(
     assert watchdog._thread is None and not any(
         t.name == "pycoll-cuda-ipc-watchdog" for t in threading.enumerate()
     )
+
+
+@pytest.mark.parametrize("where", ["failure", "unmet"])
+def test_the_watchdog_thread_survives_a_window_that_raises(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """A window whose look raises (its peer's state unreadable, or its own words)
+    is dropped and logged, and the thread goes on looking after the others: had
+    it died, no later stream wait in the process would be let go."""
+    from transports.cuda_ipc import watchdog
+
+    monkeypatch.setattr(watchdog, "IDLE_EXIT", 0.05)
+    bad, _ = _ipc_window(1)
+    calls = {"unmet": 0}
+
+    def boom(*_: object) -> None:
+        raise ValueError("unreadable")
+
+    if where == "failure":
+        bad.failure = boom
+        bad.unmet = lambda: True
+    else:  # the look says done; the check that keeps a re-armed window raises
+        bad.failure = lambda: None
+
+        def unmet() -> bool:
+            calls["unmet"] += 1
+            if calls["unmet"] > 1:
+                boom()
+            return False
+
+        bad.unmet = unmet
+    w, _ = _ipc_window(1)
+    with caplog.at_level(logging.WARNING, logger="pycoll.transports.cuda_ipc"):
+        watchdog.watch(bad)
+        end = time.monotonic() + 5
+        while id(bad) in watchdog._waiting and time.monotonic() < end:
+            time.sleep(0.01)
+        assert id(bad) not in watchdog._waiting
+        assert "no longer looked after" in caplog.text and "unreadable" in caplog.text
+        _wait_released(w)  # a later wait, on the same thread or a new one
+        w._conn._closed_peer.store(2)
+        while w.abandoned is None and time.monotonic() < end:
+            time.sleep(0.01)
+    assert isinstance(w.abandoned, PeerClosedError) and w._done_peer.load() == 1
 
 
 def test_a_connection_raises_what_the_watchdog_saw_at_its_next_use() -> None:

@@ -116,11 +116,32 @@ def _run() -> None:
                         continue  # forgotten
                 try:
                     done = look(w)
-                except Exception as exc:  # a failed context: nothing to look after
-                    log.debug("cuda_ipc watchdog: %s", exc)
-                    done = True
+                except Exception as exc:
+                    _lost(w, exc)
+                    done = failed = True
+                else:
+                    failed = False
                 if done:
                     with _reg:  # a wait queued since the look keeps it watched
-                        if _waiting.get(key) is w and not w.unmet():
+                        if _waiting.get(key) is w and (failed or not _still_waits(w)):
                             del _waiting[key]
         time.sleep(PERIOD)
+
+
+def _still_waits(w: Watched) -> bool:
+    """``w.unmet()``; a window that cannot tell is dropped (logged): the thread
+    must not die of one window, or no later wait would be looked after."""
+    try:
+        return w.unmet()
+    except Exception as exc:
+        _lost(w, exc)
+        return False
+
+
+def _lost(w: Watched, exc: Exception) -> None:
+    log.warning(
+        "cuda_ipc watchdog: looking at a window failed (%s: %s); it is no longer "
+        "looked after (its close() still waits with a bound)",
+        type(exc).__name__,
+        exc,
+    )
