@@ -231,6 +231,36 @@ def test_outputs_the_gone_peer_never_wrote_are_poisoned_before_the_stream_goes(
     assert len(done) == 2 and w._sides == [77]
 
 
+def test_a_stream_is_let_go_even_where_its_outputs_cannot_be_poisoned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed CUDA call on the side stream (a context going away) must not
+    leave the stream waiting: the host stores the count, and says the outputs
+    were not filled (the connection still raises at its next use)."""
+    from transports.base import Deadline
+    from transports.cuda_ipc import windows as ipc
+
+    monkeypatch.setattr(ipc, "stream_idle", lambda stream: True)
+    monkeypatch.setattr(ipc.watchdog, "watch", lambda w: None)
+    monkeypatch.setattr(ipc, "on_device", lambda d: contextlib.nullcontext())
+    w, _ = _ipc_window(1)
+    w._marked_done = lambda: True
+
+    def memset(*_: object) -> None:
+        raise RuntimeError("cudaErrorContextIsDestroyed")
+
+    w._rt = SimpleNamespace(streamCreateWithFlags=lambda flags: 77, memsetAsync=memset)
+    out = DeviceSpan(0x2000, 64, 0, 0, b"h" * 64, 0, written=True)
+    w.expose([out], 0, Deadline.after(5))
+    w.wait_released(0, Deadline.after(5, idle=True))
+    why = PeerClosedError("cuda_ipc: peer 0 (pid 9) has exited", peer=0)
+    with caplog.at_level(logging.ERROR, logger="pycoll.transports.cuda_ipc"):
+        w.abandon(why)
+    assert w._done_peer.load() == 1 and not w.unmet() and w.abandoned is why
+    assert "could not be filled" in caplog.text and "ContextIsDestroyed" in caplog.text
+    assert w._sides == [77]  # created: still destroyed at close
+
+
 def test_a_stream_waiting_on_a_peer_that_wrote_before_it_went_is_not_let_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -397,12 +397,21 @@ class _Window:
             self._done_peer.store(seq)
             return
         rt = self._rt
-        with on_device(self._conn.device):
-            side = int(rt.streamCreateWithFlags(1))  # cudaStreamNonBlocking: waits for nothing
-            for sp in outputs:
-                rt.memsetAsync(sp.ptr, 0xFF, sp.nbytes, side)
-            stream_write(side, self._dev + self._theirs + _W_DONE, seq)
-        self._sides.append(side)  # destroyed at close, once it ran
+        try:
+            with on_device(self._conn.device):
+                side = int(rt.streamCreateWithFlags(1))  # cudaStreamNonBlocking
+                self._sides.append(side)  # destroyed at close, once it ran
+                for sp in outputs:
+                    rt.memsetAsync(sp.ptr, 0xFF, sp.nbytes, side)
+                stream_write(side, self._dev + self._theirs + _W_DONE, seq)
+        except Exception as exc:  # the stream must go on all the same
+            log.error(
+                "cuda_ipc: the outputs peer %d should have written could not be filled "
+                "with NaN (%s); our stream is let go with them as they are",
+                self._conn.peer,
+                exc,
+            )
+            self._done_peer.store(seq)
 
     def _synchronize(self) -> None:
         try:
