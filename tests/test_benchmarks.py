@@ -638,3 +638,17 @@ def test_allgather_floor_checks_and_times_every_order() -> None:
     assert len(rows) == 1 and rows[0].endswith("wrong 0"), proc.stdout
     for name in ("two-pass-write", "two-pass-read", "one-pass", "pycoll", "mpi"):
         assert f"{name} " in rows[0], rows[0]
+
+
+@pytest.mark.timeout(120)
+def test_allgather_layout_times_each_gap_and_checks_the_output() -> None:
+    """benchmarks/allgather_layout.py at n = 2 on small blocks: a row a gap, a
+    time for each algorithm, and every rank's output right."""
+    cmd = mpiexec(2) + [
+        sys.executable, str(BENCH / "allgather_layout.py"), "--block", "1M", "--gaps",
+        "16,4K", "--calls", "2", "--turns", "1",
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("gap ")]
+    assert len(rows) == 2 and all(r.endswith("wrong 0") for r in rows), proc.stdout
+    assert all(" direct " in r and " ring " in r for r in rows), rows
