@@ -488,7 +488,11 @@ def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
     By address a rank copies it and writes it into the peers' outputs in pieces
     of :data:`OWN_PIECE_BYTES`, so each piece is read from memory once (the
     later copies find it in the cache); a block that streams
-    (:data:`~pycoll.buffers.STREAM_COPY_BYTES`) is copied whole first.
+    (:data:`~pycoll.buffers.STREAM_COPY_BYTES`) is copied whole first.  The
+    writes go from the copy: it lies in an output, so it is aligned as the
+    peers' outputs are, where ``x`` may not be (the kernel's copy between two
+    buffers that differ modulo 64 took 1.6x as long: benchmarks/RESULTS.md,
+    "An input that ends where its output begins").
     """
     G = _group(L)
     if not (G.cma and x.nbytes > slot_rounds * G.slot_bytes):
@@ -498,7 +502,7 @@ def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
     own = own_block(L.rank, x, out)
     if own is not None and x.nbytes >= STREAM_COPY_BYTES:
         copy_into(own, x)  # whole, streaming
-        own = None
+        x, own = own, None  # the writes go from the copy (see below)
     if _compiled_allgather(L, G, x, own, out):
         return
     dl, bo = L.deadline, L.backoff
@@ -508,8 +512,9 @@ def _allgather(L: Links, x: Any, out: Any, slot_rounds: int) -> None:
     p = x.size if own is None else max(1, OWN_PIECE_BYTES // isz)
     for lo in range(0, x.size, p):
         piece = x[lo : lo + p]
-        if own is not None:
+        if own is not None:  # written from the copy: in an output, aligned as the peers'
             own[lo : lo + p] = piece
+            piece = own[lo : lo + p]
         for j in others:
             if not lo:
                 G.wait((j,), s, dl, bo)
