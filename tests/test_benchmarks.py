@@ -652,3 +652,17 @@ def test_allgather_layout_times_each_gap_and_checks_the_output() -> None:
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("gap ")]
     assert len(rows) == 2 and all(r.endswith("wrong 0") for r in rows), proc.stdout
     assert all(" direct " in r and " ring " in r for r in rows), rows
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_offsets_times_each_pair_and_checks_the_readers() -> None:
+    """benchmarks/broadcast_offsets.py at n = 3 on a small buffer: a row a pair of
+    offsets, a time for pycoll and MPI, and every reader's buffer right."""
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "broadcast_offsets.py"), "--bytes", "300K", "--offsets",
+        "0:0,0:16", "--calls", "3", "--turns", "1",
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("root ")]
+    assert len(rows) == 2 and all(r.endswith("wrong 0") for r in rows), proc.stdout
+    assert all(" pycoll " in r and " mpi " in r for r in rows), rows
