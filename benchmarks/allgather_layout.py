@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostmem
-from common import parse_size  # (puts the repository on sys.path)
+from common import parse_size, said, turns  # (puts the repository on sys.path)
 
 import pycoll
 
@@ -57,22 +56,19 @@ def main() -> None:
         out = raw[block + gap : block + gap + n * block].view(np.float32).reshape(n, -1)
         x[:] = rng.random(x.size, dtype=np.float32)
         out[...] = 0
-        times: dict[str, list[float]] = {a: [] for a in args.algorithms.split(",")}
-        for _ in range(args.turns):
-            for algo, took in times.items():
-                for _ in range(3):
-                    comm.allgather(x, out, algorithm=algo)
-                world.Barrier()
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    comm.allgather(x, out, algorithm=algo)
-                dt = (time.perf_counter() - t) / args.calls
-                took.append(world.allreduce(dt, op=MPI.MAX) * 1e6)
+        times = turns(
+            world,
+            {
+                a: (lambda a=a, x=x, out=out: comm.allgather(x, out, algorithm=a))
+                for a in args.algorithms.split(",")
+            },
+            args.calls,
+            args.turns,
+        )
         want = np.concatenate(world.allgather(x))
         wrong = world.allreduce(int(not np.array_equal(out.reshape(-1), want)))
         if rank == 0:
-            said = "  ".join(f"{a} {' '.join(f'{t:.0f}' for t in ts)}" for a, ts in times.items())
-            print(f"gap {text:>8} ({gap} B): {said}  wrong {wrong}", flush=True)
+            print(f"gap {text:>8} ({gap} B): {said(times)}  wrong {wrong}", flush=True)
     comm.close()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostmem
-from common import parse_size  # (puts the repository on sys.path)
+from common import parse_size, said, turns  # (puts the repository on sys.path)
 
 import pycoll
 
@@ -51,21 +50,13 @@ def main() -> None:
             "pycoll": lambda b=buf: comm.broadcast(b, root=0),
             "mpi": lambda b=buf: world.Bcast(b, root=0),
         }
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(args.turns):
-            for name, call in calls.items():
-                for _ in range(10):
-                    call()
-                world.Barrier()
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    call()
-                dt = (time.perf_counter() - t) / args.calls
-                times[name].append(world.allreduce(dt, op=MPI.MAX) * 1e6)
+        times = turns(world, calls, args.calls, args.turns, warm=10)
         wrong = world.allreduce(int(not np.array_equal(buf, want)))
         if rank == 0:
-            said = "  ".join(f"{k} {' '.join(f'{t:.1f}' for t in v)}" for k, v in times.items())
-            print(f"root {root_off:>5} readers {reader_off:>5}: {said}  wrong {wrong}", flush=True)
+            print(
+                f"root {root_off:>5} readers {reader_off:>5}: {said(times, 1)}  wrong {wrong}",
+                flush=True,
+            )
     comm.close()
 
 

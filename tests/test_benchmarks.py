@@ -640,29 +640,28 @@ def test_allgather_floor_checks_and_times_every_order() -> None:
         assert f"{name} " in rows[0], rows[0]
 
 
+def _layout_rows(n: int, script: str, prefix: str, *args: str) -> list[str]:
+    """The rows starting with ``prefix`` that ``script`` prints at ``n`` ranks,
+    each with every rank's output right (``wrong 0``)."""
+    proc = _run(mpiexec(n) + [sys.executable, str(BENCH / script), *args], 110)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
+    assert rows and all(r.endswith("wrong 0") for r in rows), proc.stdout
+    return rows
+
+
 @pytest.mark.timeout(120)
 def test_allgather_layout_times_each_gap_and_checks_the_output() -> None:
     """benchmarks/allgather_layout.py at n = 2 on small blocks: a row a gap, a
     time for each algorithm, and every rank's output right."""
-    cmd = mpiexec(2) + [
-        sys.executable, str(BENCH / "allgather_layout.py"), "--block", "1M", "--gaps",
-        "16,4K", "--calls", "2", "--turns", "1",
-    ]  # fmt: skip
-    proc = _run(cmd, 110)
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("gap ")]
-    assert len(rows) == 2 and all(r.endswith("wrong 0") for r in rows), proc.stdout
-    assert all(" direct " in r and " ring " in r for r in rows), rows
+    args = ("--block", "1M", "--gaps", "16,4K", "--calls", "2", "--turns", "1")
+    rows = _layout_rows(2, "allgather_layout.py", "gap ", *args)
+    assert len(rows) == 2 and all(" direct " in r and " ring " in r for r in rows), rows
 
 
 @pytest.mark.timeout(120)
 def test_broadcast_offsets_times_each_pair_and_checks_the_readers() -> None:
     """benchmarks/broadcast_offsets.py at n = 3 on a small buffer: a row a pair of
     offsets, a time for pycoll and MPI, and every reader's buffer right."""
-    cmd = mpiexec(3) + [
-        sys.executable, str(BENCH / "broadcast_offsets.py"), "--bytes", "300K", "--offsets",
-        "0:0,0:16", "--calls", "3", "--turns", "1",
-    ]  # fmt: skip
-    proc = _run(cmd, 110)
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("root ")]
-    assert len(rows) == 2 and all(r.endswith("wrong 0") for r in rows), proc.stdout
-    assert all(" pycoll " in r and " mpi " in r for r in rows), rows
+    args = ("--bytes", "300K", "--offsets", "0:0,0:16", "--calls", "3", "--turns", "1")
+    rows = _layout_rows(3, "broadcast_offsets.py", "root ", *args)
+    assert len(rows) == 2 and all(" pycoll " in r and " mpi " in r for r in rows), rows
