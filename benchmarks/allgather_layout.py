@@ -7,7 +7,7 @@ does).  This times ``direct`` and ``ring`` allgathers of ``--block`` bytes a
 rank with the input ``x`` and the output ``out`` carved out of one mapping
 on huge pages, ``out`` starting ``gap`` bytes after ``x`` ends, for each
 ``--gaps``.  Run under mpiexec; rank 0 prints the slowest rank's mean time
-of a call, per turn::
+of a call, per turn (the algorithms in a new order each turn)::
 
     mpiexec -n 2 python benchmarks/allgather_layout.py --gaps 16,2M+16
 """
@@ -24,7 +24,8 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostmem
-from common import parse_size, said, turns  # (puts the repository on sys.path)
+from common import parse_size, said  # (puts the repository on sys.path)
+from versus import alternate
 
 import pycoll
 
@@ -56,15 +57,11 @@ def main() -> None:
         out = raw[block + gap : block + gap + n * block].view(np.float32).reshape(n, -1)
         x[:] = rng.random(x.size, dtype=np.float32)
         out[...] = 0
-        times = turns(
-            world,
-            {
-                a: (lambda a=a, x=x, out=out: comm.allgather(x, out, algorithm=a))
-                for a in args.algorithms.split(",")
-            },
-            args.calls,
-            args.turns,
-        )
+        calls = {
+            a: (lambda a=a, x=x, out=out: comm.allgather(x, out, algorithm=a), args.calls)
+            for a in args.algorithms.split(",")
+        }
+        times, _ = alternate(world, calls, args.turns, 3, f"allgather_layout {gap}")
         want = np.concatenate(world.allgather(x))
         wrong = world.allreduce(int(not np.array_equal(out.reshape(-1), want)))
         if rank == 0:

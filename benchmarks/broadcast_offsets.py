@@ -5,7 +5,8 @@ runs several times slower where the destination starts a short distance
 after the source modulo the page.  This times pycoll's broadcast and MPI's
 ``Bcast`` of ``--bytes`` with the root's buffer at one page offset and every
 reader's at another, each carved out of a huge-page mapping.  Run under
-mpiexec; rank 0 prints the slowest rank's mean time of a call per turn::
+mpiexec; rank 0 prints the slowest rank's mean time of a call per turn (the
+two in a new order each turn)::
 
     mpiexec -n 2 python benchmarks/broadcast_offsets.py --offsets 0:0,0:16,16:0
 """
@@ -22,7 +23,8 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostmem
-from common import parse_size, said, turns  # (puts the repository on sys.path)
+from common import parse_size, said  # (puts the repository on sys.path)
+from versus import alternate
 
 import pycoll
 
@@ -47,10 +49,10 @@ def main() -> None:
         want = np.random.default_rng(len(pair)).integers(0, 256, nbytes, dtype=np.uint8)
         buf[:] = want if rank == 0 else 0
         calls = {
-            "pycoll": lambda b=buf: comm.broadcast(b, root=0),
-            "mpi": lambda b=buf: world.Bcast(b, root=0),
+            "pycoll": (lambda b=buf: comm.broadcast(b, root=0), args.calls),
+            "mpi": (lambda b=buf: world.Bcast(b, root=0), args.calls),
         }
-        times = turns(world, calls, args.calls, args.turns, warm=10)
+        times, _ = alternate(world, calls, args.turns, 10, f"broadcast_offsets {pair}")
         wrong = world.allreduce(int(not np.array_equal(buf, want)))
         if rank == 0:
             print(

@@ -7,7 +7,6 @@ import os
 import platform
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -154,32 +153,11 @@ def geometry(collective: str, size: int, itemsize: int, n: int) -> tuple[int, in
     return count, count, count
 
 
-def turns(
-    world: Any, calls: dict[str, Callable[[], Any]], count: int, repeat: int, warm: int = 3
-) -> dict[str, list[float]]:
-    """``repeat`` turns of each of ``calls`` in order: ``warm`` untimed calls, a
-    barrier, then ``count`` timed ones; per name, the slowest rank's mean time
-    of a call in each turn, in us (every rank gets the same figures)."""
-    from mpi4py import MPI
-
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeat):
-        for name, call in calls.items():
-            for _ in range(warm):
-                call()
-            world.Barrier()
-            t = time.perf_counter()
-            for _ in range(count):
-                call()
-            dt = (time.perf_counter() - t) / count
-            times[name].append(world.allreduce(dt, op=MPI.MAX) * 1e6)
-    return times
-
-
 def said(times: dict[str, list[float]], digits: int = 0) -> str:
-    """``name t t  name t t``: :func:`turns`' figures on one line."""
+    """``name t t  name t t``: per name, times in seconds (those of
+    ``versus.alternate``, per round) on one line, in us."""
     return "  ".join(
-        f"{name} {' '.join(f'{t:.{digits}f}' for t in ts)}" for name, ts in times.items()
+        f"{name} {' '.join(f'{t * 1e6:.{digits}f}' for t in ts)}" for name, ts in times.items()
     )
 
 
