@@ -4,12 +4,12 @@ transports/_ring.c say what they do)."""
 
 from setuptools import Extension, setup
 
-VM = "transports/_vm.h"  # the cross-memory copy both extensions include
+COPIES = "transports/_copies.h"  # the copies every extension includes
 
 setup(
     ext_modules=[
-        Extension("pycoll._step", ["pycoll/_step.c"], depends=[VM], optional=True),
-        Extension("pycoll._replay", ["pycoll/_replay.c"], optional=True),
-        Extension("transports._ring", ["transports/_ring.c"], depends=[VM], optional=True),
+        Extension("pycoll._step", ["pycoll/_step.c"], depends=[COPIES], optional=True),
+        Extension("pycoll._replay", ["pycoll/_replay.c"], depends=[COPIES], optional=True),
+        Extension("transports._ring", ["transports/_ring.c"], depends=[COPIES], optional=True),
     ]
 )

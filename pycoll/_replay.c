@@ -72,6 +72,8 @@
 
 #include "pythread.h"
 
+#include "../transports/_copies.h"
+
 /* The head of NumPy's PyArrayObject_fields. */
 typedef struct {
     PyObject_HEAD
@@ -646,7 +648,7 @@ entry_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObj
     if (F->kind) {
         PyObject *xo[2] = {args[1], F->has_o ? args[2] : args[1]};
         if (F->own >= 0) /* the rank's own block, as the envelope copies it */
-            memcpy(((ArrayHead *)args[2])->data + F->own, ((ArrayHead *)args[1])->data,
+            copy_bytes(((ArrayHead *)args[2])->data + F->own, ((ArrayHead *)args[1])->data,
                    (size_t)F->xbytes);
         result = PyObject_Vectorcall(F->go, xo, 2, NULL);
     } else {

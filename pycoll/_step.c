@@ -34,6 +34,12 @@
        whose destination is not read again soon: pycoll.buffers.copy_into
        decides when.
 
+   copy(dst, src)
+       dst's bytes = src's, two C-contiguous buffers of one length, in short
+       pieces where dst starts 1-63 bytes after src modulo the page
+       (transports/_copies.h says why); for the Python steps' copies between
+       a caller's buffer and a slot.
+
    reduction_by_address(...), broadcast_by_address(...)
        pycoll.algorithms.direct's allreduce, reduce_scatter and broadcast by
        address, whole, without the GIL; below, where they are defined.
@@ -46,6 +52,8 @@
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+
+#include "../transports/_copies.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -252,6 +260,42 @@ step_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+
+/* copy(dst, src): dst's bytes = src's, both C-contiguous buffers of one
+   length, by copy_bytes (transports/_copies.h: in short pieces where dst
+   starts 1-63 bytes after src modulo the page); without the GIL from
+   COPY_NOGIL bytes up. */
+#define COPY_NOGIL (256 << 10)
+
+static PyObject *
+step_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src)");
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(args[0], &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &s, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "copy: %zd bytes into %zd", s.len, d.len);
+    } else if (d.len >= COPY_NOGIL) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_bytes(d.buf, s.buf, (size_t)d.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_bytes(d.buf, s.buf, (size_t)d.len);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
 
 /* ------------------------------------------------------------------ Step
 
@@ -636,7 +680,7 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             uint64_t s = w[q] & self->smask;
             int i = (int)(s % (uint64_t)K);
             len = round_span(self, q, &at);
-            memcpy(self->slot[i], (char *)x.buf + at, (size_t)len);
+            copy_bytes(self->slot[i], (char *)x.buf + at, (size_t)len);
             if (q == 0) /* every earlier step is read; a later round's post says nothing of it */
                 __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
             __atomic_store_n((uint64_t *)self->word[i], w[q], __ATOMIC_RELEASE);
@@ -673,7 +717,7 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             len = round_span(self, q, &at);
             for (int j = 0; j < self->nrows; j++)
                 if (rows[j])
-                    memcpy((char *)o.buf + j * nbytes + at, rows[j], (size_t)len);
+                    copy_bytes((char *)o.buf + j * nbytes + at, rows[j], (size_t)len);
         } else if (fast) {
             ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows, self->count);
         }
@@ -748,7 +792,6 @@ static PyTypeObject StepType = {
    Phases 0-2 and 4-7 may be run again; after 3 or 6 fails, nothing is. */
 
 #if defined(__linux__)
-#include "../transports/_vm.h"
 
 #define STEP_MASK ((UINT64_C(1) << 40) - 1)
 
@@ -934,7 +977,7 @@ by_address(const Layout *L, char *x, char *out, char *dst, Py_ssize_t nbytes, Py
                 size_t len = (size_t)(m * wd);
                 char *mine = x + a * wd, *acc = dst + (a - lo) * wd;
                 if (overlap) {
-                    memcpy(own, mine, len);
+                    copy_bytes(own, mine, len);
                     mine = own;
                 }
                 /* as the Python steps: acc = row 0 OP row 1, then acc = acc OP row q */
@@ -1161,25 +1204,6 @@ step_broadcast_by_address(PyObject *self, PyObject *args)
         return NULL;
     return outcome_tuple(o);
 }
-/* memcpy, but in pieces below glibc's REP MOVSB threshold (2112 bytes on the
-   Intel VM) where dst and src differ modulo 64: there, a by-address allgather
-   of 8 MiB blocks at n = 2 whose own copy went from a page-aligned input to an
-   output 16 bytes into its page took 3.8 ms a call with memcpy, 1.5 ms with
-   these pieces (and with GLIBC_TUNABLES keeping memcpy off REP MOVSB), as
-   where the two were aligned alike (benchmarks/RESULTS.md, "An input that
-   ends where its output begins"; benchmarks/allgather_layout.py). */
-static void
-copy_skewed(char *dst, const char *src, size_t n)
-{
-    enum { PIECE = 2048 };
-    if ((((uintptr_t)dst - (uintptr_t)src) & 63) == 0) {
-        memcpy(dst, src, n);
-        return;
-    }
-    for (size_t i = 0; i < n; i += PIECE)
-        memcpy(dst + i, src + i, n - i < PIECE ? n - i : PIECE);
-}
-
 /* allgather_by_address(layout, K, rank, x, nbytes, own, out, out_nbytes, piece, s, w,
                         phase, k, spin_ns, yields, nap_ns, budget_ns)
 
@@ -1194,10 +1218,11 @@ copy_skewed(char *dst, const char *src, size_t n)
 
      0 claim s: every peer's done >= s - K;  1 post out as range s % K, done =
      s - 1, word = w;  2 wait for every peer's word w;  3 piece by piece: the
-     own copy, then a write into each peer's output (process_vm_writev) from
-     that copy where there is one: in an output as the peers' are, it is
-     aligned as theirs (6.2 ms a call written from x, 3.8 from the copy, in
-     copy_skewed's case);
+     own copy (copy_bytes), then a write into each peer's output
+     (process_vm_writev) from that copy where there is one: in an output as
+     the peers' are, it is aligned as theirs, and the write needs no detour
+     (transports/_copies.h; 6.2 ms a call written from x, 3.8 from the copy,
+     with an output 16 bytes into its page);
      4 done = s, wait until every peer's done reaches s (every block is in).
 
    It returns as reduction_by_address does (code 3 or 4 in phase 3: a write). */
@@ -1223,7 +1248,7 @@ allgather_by(const Layout *L, const char *x, Py_ssize_t nbytes, char *own, char 
             for (Py_ssize_t a = 0; a < nbytes; a += piece) {
                 size_t len = (size_t)(nbytes - a < piece ? nbytes - a : piece);
                 if (own != NULL)
-                    copy_skewed(own + a, x + a, len);
+                    copy_bytes(own + a, x + a, len);
                 for (int q = 0; q < n - 1; q++)
                     if (move_range(L, (r + 1 + q) % n, i, at + (uint64_t)a,
                                    own != NULL ? own + a : (char *)x + a, len, 1, &o))
@@ -1283,6 +1308,8 @@ static PyMethodDef methods[] = {
      "Reduce rows at addresses into a buffer, in rank order; False: not here."},
     {"stream_copy", (PyCFunction)(void (*)(void))step_stream_copy, METH_FASTCALL,
      "Copy bytes between addresses without the GIL, past the caches."},
+    {"copy", (PyCFunction)(void (*)(void))step_copy, METH_FASTCALL,
+     "dst's bytes = src's (two C-contiguous buffers of one length)."},
     BY_ADDRESS
     {NULL, NULL, 0, NULL},
 };

@@ -382,6 +382,19 @@ def test_stream_copy_times_both_copies_on_every_rank() -> None:
     assert all(float(v.rstrip("x")) > 0 for r in rows for v in r[1:]), rows
 
 
+@pytest.mark.timeout(60)
+def test_skewed_copies_times_each_copy_and_checks_it() -> None:
+    pytest.importorskip("pycoll._step")
+    pytest.importorskip("transports._ring")
+    cmd = [sys.executable, str(BENCH / "skewed_copies.py"), "--sizes", "5000,64K",
+           "--skews", "0,16,4111", "--calls", "2", "--reps", "1"]  # fmt: skip
+    rows = _rows(_run(cmd, 50).stdout)
+    assert [(int(r[0]), int(r[1])) for r in rows] == [
+        (n, k) for n in (5000, 64 << 10) for k in (0, 16, 15)
+    ], rows
+    assert all(float(v) > 0 for r in rows for v in r[2:]), rows
+
+
 def test_versus_refuses_an_unknown_system() -> None:
     cmd = mpiexec(2) + [sys.executable, str(BENCH / "versus.py"), "allreduce", "8",
                         "--systems", "auto,nccl"]  # fmt: skip

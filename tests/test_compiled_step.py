@@ -125,6 +125,84 @@ def test_stream_copy_copies_every_byte_at_any_alignment() -> None:
         step.stream_copy(_addr(buf), _addr(buf), -1)
 
 
+def _at(page_offset: int, n: int) -> np.ndarray:
+    """``n`` bytes starting ``page_offset`` bytes into a page, zeroed."""
+    raw = np.zeros(n + 2 * mmap.PAGESIZE, np.uint8)
+    base = -_addr(raw) % mmap.PAGESIZE
+    return raw[base + page_offset : base + page_offset + n]
+
+
+@needs_step
+def test_copy_moves_every_byte_at_every_skew() -> None:
+    """``_step.copy`` goes back to front where the destination starts 1-63 bytes
+    after the source modulo the page: its aligned body, its unaligned tail past
+    the last 16-byte boundary and its head, at lengths about those of its pieces,
+    and every byte outside the range untouched."""
+    rng = np.random.default_rng(11)
+    for n in (1, 255, 256, 257, 319, 4095, 4096, 65537):
+        src = _at(0, n)
+        src[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        for off in (0, 1, 15, 16, 31, 32, 48, 63, 64, 2000, 4095):
+            raw = _at(0, n + 4200)
+            dst = raw[off : off + n]
+            step.copy(dst, src)
+            assert dst.tobytes() == src.tobytes(), (n, off)
+            assert not raw[:off].any() and not raw[off + n :].any(), (n, off)
+
+
+@needs_step
+def test_copy_checks_its_buffers() -> None:
+    """Unequal lengths, a read-only or non-contiguous destination raise and copy nothing."""
+    a, b = np.zeros(8, np.uint8), np.ones(9, np.uint8)
+    with pytest.raises(ValueError, match="9 bytes into 8"):
+        step.copy(a, b)
+    ro = np.zeros(9, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        step.copy(ro, b)
+    with pytest.raises((ValueError, BufferError)):
+        step.copy(np.zeros(18, np.uint8)[::2], b)
+    with pytest.raises(TypeError):
+        step.copy(a)
+    assert not a.any() and not ro.any()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("skew", [0, 16, 40])
+def test_collectives_agree_with_outputs_skewed_from_inputs(n: int, skew: int) -> None:
+    """Inputs page-aligned and outputs ``skew`` bytes into their pages (every
+    copy between them, and between them and the slots, is a skewed one at 16
+    and 40), at sizes through one slot and by address: every result NumPy's."""
+    k = 70001  # float32: 280 KB, a prime count
+
+    def run(r: int, comm: pycoll.Communicator) -> None:
+        xs = [np.random.default_rng(j).standard_normal(n * k).astype(np.float32) for j in range(n)]
+        for count in (k, 4099):
+            x = _at(0, n * count * 4).view(np.float32)
+            x[:] = xs[r][: n * count]
+            out = _at(skew, n * count * 4).view(np.float32)
+            out[:] = np.nan
+            comm.allgather(x[:count], out)
+            np.testing.assert_array_equal(out, np.concatenate([v[:count] for v in xs]))
+            out[:] = np.nan
+            comm.alltoall(x, out)
+            want = np.concatenate([v[r * count : (r + 1) * count] for v in xs])
+            np.testing.assert_array_equal(out, want)
+            out[:] = np.nan
+            comm.allreduce(x, out)
+            acc = xs[0][: n * count].copy()
+            for v in xs[1:]:  # rank order, as the collective reduces
+                acc += v[: n * count]
+            np.testing.assert_array_equal(out, acc)
+            b = out[:count]
+            b[:] = xs[0][:count] if r == 0 else np.nan
+            comm.broadcast(b, root=0)
+            np.testing.assert_array_equal(b, xs[0][:count])
+
+    with communicators(n) as comms:
+        run_ranks(n, lambda r: run(r, comms[r]))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_collectives_agree_through_the_streaming_copy(
     n: int, monkeypatch: pytest.MonkeyPatch

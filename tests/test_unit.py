@@ -988,6 +988,61 @@ def test_cross_memory_copies_move_the_bytes_and_name_the_errno(
     assert ei.value.errno == errno.ESRCH
 
 
+def test_skewed_cross_memory_copies_go_through_a_buffer_of_the_thread() -> None:
+    """A read or write whose destination starts 1-63 bytes after its source
+    modulo the page goes through the calling thread's buffer in parts
+    (transports/_copies.h): every byte arrives, in parts and past them, from
+    several threads at once, and a range that is not mapped still raises EFAULT."""
+    import errno
+    import mmap
+    import os
+    import threading
+
+    from transports import _cma
+
+    if not _cma.available() or _cma._vm_copy is None:
+        pytest.skip("no process_vm_readv, or transports._ring was not built")
+    pid = os.getpid()
+    page = mmap.PAGESIZE
+
+    def at(off: int, n: int) -> np.ndarray:
+        raw = np.zeros(n + 2 * page, np.uint8)
+        base = -raw.ctypes.data % page
+        return raw[base + off : base + off + n]
+
+    try:
+        _cma.read(pid, at(0, 8).ctypes.data, at(0, 8).ctypes.data, 8)
+    except OSError as exc:
+        pytest.skip(f"cross-memory attach refused: {exc}")
+    bad: list[tuple[int, int, str]] = []
+
+    def copies(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for n in (4095, 4096, 5001, (256 << 10) + 17, (1 << 20) + 3):
+            src = at(0, n)
+            src[:] = rng.integers(0, 256, n, dtype=np.uint8)
+            for off in (1, 16, 33, 63, 64):
+                dst = at(off, n)
+                _cma.read(pid, src.ctypes.data, dst.ctypes.data, n)
+                if dst.tobytes() != src.tobytes():
+                    bad.append((n, off, "read"))
+                dst[:] = 0
+                _cma.write(pid, dst.ctypes.data, src.ctypes.data, n)
+                if dst.tobytes() != src.tobytes():
+                    bad.append((n, off, "write"))
+
+    threads = [threading.Thread(target=copies, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    dst = at(16, 8192)
+    with pytest.raises(OSError) as ei:
+        _cma.read(pid, page, dst.ctypes.data, 8192)  # page 1 is never mapped either
+    assert ei.value.errno == errno.EFAULT
+
+
 def test_shm_peer_that_sent_then_closed_is_not_gone_while_its_bytes_wait() -> None:
     """A peer that puts its last message and closes between a receiver's look at
     its inbound ring and its liveness check is not reported gone: having seen

@@ -85,7 +85,7 @@
 #include <string.h>
 #include <sys/types.h>
 
-#include "_vm.h"
+#include "_copies.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -206,8 +206,8 @@ ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         unsigned long long slot = sent % r.nslots;
         char *dst = r.base + slot * r.stride;
-        memcpy(dst, h.buf, (size_t)h.len);
-        memcpy(dst + h.len, b.buf, (size_t)b.len);
+        copy_bytes(dst, h.buf, (size_t)h.len);
+        copy_bytes(dst + h.len, b.buf, (size_t)b.len);
         PyBuffer_Release(&h);
         PyBuffer_Release(&b);
         uint64_t *m = r.meta + 4 * slot;
@@ -270,7 +270,7 @@ ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto fail;
     }
     if (memcmp(src, h.buf, (size_t)h.len) == 0) {
-        memcpy(o.buf, src + h.len, (size_t)o.len);
+        copy_bytes(o.buf, src + h.len, (size_t)o.len);
         __atomic_store_n(r.tail, (uint64_t)(recvd + 1), __ATOMIC_RELEASE);
         got = 1;
     }
@@ -420,7 +420,7 @@ ring_put_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         unsigned long long n = total - off < piece ? total - off : piece;
         unsigned long long o = ((uintptr_t)(from + off)) % PAGE;
         unsigned long long slot = sent % r.nslots;
-        memcpy(r.base + slot * r.stride + o, from + off, (size_t)n);
+        copy_bytes(r.base + slot * r.stride + o, from + off, (size_t)n);
         uint64_t *m = r.meta + 4 * slot;
         m[0] = n;
         m[1] = o;
@@ -462,7 +462,7 @@ ring_take_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             status = -1;
             break;
         }
-        memcpy(to + off, r.base + slot * r.stride + m[1], (size_t)want);
+        copy_bytes(to + off, r.base + slot * r.stride + m[1], (size_t)want);
         __atomic_store_n(r.tail, (uint64_t)(recvd + 1), __ATOMIC_RELEASE);
         recvd++;
         off += want;
