@@ -16,6 +16,7 @@ when such a buffer shows up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,10 +104,25 @@ def data_ptr(a: Any) -> int:
 
 
 _stream_copy: Any
+_copy: Any
 try:  # pycoll/_step.c, built by pip install where a C compiler is found
+    from pycoll._step import copy as _copy
     from pycoll._step import stream_copy as _stream_copy
 except ImportError:  # pragma: no cover - an install without a compiler
-    _stream_copy = None
+    _stream_copy = _copy = None
+
+
+def _assign(dst: Any, src: Any) -> None:
+    dst[...] = src
+
+
+#: ``copy_flat(dst, src)``: ``dst``'s bytes = ``src``'s, for two C-contiguous
+#: buffers of one length (a caller's flat array and a slot).  Where the compiled
+#: module was built, ``_step.copy``: where ``dst`` starts 1-63 bytes after
+#: ``src`` modulo the page, memcpy's REP MOVSB runs many times slower, and it
+#: copies another way (transports/_copies.h: 64 KiB 16 bytes on, 22 us with
+#: NumPy's copy against 1.7; benchmarks/skewed_copies.py).
+copy_flat: Callable[[Any, Any], None] = _copy if _copy is not None else _assign
 
 #: A host copy of at least this many bytes stores past the caches
 #: (``_step.stream_copy``).  On the 2-core Intel VM two processes copying at
@@ -116,23 +132,31 @@ except ImportError:  # pragma: no cover - an install without a compiler
 #: copies").  glibc's memcpy makes the same switch from the cache size the CPU
 #: reports, which a VM may overstate (480 MiB there).
 STREAM_COPY_BYTES = 32 << 20
+#: ... and one of at least this many bytes (and less than the above) goes
+#: through :data:`copy_flat`; below it memcpy takes no REP MOVSB.
+FLAT_COPY_BYTES = 2 << 10
 
 
 def copy_into(dst: Any, src: Any) -> None:
-    """``dst[...] = src`` for host arrays of one dtype; at least
-    :data:`STREAM_COPY_BYTES` of contiguous memory go through the compiled
-    streaming copy, without the GIL."""
+    """``dst[...] = src`` for host arrays of one dtype; contiguous ones of at
+    least :data:`FLAT_COPY_BYTES` go through the compiled copies, without the
+    GIL from 256 KiB up (:data:`copy_flat`, or :data:`STREAM_COPY_BYTES` and
+    up storing past the caches)."""
+    nbytes = dst.nbytes
     if (
-        dst.nbytes >= STREAM_COPY_BYTES
-        and _stream_copy is not None
-        and isinstance(dst, np.ndarray)
-        and isinstance(src, np.ndarray)
-        and dst.nbytes == src.nbytes
+        nbytes >= FLAT_COPY_BYTES
+        and _copy is not None
+        and type(dst) is np.ndarray
+        and type(src) is np.ndarray
         and dst.dtype == src.dtype
+        and src.nbytes == nbytes
         and dst.flags.c_contiguous
         and src.flags.c_contiguous
     ):
-        _stream_copy(data_ptr(dst), data_ptr(src), dst.nbytes)
+        if nbytes >= STREAM_COPY_BYTES:
+            _stream_copy(data_ptr(dst), data_ptr(src), nbytes)
+        else:
+            _copy(dst, src)
     else:
         dst[...] = src
 

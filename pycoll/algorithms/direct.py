@@ -60,7 +60,15 @@ from pycoll.algorithms.cost import ALLGATHER_SLOT_ROUNDS, ALLTOALL_BY_ADDRESS_MI
 from pycoll.algorithms.links import Group, Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import segments
-from pycoll.buffers import STREAM_COPY_BYTES, copy_into, data_ptr, own_block, own_placed, place_own
+from pycoll.buffers import (
+    STREAM_COPY_BYTES,
+    copy_flat,
+    copy_into,
+    data_ptr,
+    own_block,
+    own_placed,
+    place_own,
+)
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
 
@@ -177,7 +185,7 @@ def _slot_reduce(L: Links, G: Group, x: Any, out: Any, root: int | None) -> None
         return
     for lo, hi, s, v, small in _rounds(L, G, x.dtype, x.size, per_round):
         G.claim(s, dl, bo, small)
-        v[r][...] = x[lo:hi]
+        copy_flat(v[r], x[lo:hi])
         G.post(s)
         if root is None or r == root:
             G.wait(others, s, dl, bo)
@@ -197,7 +205,7 @@ def _slot_allreduce_split(L: Links, G: Group, x: Any, out: Any, per_round: int) 
     for lo, hi, s, v, small in _rounds(L, G, x.dtype, x.size, per_round):
         b = segments(0, hi - lo, n)
         G.claim(s, dl, bo, small)
-        v[r][...] = x[lo:hi]
+        copy_flat(v[r], x[lo:hi])
         G.post(s)
         G.wait(others, s, dl, bo)
         seg = slice(b[r], b[r + 1])
@@ -247,14 +255,14 @@ def _slot_allgather(L: Links, G: Group, x: Any, out: Any) -> None:
         for lo, hi, s, v, _ in unread:
             for j in others:
                 G.wait((j,), s, dl, bo)
-                out[j * k + lo : j * k + hi] = v[j]
+                copy_flat(out[j * k + lo : j * k + hi], v[j])
             G.done(s)
         unread.clear()
 
     for rnd in _rounds(L, G, x.dtype, k, per_round):
         lo, hi, s, v, small = rnd
         G.claim(s, dl, bo, small)
-        v[r][...] = x[lo:hi]
+        copy_flat(v[r], x[lo:hi])
         G.post(s, consumed=not unread)  # with no round unread, step s - 1 is consumed
         unread.append(rnd)
         if not ahead:
@@ -269,12 +277,12 @@ def _slot_broadcast(L: Links, G: Group, buf: Any, root: int) -> None:
     for lo, hi, s, v, small in _rounds(L, G, buf.dtype, buf.size, per_round):
         if r == root:
             G.claim(s, dl, bo, small)
-            v[r][...] = buf[lo:hi]
+            copy_flat(v[r], buf[lo:hi])
             G.post(s)
             G.done(s)  # (it reads nothing; see broadcast)
         else:
             G.wait((root,), s, dl, bo)
-            buf[lo:hi] = v[root]
+            copy_flat(buf[lo:hi], v[root])
             G.done(s)
 
 
@@ -293,10 +301,10 @@ def _slot_reduce_scatter(L: Links, G: Group, x: Any, out: Any) -> None:
         G.claim(s, dl, bo, small)
         mine = v[r]
         if c == k:
-            mine[...] = x
+            copy_flat(mine, x)
         else:
             for b in range(n):
-                mine[b * c : (b + 1) * c] = x[b * k + lo : b * k + hi]
+                copy_flat(mine[b * c : (b + 1) * c], x[b * k + lo : b * k + hi])
         G.post(s)
         G.wait(others, s, dl, bo)
         blk = slice(r * c, (r + 1) * c)
@@ -325,7 +333,7 @@ def _reduce_range(L: Links, G: Group, s: int, x: Any, lo: int, hi: int, acc: Any
         mine = x[a:b]
         if own is not None:
             mine = own[: b - a]
-            mine[...] = x[a:b]
+            copy_flat(mine, x[a:b])
         if r == 0:
             first = mine
         else:
@@ -708,7 +716,7 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
             for j in others:
                 G.wait((j,), s, dl, bo)
                 p = r if r < j else r - 1
-                out[j * k + lo : j * k + hi] = v[j][p * c : (p + 1) * c]
+                copy_flat(out[j * k + lo : j * k + hi], v[j][p * c : (p + 1) * c])
             G.done(s)
         unread.clear()
 
@@ -719,7 +727,7 @@ def _alltoall(L: Links, x: Any, out: Any, by_address_min: int) -> None:
         mine = v[r]
         for b in others:  # our own block is the envelope's
             p = b if b < r else b - 1
-            mine[p * c : (p + 1) * c] = x[b * k + lo : b * k + hi]
+            copy_flat(mine[p * c : (p + 1) * c], x[b * k + lo : b * k + hi])
         G.post(s, consumed=not unread)
         unread.append(rnd)
         if not ahead:
@@ -919,7 +927,7 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo, small)
-            mine[i][...] = x
+            copy_flat(mine[i], x)
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
             acc = out[lo_r:hi_r]
@@ -978,7 +986,7 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo, small)
-            mine[i][...] = x
+            copy_flat(mine[i], x)
             post_word(i, w, s)
             if reader:
                 wait_word(others, i, w, dl, bo)
@@ -997,12 +1005,12 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo, small)
-            mine[i][...] = x
+            copy_flat(mine[i], x)
             post_word(i, w, s)
             v = views[i]
             wait_word(others, i, w, dl, bo)
             for j, lo, hi in blocks:
-                out[lo:hi] = v[j]
+                copy_flat(out[lo:hi], v[j])
             done(s)
 
         return run_allgather
@@ -1019,7 +1027,7 @@ def prepare(
                 i = s % K
                 w = c | s
                 claim(s, dl, bo, small)
-                mine[i][...] = buf
+                copy_flat(mine[i], buf)
                 post_word(i, w, s)
                 done(s)
 
@@ -1031,7 +1039,7 @@ def prepare(
             i = s % K
             w = c | s
             wait_word(src, i, w, dl, bo)
-            buf[...] = theirs[i]
+            copy_flat(buf, theirs[i])
             done(s)
 
         return run_leaf
@@ -1048,7 +1056,7 @@ def prepare(
             i = s % K
             w = c | s
             claim(s, dl, bo, small)
-            mine[i][...] = x
+            copy_flat(mine[i], x)
             post_word(i, w, s)
             wait_word(others, i, w, dl, bo)
             reduce_rows(f, parts[i], out)

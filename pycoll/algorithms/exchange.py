@@ -29,6 +29,7 @@ import numpy as np
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import _reduce_scatter
+from pycoll.buffers import copy_into
 
 
 def displacements(counts: Any) -> list[int]:
@@ -123,8 +124,8 @@ def scatter_tree(L: Links, x: Any, out: Any, root: int) -> None:
         else:  # relative order: rank root's block first
             acc = L.empty(n * k, out.dtype)
             cut = (n - root) * k
-            acc[:cut] = x[root * k :]
-            acc[cut:] = x[: root * k]
+            copy_into(acc[:cut], x[root * k :])
+            copy_into(acc[cut:], x[: root * k])
     else:
         acc = L.empty(span * k, out.dtype)
         L.wait(L.recv((v - (v & -v) + root) % n, acc))
@@ -139,7 +140,7 @@ def scatter_tree(L: Links, x: Any, out: Any, root: int) -> None:
             L.send((child + root) % n, acc[mask * k : (mask + got) * k])
         mask >>= 1
     if v:
-        out[...] = acc[:k]
+        copy_into(out, acc[:k])
     L.finish()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
-from pycoll.buffers import place_own
+from pycoll.buffers import copy_into, place_own
 
 
 def btree(n: int, r: int) -> tuple[int | None, list[int]]:
@@ -122,7 +122,7 @@ def _up_finish(L: Links, job: _Up, c: int, x: Any, out: Any) -> None:
     if job.parent is not None:
         L.send(job.parent, out[sl] if job.children else x[sl])
     elif not job.children and out is not x:
-        out[sl] = x[sl]
+        copy_into(out[sl], x[sl])
 
 
 @register("allreduce", "tree")
@@ -215,7 +215,7 @@ def reduce_scatter(L: Links, x: Any, out: Any) -> None:
         assert full is not None
         for p in range(1, n):
             L.send(p, full[p * k : (p + 1) * k])
-        out[...] = full[:k]
+        copy_into(out, full[:k])
     else:
         L.wait(L.recv(0, out))
     L.finish()
