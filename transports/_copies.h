@@ -47,14 +47,17 @@ skew(const void *dst, const void *src)
     return ((uintptr_t)dst - (uintptr_t)src) & 4095;
 }
 
-#if defined(__x86_64__) || defined(__SSE2__)
-#include <emmintrin.h>
-/* Back to front, the stores 16-byte aligned: a load then never follows a
-   store to the same address modulo the page, the stall that slows REP MOVSB
-   and glibc's forward loops alike.  64 KiB skewed by 1, 16 or 31 bytes:
-   1.4-1.7 us, as memcpy aligned (1.2); short forward pieces took 4.0. */
-static inline void
-copy_skewed(char *dst, const char *src, size_t n)
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* Back to front, the stores aligned: no load then follows a store to the same
+   address modulo the page, the stall that slows REP MOVSB and glibc's forward
+   loops alike.  Which width stays fast depends on where in its line the skew
+   puts the loads: on the Xeon that ran the GPU tests 16-byte stores stalled
+   where the skew is 16-31 modulo 64 (64 KiB: 4.3 us against 1.7), 32-byte
+   ones where it is 32-63 (2.4); the AMD EPYC took either at 1.2-1.8 us
+   (benchmarks/skewed_copies.py). */
+static void
+copy_back16(char *dst, const char *src, size_t n)
 {
     size_t i = n - (((uintptr_t)(dst + n)) & 15);
     memcpy(dst + i, src + i, n - i);
@@ -71,9 +74,44 @@ copy_skewed(char *dst, const char *src, size_t n)
     }
     memcpy(dst, src, i);
 }
+
+__attribute__((target("avx2"))) static void
+copy_back32(char *dst, const char *src, size_t n)
+{
+    size_t i = n - (((uintptr_t)(dst + n)) & 31);
+    memcpy(dst + i, src + i, n - i);
+    while (i >= 128) {
+        i -= 128;
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i));
+        _mm256_store_si256((__m256i *)(dst + i + 96), a);
+        _mm256_store_si256((__m256i *)(dst + i + 64), b);
+        _mm256_store_si256((__m256i *)(dst + i + 32), c);
+        _mm256_store_si256((__m256i *)(dst + i), d);
+    }
+    memcpy(dst, src, i);
+}
+
+static void
+copy_skewed(char *dst, const char *src, size_t n)
+{
+    static int known = -1; /* whether the CPU has AVX2, once asked */
+    int avx2 = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (avx2 < 0) {
+        __builtin_cpu_init();
+        avx2 = __builtin_cpu_supports("avx2") != 0;
+        __atomic_store_n(&known, avx2, __ATOMIC_RELAXED);
+    }
+    if (avx2 && (skew(dst, src) & 63) < 32)
+        copy_back32(dst, src, n);
+    else
+        copy_back16(dst, src, n);
+}
 #else
 /* In pieces too short for REP MOVSB (glibc takes it from 2112 bytes up). */
-static inline void
+static void
 copy_skewed(char *dst, const char *src, size_t n)
 {
     for (size_t i = 0; i < n; i += 2048)
@@ -81,10 +119,15 @@ copy_skewed(char *dst, const char *src, size_t n)
 }
 #endif
 
+/* From this many bytes glibc's memcpy leaves REP MOVSB for loops that store
+   past the caches, and runs as fast skewed as not (16 MiB on the Xeon: 2.4-2.8
+   ms, the loops above 3.0-3.8). */
+#define COPY_SKEW_MAX (4 << 20)
+
 static inline void
 copy_bytes(void *dst, const void *src, size_t n)
 {
-    if (n < 256 || skew(dst, src) - 1 >= 63) /* 0 wraps */
+    if (n < 256 || n >= COPY_SKEW_MAX || skew(dst, src) - 1 >= 63) /* 0 wraps */
         memcpy(dst, src, n);
     else
         copy_skewed((char *)dst, (const char *)src, n);
