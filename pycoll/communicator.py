@@ -404,6 +404,8 @@ class Communicator:
         Returns:
             ``recvbuf`` (or a Request).
         """
+        if root != self.rank:  # recvbuf is all a receiving rank has: its plan holds it
+            sendbuf = recvbuf
         return self._call(SCATTER, sendbuf, recvbuf, None, root, algorithm, async_op, stream)
 
     def allgatherv(
