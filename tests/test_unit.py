@@ -1043,6 +1043,30 @@ def test_skewed_cross_memory_copies_go_through_a_buffer_of_the_thread() -> None:
     assert ei.value.errno == errno.EFAULT
 
 
+def test_shm_takes_a_small_message_at_once_whatever_its_page_offset() -> None:
+    """A small send queued behind a full ring goes out through the pieces'
+    path, which writes it at its source's page offset; a receive posted after
+    it arrived takes it at once all the same (a completed request, nothing
+    queued), as it takes one written at offset 0: a declined one queued the
+    receive, which kept the ring full and every later call slow."""
+    from tests.transport_pairs import connected_pair
+    from transports.base import Deadline, DoneRequest, wait_all
+
+    with connected_pair("shm", slot_bytes=1 << 12, nslots=2) as (a, b):
+        raw = np.arange(3000, dtype=np.uint8)
+        msgs = [raw[100 + 7 * i : 1124 + 7 * i] for i in range(4)]  # 1 KiB, unaligned
+        sends = [a.isend(memoryview(m), tag=1) for m in msgs]
+        assert isinstance(sends[0], DoneRequest) and not isinstance(sends[2], DoneRequest)
+        got = [np.full(1024, 0xA5, np.uint8) for _ in msgs]
+        for i in range(2):  # two slots freed: the queued two go out at their offsets
+            assert isinstance(b.irecv_into(memoryview(got[i]), tag=1), DoneRequest)
+        wait_all(sends, Deadline.after(30))
+        for i in (2, 3):
+            assert isinstance(b.irecv_into(memoryview(got[i]), tag=1), DoneRequest)
+        for m, g in zip(msgs, got, strict=True):
+            assert np.array_equal(m, g)
+
+
 def test_shm_peer_that_sent_then_closed_is_not_gone_while_its_bytes_wait() -> None:
     """A peer that puts its last message and closes between a receiver's look at
     its inbound ring and its liveness check is not reported gone: having seen
