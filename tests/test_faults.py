@@ -396,6 +396,63 @@ def test_abort_raises_one_class_whatever_the_transport(transport: str, algorithm
         assert len(got) == 1 and isinstance(got[0], pycoll.CommunicatorClosedError), got
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [100, (1 << 16) + 3], ids=["slots", "by-address"])
+@pytest.mark.parametrize(
+    ("coll", "waiter"), [("gather", 0), ("gather", 1), ("scatter", 0), ("scatter", 1)]
+)
+def test_direct_gather_and_scatter_raise_when_the_peer_aborts(
+    coll: str, waiter: int, k: int
+) -> None:
+    """direct's gather and scatter (root 0), through the slots and by address:
+    the rank in the call while the other aborts instead of joining raises
+    PeerAbortedError well within the timeout, and no output it had is
+    touched: the root waiting for a block, a sender keeping its input posted
+    for the root, the root keeping its input posted for a reader, a reader.
+    A sender through the slots (gather's ranks, scatter's root) has copied its
+    part into its slot and returns: it waits for no one."""
+    import threading
+
+    import numpy as np
+
+    import pycoll
+    from tests.inproc import communicators
+
+    with communicators(2, transports=("shm",), timeout=20) as comms:
+        c, r = comms[waiter], waiter
+        x = np.ones(2 * k if coll == "scatter" else k, np.float32)
+        out = np.full(2 * k if coll == "gather" else k, 7.0, np.float32)
+        if coll == "gather" and r != 0:
+            out = None  # (the root's alone)
+        got: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                if coll == "gather":
+                    c.gather(x, out, root=0, algorithm="direct")
+                else:
+                    c.scatter(x if r == 0 else None, out, root=0, algorithm="direct")
+            except BaseException as exc:
+                got.append(exc)
+
+        t0 = time.monotonic()
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)
+        comms[1 - waiter].abort()
+        t.join(15)
+        assert not t.is_alive()
+        if k <= 100 and waiter == (1 if coll == "gather" else 0):
+            assert not got, got
+            return
+        assert len(got) == 1 and isinstance(got[0], pycoll.PeerAbortedError), got
+        assert time.monotonic() - t0 < 10
+        if out is not None:  # the peer's part never arrived: nothing wrote there
+            mine = slice(0, k) if coll == "gather" else slice(0, 0)
+            rest = np.delete(out, np.arange(out.size)[mine])
+            assert (rest == 7.0).all() or (coll == "scatter" and r == 0)
+
+
 #: What a thread may see when two threads share a communicator at once: the
 #: overlap itself, the communicator it left unusable, a peer that failed of it,
 #: or the guard seeing that the ranks' calls no longer pair (one rank's threads

@@ -178,6 +178,52 @@ def test_mismatched_direct_alltoalls_raise(way: str, n: int) -> None:
         _run_case(cfg, "direct", lambda r, o=other: (o if r == n - 1 else _alltoall(k))(r, n), n=n)
 
 
+def _gather(k: int, root: int) -> Callable[[int, int], Call]:
+    def make(r: int, n: int) -> Call:
+        x = _data(r, k, np.float32)
+        out = _poison(n * k, np.float32) if r == root else None
+        ref = np.concatenate([_data(q, k, np.float32) for q in range(n)]) if r == root else None
+        return (lambda c, a: c.gather(x, out, root=root, algorithm=a)), ref
+
+    return make
+
+
+def _scatter(k: int, root: int) -> Callable[[int, int], Call]:
+    def make(r: int, n: int) -> Call:
+        src = _data(root, n * k, np.float32)
+        out = _poison(k, np.float32)
+        ref = src[r * k : (r + 1) * k]
+        return (
+            lambda c, a: c.scatter(src if r == root else None, out, root=root, algorithm=a)
+        ), ref
+
+    return make
+
+
+#: gather and scatter blocks (float32 elements) through direct's slots and by address
+GATHER_BLOCKS = {"slots": 100, "by address": (1 << 16) + 3}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("way", list(GATHER_BLOCKS))
+def test_mismatched_direct_gathers_and_scatters_raise(way: str, n: int) -> None:
+    """direct's gather and scatter, through the slots and by address, against
+    another count, another root (two ranks that each think themselves the
+    gather's root both post a word, so each sees the other's), and each other
+    on the last rank: the mismatch surfaces at once, and a rank that returned
+    holds what its own call means."""
+    k = GATHER_BLOCKS[way]
+    cfg = {"transports": ("shm",)}
+    for mine, other in (
+        (_gather(k, 0), _gather(k + 1, 0)),
+        (_gather(k, 0), _gather(k, n - 1)),
+        (_gather(k, 0), _scatter(k, 0)),
+        (_scatter(k, 0), _scatter(k + 1, 0)),
+        (_scatter(k, 0), _scatter(k, n - 1)),
+    ):
+        _run_case(cfg, "direct", lambda r, m=mine, o=other: (o if r == n - 1 else m)(r, n), n=n)
+
+
 def _routed(make: Callable[[int, int], Call], last: str) -> Callable[[int, int], Call]:
     """``make``'s call with ``algorithm=last`` on the last rank, ``direct`` elsewhere."""
 

@@ -312,8 +312,9 @@ def test_direct_through_slots(comm_slots, dtype):
 
 
 def test_direct_is_offered_exactly_when_ranks_share_memory(comm):
-    for coll in ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce"):
+    for coll in ("allreduce", "allgather", "broadcast", "reduce_scatter", "reduce", "gather"):
         assert "direct" in names(coll)
+    assert "direct" in names("scatter")
     x = np.ones(4, np.float32)
     if SIZE > 1 and os.environ.get("PYCOLL_TRANSPORT", "auto") not in ("auto", "shm"):
         assert comm._engine.group is None
