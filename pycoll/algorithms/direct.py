@@ -659,7 +659,7 @@ def gather(L: Links, x: Any, out: Any, root: int) -> None:
             G.post(s)
             G.done(s)  # it reads nothing (the root reads its slot before K steps pass)
         else:
-            G.post(s)  # nothing in its slot; a rank that also thinks itself the root sees a mismatch
+            G.post(s)  # its slot unused: another rank that thinks itself root sees it
             for j in others:
                 G.wait((j,), s, dl, bo)
                 copy_flat(out[j * k + lo : j * k + hi], v[j])
