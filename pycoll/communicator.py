@@ -296,6 +296,8 @@ class Communicator:
             raise InvalidArgumentError(
                 f"rank {self.rank}: prepare: {collective} takes no root (got root={root!r})"
             )
+        if coll is SCATTER and root != self.rank:  # as scatter(): recvbuf is all it has
+            sendbuf = recvbuf
         return self._dispatch.prepare(
             coll,
             sendbuf,
@@ -377,7 +379,8 @@ class Communicator:
 
         On the root ``recvbuf`` holds ``size * k`` elements (None: a new array of
         shape ``(size, *sendbuf.shape)``; in place, ``sendbuf`` is block ``root``
-        of it); other ranks ignore it.  ``algorithm``: "auto", "linear" or "tree".
+        of it); other ranks ignore it.  ``algorithm``: "auto", "linear", "tree" or
+        "direct" (ranks on one host).
 
         Returns:
             The output on the root, None elsewhere (or a Request).
@@ -399,7 +402,7 @@ class Communicator:
 
         Other ranks than the root ignore ``sendbuf`` (pass None).  In place on the
         root, ``recvbuf`` is block ``root`` of ``sendbuf``.  ``algorithm``:
-        "auto", "linear" or "tree".
+        "auto", "linear", "tree" or "direct" (ranks on one host).
 
         Returns:
             ``recvbuf`` (or a Request).

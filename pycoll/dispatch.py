@@ -295,8 +295,8 @@ class Prepared:
     asynchronous call is in flight, the arrays still look as they did, and
     the same thread calls.  Otherwise it is an ordinary call again, which also
     raises what such a call raises.  Calls without a plan (device buffers,
-    torch tensors beyond what plans hold, a barrier, a scatter's receiving
-    ranks) are always ordinary ones.  Where the compiled entry was built
+    torch tensors beyond what plans hold, a barrier) are always ordinary
+    ones.  Where the compiled entry was built
     (:mod:`pycoll._replay`), a call with a plan goes through it instead: it
     finds the plan by the key of the last call faster than these checks run.
     """
