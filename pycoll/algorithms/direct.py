@@ -970,17 +970,29 @@ def _prepare_scatter(
             done(s)
 
         return run_root
-    p = others.index(r)
-    theirs = tuple(v[root][p * k : (p + 1) * k] for v in views)
-    src, wait_word, done = (root,), G.wait_word, G.done
+    p = others.index(r)  # its x is its output (Scatter.check)
+    return _prepared_reader(
+        L, G, backoff, fp, root, tuple(v[root][p * k : (p + 1) * k] for v in views)
+    )
 
-    def run_leaf(_: Any, out: Any) -> None:
+
+def _prepared_reader(
+    L: Links, G: Group, backoff: Backoff, fp: int, src: int, theirs: tuple[Any, ...]
+) -> Callable[[Any, Any], None]:
+    """A prepared step that waits for rank ``src``'s word and copies
+    ``theirs[s % K]`` (its slot, or a part) into its first argument: a
+    broadcast's readers, a scatter's."""
+    K, dl, bo = G.words, L.deadline, backoff
+    mul, cmask, fpw = G.chain_mul, G.chain_mask, fp << G.step_bits
+    srcs, wait_word, done = (src,), G.wait_word, G.done
+
+    def run_leaf(buf: Any, _: Any) -> None:
         s = G.seq = G.seq + 1
         c = G.chain = (G.chain * mul + fpw) & cmask
         i = s % K
         w = c | s
-        wait_word(src, i, w, dl, bo)
-        copy_flat(out, theirs[i])
+        wait_word(srcs, i, w, dl, bo)
+        copy_flat(buf, theirs[i])
         done(s)
 
     return run_leaf
@@ -1151,7 +1163,6 @@ def prepare(
         return run_allgather
 
     if collective == "broadcast":
-        src = (root,)
         theirs = tuple(v[root] for v in views)
 
         if r == root:
@@ -1168,16 +1179,7 @@ def prepare(
 
             return run_root
 
-        def run_leaf(buf: Any, _: Any) -> None:
-            s = G.seq = G.seq + 1
-            c = G.chain = (G.chain * mul + fpw) & cmask
-            i = s % K
-            w = c | s
-            wait_word(src, i, w, dl, bo)
-            copy_flat(buf, theirs[i])
-            done(s)
-
-        return run_leaf
+        return _prepared_reader(L, G, backoff, fp, root, theirs)
 
     if collective == "gather":
         if r != root:
