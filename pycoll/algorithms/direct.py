@@ -976,6 +976,29 @@ def _prepare_scatter(
     )
 
 
+def _prepared_writer(
+    L: Links, G: Group, backoff: Backoff, fp: int, small: bool, mine: tuple[Any, ...]
+) -> Callable[[Any, Any], None]:
+    """A prepared step that copies its first argument into ``mine[s % K]`` (its
+    slot, or its part of it) and posts it, reading nothing: a broadcast's
+    root, a gather's senders."""
+    K, dl, bo = G.words, L.deadline, backoff
+    mul, cmask, fpw = G.chain_mul, G.chain_mask, fp << G.step_bits
+    claim, post_word, done = G.claim, G.post_word, G.done
+
+    def run_writer(x: Any, _: Any) -> None:
+        s = G.seq = G.seq + 1
+        c = G.chain = (G.chain * mul + fpw) & cmask
+        i = s % K
+        w = c | s
+        claim(s, dl, bo, small)
+        copy_flat(mine[i], x)
+        post_word(i, w, s)
+        done(s)
+
+    return run_writer
+
+
 def _prepared_reader(
     L: Links, G: Group, backoff: Backoff, fp: int, src: int, theirs: tuple[Any, ...]
 ) -> Callable[[Any, Any], None]:
@@ -1166,35 +1189,12 @@ def prepare(
         theirs = tuple(v[root] for v in views)
 
         if r == root:
-
-            def run_root(buf: Any, _: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                claim(s, dl, bo, small)
-                copy_flat(mine[i], buf)
-                post_word(i, w, s)
-                done(s)
-
-            return run_root
-
+            return _prepared_writer(L, G, backoff, fp, small, mine)
         return _prepared_reader(L, G, backoff, fp, root, theirs)
 
     if collective == "gather":
         if r != root:
-
-            def run_gather_leaf(x: Any, _: Any) -> None:
-                s = G.seq = G.seq + 1
-                c = G.chain = (G.chain * mul + fpw) & cmask
-                i = s % K
-                w = c | s
-                claim(s, dl, bo, small)
-                copy_flat(mine[i], x)
-                post_word(i, w, s)
-                done(s)
-
-            return run_gather_leaf
+            return _prepared_writer(L, G, backoff, fp, small, mine)
         k = count
         blocks = tuple((j, j * k, (j + 1) * k) for j in others)
 
