@@ -108,6 +108,7 @@ def test_alltoall_async_and_odd_inputs(comms):
 @pytest.mark.parametrize("algo", names("gather"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gather(comms, algo, dtype):
+    skip_unavailable(comms[0], algo)
     for k, root, c, inplace in itertools.product(BLOCKS, range(SIZE), comms, (False, True)):
         xs = [data(r, k, dtype, "sum", salt=root) for r in range(SIZE)]
         what = f"gather {algo} {dtype} k={k} root={root} inplace={inplace}"
@@ -130,6 +131,7 @@ def test_gather(comms, algo, dtype):
 @pytest.mark.parametrize("algo", names("scatter"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scatter(comms, algo, dtype):
+    skip_unavailable(comms[0], algo)
     for k, root, c, inplace in itertools.product(BLOCKS, range(SIZE), comms, (False, True)):
         src = data(root, SIZE * k, dtype, "sum", salt=3)
         what = f"scatter {algo} {dtype} k={k} root={root} inplace={inplace}"
