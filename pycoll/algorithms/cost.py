@@ -206,7 +206,7 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> fl
     if collective == "gather":  # nbytes: one rank's block; the root copies the others
         return (1 if small else 2) * a + (n - 1) * nbytes * k.beta
     if collective == "scatter":  # the root copies the others' blocks in, each its own out
-        if small:
+        if (n - 1) * nbytes <= slot:  # one round of the slots, else by address
             return a + n * nbytes * k.beta
         return 2 * a + nbytes * k.beta
     return math.inf

@@ -668,10 +668,13 @@ def gather(L: Links, x: Any, out: Any, root: int) -> None:
 
 @register("scatter", "direct")
 def scatter(L: Links, x: Any, out: Any, root: int) -> None:
-    """Through the slots up to a slot a block: the root writes a piece of every
-    block but its own into its slot, round by round, and each rank copies out
-    its own; else by address (each rank reads its block out of the root's
-    input, which the root keeps posted until every rank is done).  The root's
+    """Through the slots where the n - 1 other blocks fit one slot: the root
+    writes every block but its own into its slot, and each rank copies out its
+    own; else by address (each rank reads its block out of the root's input,
+    which the root keeps posted until every rank is done); without
+    cross-memory copies, through the slots round by round.  (In rounds, 1 MiB
+    at n = 4 on the 2-core AMD VM took 290 us, 175 with ``linear``; by
+    address, 4 MiB took 184.)  The root's
     own block is the envelope's.  On the 2-core AMD VM, prepared
     (:func:`prepare`), against ``linear`` over shm and MPI: 1 KiB at n = 2
     3.5 us (10.0, 2.3), n = 4 9.4 (40.2, 10.1); 64 KiB at n = 2 6.5 (9.4,
@@ -681,7 +684,7 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
     dl, bo = L.deadline, L.backoff
     if n == 1:
         return
-    if G.cma and out.nbytes > G.slot_bytes:
+    if G.cma and (n - 1) * out.nbytes > G.slot_bytes:  # more than one round of the slots
         if r == root:
             s = _post_buffer(L, G, x)
             G.done(s)  # it reads nothing
