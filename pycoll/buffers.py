@@ -146,8 +146,8 @@ def copy_into(dst: Any, src: Any) -> None:
     if (
         nbytes >= FLAT_COPY_BYTES
         and _copy is not None
-        and type(dst) is np.ndarray
-        and type(src) is np.ndarray
+        and isinstance(dst, np.ndarray)
+        and isinstance(src, np.ndarray)
         and dst.dtype == src.dtype
         and src.nbytes == nbytes
         and dst.flags.c_contiguous
