@@ -201,7 +201,7 @@ class Dispatch:
         x, out = spec.x, spec.out
         if (
             not spec.coll.plannable
-            or x.obj is not sendbuf  # (a scatter's receiving ranks: recvbuf is all)
+            or x.obj is not sendbuf  # a plan is found by sendbuf: it must hold that
             or async_op
             or stream is not None
             or self.engine.config.check

@@ -197,8 +197,8 @@ vm_move(pid_t pid, char *local, uint64_t remote, size_t n, int write)
     const void *src = write ? (const void *)local : (const void *)(uintptr_t)remote;
     const void *dst = write ? (const void *)(uintptr_t)remote : (const void *)local;
     char *b;
-    size_t most = cpu_bits() & 2 ? 31 : 63;
-    if (n < VM_BOUNCE_MIN || skew(dst, src) - 1 >= most || (b = vm_bounce()) == NULL)
+    if (n < VM_BOUNCE_MIN || skew(dst, src) - 1 >= (cpu_bits() & 2 ? 31u : 63u) ||
+        (b = vm_bounce()) == NULL)
         return vm_direct(pid, local, remote, n, write);
     b += remote & 4095; /* the kernel copies between ranges aligned alike */
     for (size_t at = 0; at < n; at += VM_BOUNCE) {

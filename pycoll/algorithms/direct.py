@@ -151,11 +151,19 @@ def _step(L: Links, G: Group) -> int:
 
 def _post_buffer(L: Links, G: Group, a: Any) -> int:
     """Take the next step, claim it (it fills no slot) and post where ``a`` lies
-    for the peers to read (or write)."""
+    for the peers to read (or write); ``a`` None: the word alone."""
     s = _step(L, G)
     G.claim(s, L.deadline, L.backoff, small=True)
-    G.post(s, _addr(a), a.nbytes)
+    if a is None:
+        G.post(s)
+    else:
+        G.post(s, _addr(a), a.nbytes)
     return s
+
+
+def _scatter_order(n: int, root: int) -> list[int]:
+    """The ranks whose blocks a scatter's root writes into its slot, in order."""
+    return [j for j in range(n) if j != root]
 
 
 # ------------------------------------------------------------------ by slots
@@ -644,9 +652,7 @@ def gather(L: Links, x: Any, out: Any, root: int) -> None:
             G.done(s)  # it reads nothing
             G.wait_done((root,), s, dl, bo)  # x is the root's until then
             return
-        s = _step(L, G)
-        G.claim(s, dl, bo, True)  # (the root's word too: see below)
-        G.post(s)
+        s = _post_buffer(L, G, None)  # the root's word too: see below
         for j in others:
             G.wait((j,), s, dl, bo)
             G.read(j, s, 0, out[j * k : (j + 1) * k])
@@ -672,12 +678,11 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
     writes every block but its own into its slot, and each rank copies out its
     own; else by address (each rank reads its block out of the root's input,
     which the root keeps posted until every rank is done); without
-    cross-memory copies, through the slots round by round.  (In rounds, 1 MiB
-    at n = 4 on the 2-core AMD VM took 290 us, 175 with ``linear``; by
-    address, 4 MiB took 184.)  The root's
-    own block is the envelope's.  On the 2-core AMD VM, prepared
-    (:func:`prepare`), against ``linear`` over shm and MPI: 1 KiB at n = 2
-    3.5 us (10.0, 2.3), n = 4 9.4 (40.2, 10.1); 64 KiB at n = 2 6.5 (9.4,
+    cross-memory copies, through the slots round by round.  The root's own
+    block is the envelope's.  On the 2-core AMD VM: in rounds, 1 MiB at n = 4
+    took 290 us, 175 with ``linear``, by address 125; prepared
+    (:func:`prepare`), against ``linear`` over shm and MPI, 1 KiB at n = 2
+    3.5 us (10.0, 2.3), n = 4 9.4 (40.2, 10.1), 64 KiB at n = 2 6.5 (9.4,
     9.9)."""
     G = _group(L)
     n, r, k = L.size, L.rank, out.size
@@ -695,19 +700,19 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
         G.read(root, s, r * out.nbytes, out)
         G.done(s)
         return
-    others = [j for j in range(n) if j != root]  # block order in the root's slot
+    others = _scatter_order(n, root)
+    p = others.index(r) if r != root else -1
     per_round = max(1, _slot_elements(G, out.dtype) // (n - 1))
     for lo, hi, s, v, small in _rounds(L, G, out.dtype, k, per_round, n - 1):
         c = hi - lo
         if r == root:
             G.claim(s, dl, bo, small)
             mine = v[r]
-            for p, j in enumerate(others):
-                copy_flat(mine[p * c : (p + 1) * c], x[j * k + lo : j * k + hi])
+            for q, j in enumerate(others):
+                copy_flat(mine[q * c : (q + 1) * c], x[j * k + lo : j * k + hi])
             G.post(s)
             G.done(s)  # it reads nothing
         else:
-            p = others.index(r)
             G.wait((root,), s, dl, bo)
             copy_flat(out[lo:hi], v[root][p * c : (p + 1) * c])
             G.done(s)
@@ -954,7 +959,7 @@ def _prepare_scatter(
     views = G.views(L.dtype, width, small)
     K, dl, bo = G.words, L.deadline, backoff
     mul, cmask, fpw = G.chain_mul, G.chain_mask, fp << G.step_bits
-    others = [j for j in range(n) if j != root]  # block order in the root's slot
+    others = _scatter_order(n, root)
     if r == root:
         mine = tuple(v[r] for v in views)
         places = tuple((p * k, (p + 1) * k, j * k, (j + 1) * k) for p, j in enumerate(others))
