@@ -200,6 +200,43 @@ def place_own(rank: int, x: Any, out: Any) -> None:
         copy_into(own, x)
 
 
+#: A host gather's or scatter's root whose own block has more than this many
+#: bytes leaves its copy to the algorithm, not to the envelope, so that
+#: ``direct`` by address copies it while the other ranks write their blocks
+#: into the root's output (gather) or read theirs out of its input (scatter)
+#: rather than before they start (:func:`root_block`).
+ROOT_PLACED_MIN = 256 << 10
+
+
+def root_placed(nbytes: int) -> bool:
+    """Whether a host gather's or scatter's root block of ``nbytes`` is its
+    algorithm's to copy (:data:`ROOT_PLACED_MIN`)."""
+    return nbytes > ROOT_PLACED_MIN
+
+
+def root_block(scatter: bool, rank: int, x: Any, out: Any) -> tuple[Any, Any] | None:
+    """``(dst, src)`` of the own block of a host gather's root (``scatter``: a
+    scatter's root) where its algorithm copies it (:func:`root_placed`); None
+    where the envelope does (a smaller block, device arrays) or none is
+    needed (in place)."""
+    if not (isinstance(x, np.ndarray) and isinstance(out, np.ndarray)):
+        return None
+    k = out.size if scatter else x.size
+    if not root_placed(k * x.itemsize):
+        return None
+    blk = slice(rank * k, (rank + 1) * k)
+    dst, src = (out, x[blk]) if scatter else (out[blk], x)
+    return None if data_ptr(dst) == data_ptr(src) else (dst, src)
+
+
+def place_root(scatter: bool, rank: int, x: Any, out: Any) -> None:
+    """:func:`root_block`'s copy, where there is one (the root of a gather
+    algorithm, ``scatter`` False, or of a scatter algorithm)."""
+    own = root_block(scatter, rank, x, out)
+    if own is not None:
+        copy_into(*own)
+
+
 def is_device_array(obj: object) -> bool:
     """True for CUDA arrays, decided without importing CuPy."""
     if isinstance(obj, np.ndarray):

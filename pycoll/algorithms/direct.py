@@ -68,6 +68,8 @@ from pycoll.buffers import (
     own_block,
     own_placed,
     place_own,
+    place_root,
+    root_placed,
 )
 from pycoll.reduce import reduce_rows
 from transports.base import Backoff
@@ -635,29 +637,35 @@ def _compiled_broadcast(L: Links, G: Group, buf: Any, root: int, cut: int) -> bo
 @register("gather", "direct")
 def gather(L: Links, x: Any, out: Any, root: int) -> None:
     """Through the slots up to a slot a block (each rank writes its block into
-    its slot, the root copies them out), else by address (the root reads each
-    peer's input, which the peer keeps posted until the root is done).  The
-    root's own block is the envelope's; the root posts a word too, so that two
-    ranks that each think themselves the root see each other's.  On the 2-core
-    AMD VM, prepared (:func:`prepare`), against ``linear`` over shm and MPI:
-    1 KiB at n = 2 2.9 us (7.1, 2.8), n = 4 9.5 (46.3, 17.1); 64 KiB at n = 2
-    8.4 (17.3, 16.1)."""
+    its slot, the root copies them out), else by address: the root posts its
+    output, each other rank writes its block into it, and the root copies its
+    own block meanwhile (:func:`pycoll.buffers.root_block`; where the envelope
+    copied it first and the root read each block in turn, 1 MiB at n = 3 on
+    the 2-core AMD VM took 132 us).  The root posts a word in the slot path
+    too, so that two ranks that each think themselves the root see each
+    other's.  On the 2-core AMD VM, prepared (:func:`prepare`), against
+    ``linear`` over shm and MPI: 1 KiB at n = 2 2.9 us (7.1, 2.8), n = 4 9.5
+    (46.3, 17.1); 64 KiB at n = 2 8.4 (17.3, 16.1)."""
     G = _group(L)
     n, r, k = L.size, L.rank, x.size
     dl, bo = L.deadline, L.backoff
     others = _others(n, r) if r == root else []
     if G.cma and x.nbytes > G.slot_bytes:
         if r != root:
-            s = _post_buffer(L, G, x)
-            G.done(s)  # it reads nothing
-            G.wait_done((root,), s, dl, bo)  # x is the root's until then
+            s = _step(L, G)
+            G.claim(s, dl, bo, small=True)  # no slot
+            G.post(s)
+            G.wait((root,), s, dl, bo)
+            G.write(root, s, r * x.nbytes, x)
+            G.done(s)
             return
-        s = _post_buffer(L, G, None)  # the root's word too: see below
-        for j in others:
-            G.wait((j,), s, dl, bo)
-            G.read(j, s, 0, out[j * k : (j + 1) * k])
-        G.done(s)
+        s = _post_buffer(L, G, out)
+        place_root(False, r, x, out)
+        G.wait(others, s, dl, bo)  # each rank's word: the same call
+        _finish(L, G, s)  # every block written
         return
+    if r == root:
+        place_root(False, r, x, out)
     for lo, hi, s, v, small in _rounds(L, G, x.dtype, k, _slot_elements(G, x.dtype)):
         G.claim(s, dl, bo, small)
         if r != root:
@@ -677,13 +685,13 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
     """Through the slots where the n - 1 other blocks fit one slot: the root
     writes every block but its own into its slot, and each rank copies out its
     own; else by address (each rank reads its block out of the root's input,
-    which the root keeps posted until every rank is done); without
-    cross-memory copies, through the slots round by round.  The root's own
-    block is the envelope's.  On the 2-core AMD VM: in rounds, 1 MiB at n = 4
-    took 290 us, 175 with ``linear``, by address 125; prepared
-    (:func:`prepare`), against ``linear`` over shm and MPI, 1 KiB at n = 2
-    3.5 us (10.0, 2.3), n = 4 9.4 (40.2, 10.1), 64 KiB at n = 2 6.5 (9.4,
-    9.9)."""
+    which the root keeps posted until every rank is done, copying its own
+    block meanwhile: :func:`pycoll.buffers.root_block`); without
+    cross-memory copies, through the slots round by round.  On the 2-core AMD
+    VM: in rounds, 1 MiB at n = 4 took 290 us, 175 with ``linear``, by address
+    125; prepared (:func:`prepare`), against ``linear`` over shm and MPI,
+    1 KiB at n = 2 3.5 us (10.0, 2.3), n = 4 9.4 (40.2, 10.1), 64 KiB at n = 2
+    6.5 (9.4, 9.9)."""
     G = _group(L)
     n, r, k = L.size, L.rank, out.size
     dl, bo = L.deadline, L.backoff
@@ -692,6 +700,7 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
     if G.cma and (n - 1) * out.nbytes > G.slot_bytes:  # more than one round of the slots
         if r == root:
             s = _post_buffer(L, G, x)
+            place_root(True, r, x, out)
             G.done(s)  # it reads nothing
             G.wait_done(_others(n, r), s, dl, bo)  # x is the readers' until then
             return
@@ -700,6 +709,8 @@ def scatter(L: Links, x: Any, out: Any, root: int) -> None:
         G.read(root, s, r * out.nbytes, out)
         G.done(s)
         return
+    if r == root:
+        place_root(True, r, x, out)
     others = _scatter_order(n, root)
     p = others.index(r) if r != root else -1
     per_round = max(1, _slot_elements(G, out.dtype) // (n - 1))
@@ -1067,6 +1078,8 @@ def prepare(
         return None
     if collective == "allgather" and own_placed(count * L.dtype.itemsize):
         return None  # its own block is the algorithm's (see allgather); none here copies it
+    if collective in ("gather", "scatter") and root_placed(count * L.dtype.itemsize):
+        return None  # the root's own block is the algorithm's (see gather)
     if count * L.dtype.itemsize > G.slot_bytes:
         if collective == "allgather" and use_compiled and _compiled_rounds(L, G, count):
             return _compiled_step(collective, G, L, backoff, count, root, fp)

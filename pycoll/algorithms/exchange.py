@@ -29,7 +29,7 @@ import numpy as np
 from pycoll.algorithms.links import Links
 from pycoll.algorithms.registry import register
 from pycoll.algorithms.ring import _reduce_scatter
-from pycoll.buffers import copy_into
+from pycoll.buffers import copy_into, place_root
 
 
 def displacements(counts: Any) -> list[int]:
@@ -68,7 +68,9 @@ def gather_linear(L: Links, x: Any, out: Any, root: int) -> None:
     if r != root:
         L.send(root, x)
     else:
-        L.wait(*[L.recv(p, out[p * k : (p + 1) * k]) for p in range(n) if p != root])
+        got = [L.recv(p, out[p * k : (p + 1) * k]) for p in range(n) if p != root]
+        place_root(False, r, x, out)
+        L.wait(*got)
     L.finish()
 
 
@@ -79,6 +81,7 @@ def scatter_linear(L: Links, x: Any, out: Any, root: int) -> None:
         for p in range(n):
             if p != root:
                 L.send(p, x[p * k : (p + 1) * k])
+        place_root(True, r, x, out)
     else:
         L.wait(L.recv(root, out))
     L.finish()
@@ -98,6 +101,8 @@ def gather_tree(L: Links, x: Any, out: Any, root: int) -> None:
     acc = out if v == 0 and root == 0 else L.empty(span * k, x.dtype)
     if acc is not out:
         acc[:k] = x
+    else:
+        place_root(False, r, x, out)
     mask = 1
     while mask < span:
         child = v + mask
@@ -141,6 +146,8 @@ def scatter_tree(L: Links, x: Any, out: Any, root: int) -> None:
         mask >>= 1
     if v:
         copy_into(out, acc[:k])
+    else:
+        place_root(True, r, x, out)
     L.finish()
 
 

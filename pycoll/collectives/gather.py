@@ -3,7 +3,10 @@
 On the root the output holds ``n * k`` elements (``recvbuf=None`` allocates one
 of shape ``(n, *sendbuf.shape)``); in place, ``sendbuf`` is block ``root`` of
 ``recvbuf``.  Other ranks ignore ``recvbuf``; the call returns the output on
-the root and None elsewhere.
+the root and None elsewhere.  On the host, from a block of more than
+:data:`~pycoll.buffers.ROOT_PLACED_MIN` bytes, the root's algorithm copies its
+own block (:func:`~pycoll.buffers.place_root`), ``direct`` by address while the
+other ranks write theirs; below that, the envelope copies it first.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pycoll.buffers import Buffer, as_buffer
+from pycoll.buffers import Buffer, as_buffer, root_placed
 from pycoll.collectives.base import (
+    HOST,
     ArrayOps,
     Collective,
     Prepare,
@@ -73,6 +77,8 @@ class Gather(Collective):
         r, k = spec.r, spec.x.count
         if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
+        if step is not None and ops is HOST and root_placed(spec.x.nbytes):
+            return partial(partial, step)  # the algorithm copies it (see the module)
         return own_then(step, ops, lambda x, out: (out[r * k : (r + 1) * k], x))
 
 

@@ -2,7 +2,11 @@
 
 Every rank passes ``recvbuf`` (k elements); other ranks than the root ignore
 ``sendbuf`` (None will do).  In place on the root, ``recvbuf`` is block
-``root`` of ``sendbuf``.  The call returns ``recvbuf``.
+``root`` of ``sendbuf``.  The call returns ``recvbuf``.  On the host, from a
+block of more than :data:`~pycoll.buffers.ROOT_PLACED_MIN` bytes, the root's
+algorithm copies its own block (:func:`~pycoll.buffers.place_root`), ``direct``
+by address while the other ranks read theirs; below that, the envelope copies
+it first.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pycoll.buffers import as_buffer
+from pycoll.buffers import as_buffer, root_placed
 from pycoll.collectives.base import (
+    HOST,
     ArrayOps,
     Collective,
     Prepare,
@@ -83,6 +88,8 @@ class Scatter(Collective):
         r, k = spec.r, spec.fp_count
         if r != spec.root or spec.in_place:
             return nothing if step is None else partial(partial, step)
+        if step is not None and ops is HOST and root_placed(k * spec.x.dtype.itemsize):
+            return partial(partial, step)  # the algorithm copies it (see the module)
         return own_then(step, ops, lambda x, out: (out, x[r * k : (r + 1) * k]))
 
 
