@@ -14,7 +14,9 @@ What runs: pycoll's ``comm.<collective>(..., algorithm="auto")`` and mpi4py's
 of ``sweep.py``; out of place, broadcast in place from root 0, op sum), for
 allreduce, allgather, broadcast and reduce_scatter at 8 B, 1 KiB, 64 KiB,
 1 MiB, 16 MiB and 128 MiB (nccl-tests' sizes, as in sweep.py: the output of
-allgather, the input of reduce_scatter).  Both systems work on the very same
+allgather and gather, the input of reduce_scatter and scatter).  ``--collectives
+all`` adds reduce, alltoall, gather and scatter (``Reduce``, ``Alltoall``,
+``Gather``, ``Scatter``; root 0).  Both systems work on the very same
 float32 arrays, allocated as a user's script would: inputs by
 ``numpy.random.Generator.standard_normal``, outputs by ``np.empty`` (no
 page alignment, no huge-page policy: ``hostmem`` is not used).
@@ -55,11 +57,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt_size, geometry, host_meta, parse_size, run_or_abort
+from exchanges import holds
 from hostmem import hugepage_fraction
 from sweep import Buffers, Case, Prepared, Runner, System, input_bytes, tuned_calls
 from versus import alternate, block_calls, pilot
 
+#: the four of the first matrix (the default), then the rest of the rooted and
+#: personalized collectives (``--collectives all``)
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+MORE = ("reduce", "alltoall", "gather", "scatter")
 SIZES = "8,1K,64K,1M,16M,128M"
 DTYPE = np.dtype(np.float32)
 
@@ -73,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--collectives",
         default=",".join(COLLECTIVES),
-        help=f"comma list of {', '.join(COLLECTIVES)} (default all four)",
+        help=f"comma list of {', '.join(COLLECTIVES + MORE)}, or all (default the first four)",
     )
     ap.add_argument("--rounds", type=int, default=7, help="blocks per system (default 7)")
     ap.add_argument(
@@ -94,9 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, ArithmeticError):
         ap.error(f"--sizes {a.sizes!r}: a comma list of sizes (8, 1K, 16M)")
     a.collectives = [c.strip() for c in a.collectives.split(",") if c.strip()]
+    if a.collectives == ["all"]:
+        a.collectives = list(COLLECTIVES + MORE)
     for c in a.collectives:
-        if c not in COLLECTIVES:
-            ap.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES)}")
+        if c not in COLLECTIVES + MORE:
+            ap.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES + MORE)}")
+    if a.persistent and set(a.collectives) - {*COLLECTIVES, "reduce"}:
+        ap.error("--persistent: the first five collectives (no MPI persistent form of the rest)")
     if not a.sizes or any(s <= 0 for s in a.sizes) or not a.collectives:
         ap.error("--sizes and --collectives: at least one each, sizes above 0")
     if a.rounds < 1 or a.block_time <= 0 or a.warm < 0:
@@ -106,50 +116,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _input(rank: int, case: Case) -> np.ndarray:
     """Rank ``rank``'s input: standard normal float32 from a seed every rank knows."""
-    rng = np.random.default_rng([rank, COLLECTIVES.index(case.collective), case.size])
+    which = (COLLECTIVES + MORE).index(case.collective)
+    rng = np.random.default_rng([rank, which, case.size])
     return rng.standard_normal(case.send_count, dtype=DTYPE)
 
 
-def _reference(case: Case, rank: int, n: int) -> np.ndarray:
-    """NumPy's output on ``rank`` (sums in rank order)."""
-    c = case.collective
+def _reference(case: Case, rank: int, n: int) -> np.ndarray | None:
+    """NumPy's output on ``rank`` (sums in rank order); None where it has none."""
+    c, root = case.collective, case.root
     if c == "broadcast":
         return _input(0, case)
-    if c == "allgather":
+    if c in ("allgather", "gather"):
+        if c == "gather" and rank != root:
+            return None
         return np.concatenate([_input(p, case) for p in range(n)])
+    k = case.recv_count
+    if c == "alltoall":
+        k //= n
+        return np.concatenate([_input(p, case)[rank * k : (rank + 1) * k] for p in range(n)])
+    if c == "scatter":
+        return _input(root, case)[rank * k : (rank + 1) * k]
+    if c == "reduce" and rank != root:
+        return None
     acc = _input(0, case)
     for p in range(1, n):
         acc += _input(p, case)
     if c == "reduce_scatter":
-        k = case.recv_count
         return acc[rank * k : (rank + 1) * k]
     return acc
 
 
 def _buffers(case: Case, rank: int) -> Buffers:
-    """Plain NumPy arrays: the input from ``np.random``, the output ``np.empty``."""
+    """Plain NumPy arrays: the input from ``np.random``, the output ``np.empty``;
+    None for a buffer the rank does not hold (gather's output off the root,
+    scatter's input)."""
     x = _input(rank, case)
     if case.collective == "broadcast":
         return Buffers(x, x, np)
-    return Buffers(x, np.empty(case.recv_count, DTYPE), np)
+    has_send, has_recv = holds(case.collective, rank, case.root)
+    return Buffers(
+        x if has_send else None, np.empty(case.recv_count, DTYPE) if has_recv else None, np
+    )
 
 
 def _poison_outputs(case: Case, bufs: Buffers, rank: int) -> None:
     """Poison where the output lands (a broadcast's non-root buffers), inputs kept."""
     if case.collective != "broadcast":
-        bufs.poison(bufs.recv)
+        if bufs.recv is not None:
+            bufs.poison(bufs.recv)
     elif rank != case.root:
         bufs.poison(bufs.send)
 
 
-def _wrong(w: Any, p: Prepared, ref: np.ndarray) -> int:
+def _wrong(w: Any, p: Prepared, ref: np.ndarray | None) -> int:
     """Call once on poisoned outputs; elements off NumPy's, summed over ranks."""
     from mpi4py import MPI
 
     p.load()
     p.call()
-    got = np.asarray(p.output()).reshape(-1)
-    bad = int(np.count_nonzero(~np.isclose(got, ref, rtol=1e-5, atol=1e-5)))
+    bad = 0
+    if ref is not None:
+        got = np.asarray(p.output()).reshape(-1)
+        bad = int(np.count_nonzero(~np.isclose(got, ref, rtol=1e-5, atol=1e-5)))
     return int(w.allreduce(bad, op=MPI.SUM))
 
 
@@ -234,7 +262,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 wrong[lab] += _wrong(w, p, ref)
             # what the kernel put under the buffers (both systems use these):
             # a cross-memory copy's rate depends on the other side's kind of page
-            frac = hugepage_fraction(bufs.send, bufs.recv)
+            frac = hugepage_fraction(*(b for b in (bufs.send, bufs.recv) if b is not None))
             fracs = w.allgather(frac)
             ours, theirs = secs[ours_label], secs["mpi"]
             persistent = plain = None

@@ -301,7 +301,7 @@ step_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
    Step(mode, group, claim, wait, reduce, K, kd, small, mul, mask, fpw, spins,
         nbytes, count, op, kind, slot, word, done, theirs, rows, dones, ahead,
-        piece, yield_ns)
+        piece, yield_ns[, hole_at, hole, oblk])
 
    One prepared step of pycoll.algorithms.direct, whole: called as step(x, out)
    it does what that module's Python closure of the same mode does, in one C
@@ -325,17 +325,23 @@ step_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
        READ (allreduce, a reduce's root): copy x (nbytes) into slot[i], store
          done = s - 1 and word[i] = w (release), wait for theirs[i] to hold w,
          out = rows[i][0] OP rows[i][1] ... (count elements), done = s;
-       WRITE (a reduce off its root): copy in and post, done = s;
-       GATHER (allgather): copy in, post, wait, copy each nonzero rows[i][j]
-         (nbytes) to block j of out, done = s.  A block of more than piece
+       WRITE (a reduce off its root, a gather off it, a scatter's root): copy in
+         and post, done = s;
+       GATHER (allgather, a gather's root, alltoall): copy in, post, wait,
+         copy each nonzero rows[i][j] (oblk bytes, nbytes unless given) to
+         block j of out, done = s.  A block of more than piece
          bytes goes in rounds of piece bytes (at most ahead of them), one step
          each, as direct's _slot_allgather: every round is copied in and
          posted (done = s - 1 with the first alone), then each is waited for,
          copied out and marked done;
        SCATTER (reduce_scatter): as READ, rows[i] being block r of each slot;
        ROOT (a broadcast's root): copy in, post, done = s;
-       LEAF (a broadcast's leaves): wait for theirs[i], copy rows[i][0]
-         (nbytes) into x, done = s.
+       LEAF (a broadcast's leaves, a scatter's readers): wait for theirs[i],
+         copy rows[i][0] (nbytes) into x, done = s.
+     "Copy in" copies nbytes of x into the slot; where hole is given (one
+     round, not a LEAF), x holds nbytes + hole bytes and its bytes [hole_at,
+     hole_at + hole) stay out: the rank's own block of a scatter's root or of
+     an alltoall, which the envelope copies.
      A wait spins at most spins rounds in all (the call's waits together),
      then yields the CPU (sched_yield) for at most yield_ns in all; a peer
      not there by then is waited for by wait(late, i, w) (Python: the
@@ -362,6 +368,8 @@ typedef struct {
     long spins;
     long long yield_ns; /* past the spins, a wait yields the CPU this long before Python's */
     Py_ssize_t nbytes, count, piece; /* piece: the bytes of a round */
+    Py_ssize_t hole_at, hole; /* x's bytes [hole_at, hole_at + hole) stay out of the slot */
+    Py_ssize_t oblk;          /* GATHER: the bytes of a block of out, each rows[i][j]'s */
     int rounds;
     char *slot[MAXK], *word[MAXK], *done;
     char *dones[MAXN]; /* the peers' done words */
@@ -435,13 +443,15 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     PyObject *dones;
     unsigned long long ahead;
-    Py_ssize_t piece;
+    Py_ssize_t piece, hole_at = 0, hole = 0, oblk = -1;
     long long yield_ns;
-    if (!PyArg_ParseTuple(args, "iOOOOiipKKKlnniiOOOOOOKnL:Step", &mode, &group, &claim,
+    if (!PyArg_ParseTuple(args, "iOOOOiipKKKlnniiOOOOOOKnL|nnn:Step", &mode, &group, &claim,
                           &wait, &reduce, &K, &kd, &small, &mul, &mask, &fpw, &spins, &nbytes,
                           &count, &op, &kind, &slot, &word, &done, &theirs, &rows, &dones, &ahead,
-                          &piece, &yield_ns))
+                          &piece, &yield_ns, &hole_at, &hole, &oblk))
         return NULL;
+    if (oblk < 0)
+        oblk = nbytes;
     if (!PyTuple_Check(dones) || PyTuple_GET_SIZE(dones) > MAXN) {
         PyErr_SetString(PyExc_TypeError, "Step: dones must be a tuple of the peers' addresses");
         return NULL;
@@ -456,6 +466,13 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError,
                         "Step: piece must be positive, and split nbytes into rounds only for an "
                         "allgather, at most ahead and 8 of them");
+        return NULL;
+    }
+    if (hole < 0 || hole_at < 0 || hole_at > nbytes || oblk == 0 ||
+        ((hole || oblk != nbytes) && rounds > 1) || (hole && mode == LEAF)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Step: a hole inside nbytes, a positive oblk, and either only in one "
+                        "round (a hole not for a LEAF)");
         return NULL;
     }
     if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != K || !PyTuple_Check(word) ||
@@ -482,6 +499,9 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->nbytes = nbytes;
     self->count = count;
     self->piece = piece;
+    self->hole_at = hole_at;
+    self->hole = hole;
+    self->oblk = oblk;
     self->rounds = (int)rounds;
     self->ahead = ahead;
     self->floor = 0;
@@ -667,8 +687,9 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         Py_buffer x;
         if (PyObject_GetBuffer(args[0], &x, PyBUF_C_CONTIGUOUS) < 0)
             return NULL;
-        if (x.len != nbytes) {
-            PyErr_Format(PyExc_ValueError, "Step: %zd bytes for a %zd-byte step", x.len, nbytes);
+        if (x.len != nbytes + self->hole) {
+            PyErr_Format(PyExc_ValueError, "Step: %zd bytes for a %zd-byte step", x.len,
+                         nbytes + self->hole);
             PyBuffer_Release(&x);
             return NULL;
         }
@@ -680,7 +701,13 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             uint64_t s = w[q] & self->smask;
             int i = (int)(s % (uint64_t)K);
             len = round_span(self, q, &at);
-            copy_bytes(self->slot[i], (char *)x.buf + at, (size_t)len);
+            if (self->hole) { /* one round: x but its hole */
+                Py_ssize_t h = self->hole_at;
+                copy_bytes(self->slot[i], (char *)x.buf, (size_t)h);
+                copy_bytes(self->slot[i] + h, (char *)x.buf + h + self->hole, (size_t)(len - h));
+            } else {
+                copy_bytes(self->slot[i], (char *)x.buf + at, (size_t)len);
+            }
             if (q == 0) /* every earlier step is read; a later round's post says nothing of it */
                 __atomic_store_n((uint64_t *)self->done, s - 1, __ATOMIC_RELEASE);
             __atomic_store_n((uint64_t *)self->word[i], w[q], __ATOMIC_RELEASE);
@@ -698,9 +725,10 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         return NULL;
     int gather = mode != READ && mode != SCATTER; /* GATHER, LEAF: blocks of nbytes */
     int w8 = width(self->kind), fast = gather || (w8 && o.len == self->count * w8);
-    if (gather && o.len != self->nrows * nbytes) {
+    Py_ssize_t oblk = mode == GATHER ? self->oblk : nbytes;
+    if (gather && o.len != self->nrows * oblk) {
         PyErr_Format(PyExc_ValueError, "Step: a %zd-byte output for %d blocks of %zd", o.len,
-                     self->nrows, nbytes);
+                     self->nrows, oblk);
         PyBuffer_Release(&o);
         return NULL;
     }
@@ -713,11 +741,11 @@ step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
             goto fail;
         char **rows = self->rows + (Py_ssize_t)i * self->nrows;
         int ok = fast;
-        if (gather) { /* round q of each block */
-            len = round_span(self, q, &at);
+        if (gather) { /* round q of each block (one round where oblk is not nbytes) */
+            len = oblk == nbytes ? round_span(self, q, &at) : (at = 0, oblk);
             for (int j = 0; j < self->nrows; j++)
                 if (rows[j])
-                    copy_bytes((char *)o.buf + j * nbytes + at, rows[j], (size_t)len);
+                    copy_bytes((char *)o.buf + j * oblk + at, rows[j], (size_t)len);
         } else if (fast) {
             ok = reduce_kind(self->op, self->kind, (char *)o.buf, rows, self->nrows, self->count);
         }

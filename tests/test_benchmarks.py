@@ -585,6 +585,24 @@ def test_matrix_at_tiny_sizes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_matrix_of_every_collective_at_n3(tmp_path: Path) -> None:
+    """``--collectives all``: the rooted and personalized collectives too (gather's
+    output and scatter's input on the root alone), each checked against NumPy."""
+    out_json = tmp_path / "m.json"
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "matrix.py"), "--sizes", "8,1K", "--rounds", "2",
+        "--block-time", "0.002", "--collectives", "all", "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 110)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    doc = json.loads(out_json.read_text())
+    colls = {c["collective"] for c in doc["matrix"]}
+    assert len(doc["matrix"]) == 16 and len(colls) == 8, colls
+    assert {"reduce", "alltoall", "gather", "scatter"} <= colls
+    assert all(c["wrong"] == 0 and c["pycoll_us"] > 0 for c in doc["matrix"])
+
+
+@pytest.mark.timeout(120)
 def test_matrix_persistent_times_prepared_calls_against_both_mpi_forms(tmp_path: Path) -> None:
     """``--persistent``: pycoll's prepared calls against MPI's plain and persistent
     calls, each checked against NumPy (no wrong element), with both tables."""

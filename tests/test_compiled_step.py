@@ -6,7 +6,8 @@ Unit checks call its reduction and its Step on NumPy arrays; then replayed small
 allreduces, reduces, reduce-scatters, allgathers and broadcasts (ranks as
 threads) with the compiled step on and off (``compiled=False``: the Python
 steps) must agree bitwise for every dtype and op, at n = 2, 3 and 4, with
-poisoned outputs.
+poisoned outputs; gathers, scatters (from every root) and alltoalls must hold
+NumPy's bytes either way.
 """
 
 from __future__ import annotations
@@ -287,6 +288,9 @@ def _make(
     ahead: int = 0,
     kd: int = 0,
     small: bool = False,
+    hole_at: int = 0,
+    hole: int = 0,
+    oblk: int = -1,
 ) -> Any:
     """A Step on the fake segment ``at`` whose calls back are recorded in ``calls``
     (K words and K slots unless kd says, K ahead, one piece, chain multiplier 5,
@@ -317,6 +321,9 @@ def _make(
         ahead or K,
         piece or nbytes,
         yield_ns,
+        hole_at,
+        hole,
+        oblk,
     )
 
 
@@ -447,6 +454,39 @@ def test_step_modes_copy_where_they_should() -> None:
 
 
 @needs_step
+def test_a_step_leaves_its_hole_out_and_gathers_blocks_of_oblk() -> None:
+    """A WRITE step with a hole copies x but its bytes [hole_at, hole_at +
+    hole) into its slot (a scatter's root leaves its own block out); a GATHER
+    step with oblk copies oblk bytes of each nonzero row into blocks of oblk
+    (an alltoall's block in each peer's slot); x of another length, and a
+    hole outside nbytes, in a LEAF or in a step of rounds, are refused."""
+    K, n, nbytes = 2, 3, 8
+    words, slots, at = _fake(K, n, nbytes)
+    G, calls = _Group(), []  # type: ignore[var-annotated]
+    mk = {"K": K, "nbytes": nbytes, "count": 2, "spins": 0}
+    write = _make(direct._WRITE, G, at, calls, **mk, hole_at=4, hole=4)
+    write(np.array([1, 2, 3], np.int32), None)
+    assert slots[0, 1].view(np.int32).tolist() == [1, 3] and int(words[0]) == 1
+    with pytest.raises(ValueError, match="8 bytes for a 12-byte step"):
+        write(np.array([1, 2], np.int32), None)
+    rows = tuple((0, r[1] + 4, r[2]) for r in at["rows"])  # block 1 of rank 1's slot
+    gather = _make(direct._GATHER, G, {**at, "rows": rows}, calls, **mk, oblk=4)
+    slots[1, 0].view(np.int32)[:] = [70, 71]
+    slots[2, 0].view(np.int32)[:] = [90, 91]
+    out = np.full(3, -1, np.int32)
+    gather(np.array([5, 6], np.int32), out)
+    assert out.tolist() == [-1, 71, 90]
+    for bad in (
+        {"mode": direct._WRITE, "hole_at": 12, "hole": 4},  # past nbytes
+        {"mode": direct._LEAF, "hole_at": 0, "hole": 4},
+        {"mode": direct._GATHER, "hole_at": 0, "hole": 4, "piece": 4},  # two rounds
+    ):
+        mode = bad.pop("mode")
+        with pytest.raises(ValueError, match="hole"):
+            _make(mode, G, at, calls, **mk, **bad)
+
+
+@needs_step
 def test_a_gather_step_goes_in_rounds_of_a_piece() -> None:
     """A GATHER step of 12 bytes a rank in pieces of 8 (K = 4, n = 3): two
     steps, both copied in and posted before either is read (done = s - 1 with
@@ -562,6 +602,67 @@ def test_replayed_steps_agree_with_and_without_it(n: int, monkeypatch: pytest.Mo
         same = ("allreduce", "allgather", "broadcast")  # every rank holds the same bits
         mine = {k: v for k, v in on.items() if k[0] in same}
         assert mine == {k: v for k, v in results[True][0].items() if k[0] in same}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
+def test_replayed_gathers_scatters_and_alltoalls_match_numpy(
+    n: int, use: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replayed small gathers and scatters from every root and alltoalls (the
+    compiled steps: a gather's root and a scatter's reader copy blocks of their
+    own, a scatter's root and an alltoall leave their own block out of their
+    slot) hold NumPy's bytes on every rank for every dtype, with poisoned
+    outputs and inputs that change between calls; ``python``: the same calls
+    through the Python steps."""
+    counting = _Counting(step) if step is not None else None
+    monkeypatch.setattr(direct, "compiled", counting)
+    before = counting.calls if counting is not None else 0
+
+    def data(j: int, rep: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """Rank j's n blocks of ``count`` at call ``rep``: each element says whose and where."""
+        return ((np.arange(n * count) * 7 + 31 * j + 5 * rep) % 97).astype(dtype)
+
+    with communicators(n, timeout=30, compiled=use) as comms:
+
+        def body(r: int) -> list[tuple[object, ...]]:
+            c, wrong = comms[r], []
+            for name, dtype in DTYPES.items():
+                for count in (1, 13):
+                    blk, mine = slice(r * count, (r + 1) * count), np.empty(count, dtype)
+                    for root in range(n):
+                        big = np.empty(n * count, dtype)  # the root's output or input
+                        for rep in range(3):  # later calls run the plan's step
+                            want = [data(j, rep, count, dtype) for j in range(n)]
+                            mine[:] = want[r][:count]
+                            big.view(np.uint8)[:] = 0xA5
+                            c.gather(mine, big if r == root else None, root=root)
+                            if (
+                                r == root
+                                and big.tobytes()
+                                != np.concatenate([w[:count] for w in want]).tobytes()
+                            ):
+                                wrong.append(("gather", name, count, root, rep))
+                            big[:] = want[root]
+                            mine.view(np.uint8)[:] = 0xA5
+                            c.scatter(big if r == root else None, mine, root=root)
+                            if mine.tobytes() != want[root][blk].tobytes():
+                                wrong.append(("scatter", name, count, root, rep))
+                    x, out = np.empty(n * count, dtype), np.empty(n * count, dtype)
+                    for rep in range(3):
+                        want = [data(j, rep, count, dtype) for j in range(n)]
+                        x[:] = want[r]
+                        out.view(np.uint8)[:] = 0xA5
+                        c.alltoall(x, out)
+                        if out.tobytes() != np.concatenate([w[blk] for w in want]).tobytes():
+                            wrong.append(("alltoall", name, count, rep))
+            return wrong
+
+        wrong = run_ranks(n, body, timeout=240)
+    assert not any(wrong), wrong
+    if counting is not None:
+        ran = counting.calls - before
+        assert (ran > 0) if use else (ran == 0), (use, ran)
 
 
 @pytest.mark.parametrize("call", ["plan", "fresh arrays", "allgather in rounds"])
@@ -1029,7 +1130,7 @@ def test_a_step_yields_only_under_a_policy_that_yields(monkeypatch: pytest.Monke
 
         @staticmethod
         def Step(*args: Any) -> Any:  # the type it stands for
-            made.append(args[-1])
+            made.append(args[24])  # yield_ns
             return step.Step(*args)
 
     monkeypatch.setattr(direct, "compiled", Recording)

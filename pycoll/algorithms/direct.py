@@ -879,6 +879,17 @@ def _prepare_alltoall(
     return run
 
 
+def _alltoall_fits(L: Links, count: int) -> bool:
+    """Whether an alltoall of ``count`` input elements goes through the slots in
+    one round (:func:`_alltoall`, where :func:`_prepare_alltoall` found it does
+    not go by address), as one compiled step: each rank copies the n - 1 blocks
+    not its own into its slot and each peer's block for it out of theirs."""
+    G, n = L.group, L.size
+    if G is None or n < 2 or count <= 0 or count % n:
+        return False
+    return (n - 1) * (count // n) * L.dtype.itemsize <= G.slot_bytes
+
+
 @register("barrier", "direct")
 def barrier(L: Links) -> None:
     G = _group(L)
@@ -957,15 +968,18 @@ class _Compiled:
 
 
 def _prepare_scatter(
-    L: Links, G: Group, backoff: Backoff, k: int, root: int, fp: int
+    L: Links, G: Group, backoff: Backoff, k: int, root: int, fp: int, use_compiled: bool
 ) -> Callable[[Any, Any], None] | None:
     """:func:`scatter` through the slots in one round (blocks of ``k``
     elements; the root's slot holds n - 1 of them), prepared as :func:`prepare`'s
-    steps are; None where it takes more rounds."""
+    steps are (where ``use_compiled``, as a compiled step); None where it takes
+    more rounds."""
     n, r = L.size, L.rank
     width = (n - 1) * k
     if width * L.dtype.itemsize > G.slot_bytes:
         return None
+    if use_compiled:
+        return _compiled_step("scatter", G, L, backoff, k, root, fp)
     small = G.small(width * L.dtype.itemsize)
     views = G.views(L.dtype, width, small)
     K, dl, bo = G.words, L.deadline, backoff
@@ -1069,7 +1083,12 @@ def prepare(
     """
     if collective == "alltoall":
         by_address_min = 0 if algorithm == "cma" else ALLTOALL_BY_ADDRESS_MIN
-        return _prepare_alltoall(L, backoff, count, fp, by_address_min)
+        run = _prepare_alltoall(L, backoff, count, fp, by_address_min)
+        G = L.group
+        if run is None and G is not None and use_compiled and compiled is not None:
+            if _alltoall_fits(L, count):
+                return _compiled_step(collective, G, L, backoff, count, root, fp)
+        return run
     if algorithm != "direct":
         return None
     G = L.group
@@ -1138,7 +1157,8 @@ def prepare(
 
         return run_split
 
-    if collective == "reduce" and r == root and r <= 1:
+    compile_it = use_compiled and compiled is not None
+    if collective == "reduce" and r == root and r <= 1 and not (compile_it and small):
         assert f is not None
         # Nobody reads the root's slot, so a root that is rank 0 or 1 reduces its
         # own input where it lies: as rows[r] it is an operand of the first
@@ -1164,7 +1184,7 @@ def prepare(
 
         return run_reduce_root
 
-    if use_compiled and compiled is not None and collective in _COMPILED:
+    if compile_it and collective in _COMPILED:
         return _compiled_step(collective, G, L, backoff, count, root, fp)
 
     if collective in ("allreduce", "reduce"):
@@ -1235,7 +1255,7 @@ def prepare(
         return run_gather_root
 
     if collective == "scatter":
-        return _prepare_scatter(L, G, backoff, count, root, fp)
+        return _prepare_scatter(L, G, backoff, count, root, fp, compile_it)
 
     if collective == "reduce_scatter":
         assert f is not None
@@ -1275,7 +1295,18 @@ def _compiled_step(
     n, r = L.size, L.rank
     others = tuple(_others(n, r))
     nbytes = count * L.dtype.itemsize
-    small = G.small(nbytes)  # a step of rounds (an allgather of more than a slot) is not
+    held = nbytes  # what the step's slot holds
+    hole_at = hole = 0  # the bytes of x that stay out of the slot: its own block
+    oblk = nbytes  # a GATHER step's block of the output
+    if collective == "scatter":  # the root's slot holds the n - 1 other blocks in rank order
+        held = nbytes * (n - 1)
+        if r == root:
+            hole_at, hole, nbytes = root * nbytes, nbytes, held
+    elif collective == "alltoall":  # count: all n blocks; its slot holds the n - 1 others
+        oblk = nbytes // n
+        hole_at, hole = r * oblk, oblk
+        nbytes = held = nbytes - oblk
+    small = G.small(held)  # a step of rounds (an allgather of more than a slot) is not
     at = _Compiled(G, r, n, others, small)
     K = G.words
     dl, f = L.deadline, L.reduce
@@ -1292,10 +1323,26 @@ def _compiled_step(
     if collective in ("allreduce", "reduce"):
         parts = G.views(L.dtype, count, small)
         mode = _READ if collective == "allreduce" or r == root else _WRITE
-    elif collective == "allgather":
-        mode = _GATHER  # every rank's slot but this rank's own block (the envelope copies it)
+    elif collective == "allgather" or (collective == "gather" and r == root):
+        # every rank's slot but this rank's own block (the envelope copies it); a
+        # gather's root copies its input into its slot too, which nobody reads
+        mode = _GATHER
         rows = tuple(tuple(0 if j == r else a for j, a in enumerate(row)) for row in at.rows)
         piece = _slot_elements(G, L.dtype) * L.dtype.itemsize  # a block of more goes in rounds
+    elif collective == "gather" or (collective == "scatter" and r == root):
+        mode = _WRITE
+    elif collective == "alltoall":  # block r of each peer's slot, where it lies there
+        mode = _GATHER
+        rows = tuple(
+            tuple(0 if j == r else a + (r if r < j else r - 1) * oblk for j, a in enumerate(row))
+            for row in at.rows
+        )
+    elif collective == "scatter":  # a reader (see _prepare_scatter): its block of the root's slot
+        mode = _LEAF
+        peers = (root,)
+        off = _scatter_order(n, root).index(r) * nbytes
+        theirs = tuple((at.theirs[i][others.index(root)],) for i in range(K))
+        rows = tuple((at.rows[i][root] + off,) for i in range(K))
     elif collective == "reduce_scatter":
         mode = _SCATTER
         red_count = k = count // n
@@ -1347,6 +1394,9 @@ def _compiled_step(
         G.ahead,
         piece,
         STEP_YIELD_NS if backoff.yields >= STEP_YIELD_POLICY_MIN else 0,
+        hole_at,
+        hole,
+        oblk,
     )
 
 
@@ -1355,4 +1405,5 @@ _READ, _WRITE, _GATHER, _SCATTER, _ROOT, _LEAF = range(6)
 _U64 = (1 << 64) - 1
 #: The rounds one compiled allgather step takes at most (pycoll/_step.c, MAXR).
 COMPILED_ROUNDS = 8
-_COMPILED = ("allreduce", "reduce", "allgather", "reduce_scatter", "broadcast")
+_COMPILED = ("allreduce", "reduce", "allgather", "reduce_scatter", "broadcast", "gather")
+# (and through their own checks: a scatter's and an alltoall's step of one round)
