@@ -203,8 +203,10 @@ def _direct(collective: str, n: int, nbytes: int, k: Constants, slot: int) -> fl
         if small:
             return a + nbytes * k.beta + f * nbytes * k.gamma
         return 2 * a + f * nbytes * (k.beta + k.gamma)
-    if collective == "gather":  # nbytes: one rank's block; the root copies the others
-        return (1 if small else 2) * a + (n - 1) * nbytes * k.beta
+    if collective == "gather":  # nbytes: one rank's block
+        if small:  # the root copies the others' blocks out of their slots
+            return a + (n - 1) * nbytes * k.beta
+        return 2 * a + nbytes * k.beta  # each writes its own into the root's output
     if collective == "scatter":  # the root copies the others' blocks in, each its own out
         if (n - 1) * nbytes <= slot:  # one round of the slots, else by address
             return a + n * nbytes * k.beta
