@@ -605,19 +605,31 @@ def test_replayed_steps_agree_with_and_without_it(n: int, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("way", ["compiled", "python", "mixed"])
 def test_replayed_gathers_scatters_and_alltoalls_match_numpy(
-    n: int, use: bool, monkeypatch: pytest.MonkeyPatch
+    n: int, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Replayed small gathers and scatters from every root and alltoalls (the
     compiled steps: a gather's root and a scatter's reader copy blocks of their
     own, a scatter's root and an alltoall leave their own block out of their
     slot) hold NumPy's bytes on every rank for every dtype, with poisoned
     outputs and inputs that change between calls; ``python``: the same calls
-    through the Python steps."""
+    through the Python steps; ``mixed``: the even ranks compiled, the odd
+    ones Python (the same words and slots either way)."""
     counting = _Counting(step) if step is not None else None
     monkeypatch.setattr(direct, "compiled", counting)
     before = counting.calls if counting is not None else 0
+    use = way != "python"
+    if way == "mixed":
+        real = direct.prepare
+
+        def prepare(
+            what: str, L: Any, bo: Any, count: int, root: int = 0, fp: int = 0,
+            on: bool = True, algo: str = "direct",
+        ) -> Any:  # fmt: skip
+            return real(what, L, bo, count, root, fp, on and L.rank % 2 == 0, algo)
+
+        monkeypatch.setattr(direct, "prepare", prepare)
 
     def data(j: int, rep: int, count: int, dtype: np.dtype) -> np.ndarray:
         """Rank j's n blocks of ``count`` at call ``rep``: each element says whose and where."""
