@@ -677,15 +677,18 @@ def test_replayed_gathers_scatters_and_alltoalls_match_numpy(
         assert (ran > 0) if use else (ran == 0), (use, ran)
 
 
-@pytest.mark.parametrize("call", ["plan", "fresh arrays", "allgather in rounds"])
+@pytest.mark.parametrize(
+    "call", ["plan", "fresh arrays", "allgather in rounds", "gather", "scatter", "alltoall"]
+)
 @pytest.mark.parametrize("use", [True, False], ids=["compiled", "python"])
 def test_peer_gone_under_a_replayed_step_raises(use: bool, call: str) -> None:
     """Rank 1 closes after a few replayed calls; rank 0's next one, which
     waits for rank 1's posted word, raises within the timeout instead of
     spinning or returning its own input as a sum.  The calls: an allreduce on
     the same arrays (a plan), on new arrays each time (its kind, in the
-    compiled entry where it was built), and an allgather of 2.5 slots (the
-    compiled step in rounds)."""
+    compiled entry where it was built), an allgather of 2.5 slots (the
+    compiled step in rounds), and a gather's root, a scatter's reader and an
+    alltoall (their compiled steps of one round)."""
     import time
 
     cfg = {"group_slot_bytes": 4096, "transports": ("shm",)} if "rounds" in call else {}
@@ -699,10 +702,17 @@ def test_peer_gone_under_a_replayed_step_raises(use: bool, call: str) -> None:
                 np.empty(2 * k, np.float32),
                 np.empty(k, np.float32),
             )
+            a2a = np.empty(2 * k, np.float32)
 
             def run() -> None:
                 if "rounds" in call:
                     c.allgather(x, out)
+                elif call == "gather":  # rank 0, the root, waits for rank 1's word
+                    c.gather(x, out if r == 0 else None, root=0)
+                elif call == "scatter":  # rank 0 waits for the root's word
+                    c.scatter(out if r == 1 else None, x, root=1)
+                elif call == "alltoall":
+                    c.alltoall(out, a2a)
                 elif call == "plan":
                     c.allreduce(x, red)
                 else:
