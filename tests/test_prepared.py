@@ -205,3 +205,53 @@ def test_mismatched_prepared_runs_raise_and_return_nothing_wrong() -> None:
         kinds = _on_all(comms, body)
     assert "returned twice" not in kinds, kinds
     assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
+
+
+@pytest.mark.parametrize(
+    "pair", [("gather", "scatter"), ("alltoall", "gather"), ("scatter", "alltoall")]
+)
+def test_mismatched_prepared_exchanges_raise_and_return_nothing_wrong(
+    pair: tuple[str, str],
+) -> None:
+    """As above for the exchanges' compiled steps of one round: rank 0 runs
+    the first call of ``pair`` by its held plan, rank 1 the second.  At least
+    one raises CollectiveMismatchError; a rank that returns holds what its own
+    call means, and its next collective raises."""
+    with communicators(2, timeout=6.0, check=False, tune=False) as comms:
+
+        def body(c: pycoll.Communicator) -> str:
+            r = c.rank
+            x, blk = np.full(8, r + 1, np.float32), np.empty(8, np.float32)
+            src = np.arange(16, dtype=np.float32)  # scatter's input on root 0
+            xs, out = np.full(16, r + 1, np.float32), np.empty(16, np.float32)
+            made = {
+                "gather": (c.prepare("gather", x, out if r == 0 else None, root=0), out),
+                "scatter": (c.prepare("scatter", src if r == 0 else None, blk, root=0), blk),
+                "alltoall": (c.prepare("alltoall", xs, out), out),
+            }
+            for _ in range(2):  # the first run makes each plan, the second takes it
+                for h, _o in made.values():
+                    h()
+            name = pair[r]
+            h, o = made[name]
+            assert h._plan is not None
+            o.fill(77)  # poisoned
+            try:
+                h()
+            except pycoll.PycollError as exc:
+                return type(exc).__name__
+            want = {
+                "gather": np.repeat([1, 2], 8) if r == 0 else np.full(16, 77),
+                "scatter": src[8 * r : 8 * (r + 1)],
+                "alltoall": np.repeat([1, 2], 8),
+            }[name]
+            np.testing.assert_array_equal(o, want)
+            try:
+                c.allreduce(np.ones(4, np.float32))
+            except pycoll.PycollError as exc:
+                return "next:" + type(exc).__name__
+            return "returned twice"
+
+        kinds = _on_all(comms, body)
+    assert "returned twice" not in kinds, kinds
+    assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
