@@ -169,6 +169,29 @@ def test_prepare_refuses_bad_arguments() -> None:
                 c.prepare(name, x, **kw)
 
 
+def _run_mismatched(c: pycoll.Communicator, h: Any, out: Any, want: Any) -> str:
+    """Run the held plan ``h`` on a poisoned ``out``: the name of the error it
+    raises; else, ``out`` checked to start with ``want`` (what its own call
+    means), that of the next collective's error, or "returned twice"."""
+    out.fill(77)  # poisoned
+    try:
+        h()
+    except pycoll.PycollError as exc:
+        return type(exc).__name__
+    np.testing.assert_array_equal(out[: want.size], want)
+    try:
+        c.allreduce(np.ones(4, np.float32))
+    except pycoll.PycollError as exc:
+        return "next:" + type(exc).__name__
+    return "returned twice"
+
+
+def _check_mismatched(kinds: list[str]) -> None:
+    """At least one rank raised a mismatch; none returned twice."""
+    assert "returned twice" not in kinds, kinds
+    assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
+
+
 def test_mismatched_prepared_runs_raise_and_return_nothing_wrong() -> None:
     """Each rank holds the plans of two prepared calls (an allreduce and an
     allgather, run by both ranks alike first); then rank 0 runs one and rank 1
@@ -189,22 +212,10 @@ def test_mismatched_prepared_runs_raise_and_return_nothing_wrong() -> None:
             # this run takes the held plan (same thread, cache not cleared)
             assert p is not None and p.tid == get_ident()
             assert h._epoch == c._engine.plans.epoch
-            out.fill(77)  # poisoned
-            try:
-                h()
-            except pycoll.PycollError as exc:
-                return type(exc).__name__
             want = np.full(8, 3) if r == 0 else np.repeat([1, 2], 8)
-            np.testing.assert_array_equal(out[: want.size], want)
-            try:
-                c.allreduce(np.ones(4, np.float32))
-            except pycoll.PycollError as exc:
-                return "next:" + type(exc).__name__
-            return "returned twice"
+            return _run_mismatched(c, h, out, want)
 
-        kinds = _on_all(comms, body)
-    assert "returned twice" not in kinds, kinds
-    assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
+        _check_mismatched(_on_all(comms, body))
 
 
 @pytest.mark.parametrize(
@@ -235,23 +246,11 @@ def test_mismatched_prepared_exchanges_raise_and_return_nothing_wrong(
             name = pair[r]
             h, o = made[name]
             assert h._plan is not None
-            o.fill(77)  # poisoned
-            try:
-                h()
-            except pycoll.PycollError as exc:
-                return type(exc).__name__
             want = {
                 "gather": np.repeat([1, 2], 8) if r == 0 else np.full(16, 77),
                 "scatter": src[8 * r : 8 * (r + 1)],
                 "alltoall": np.repeat([1, 2], 8),
             }[name]
-            np.testing.assert_array_equal(o, want)
-            try:
-                c.allreduce(np.ones(4, np.float32))
-            except pycoll.PycollError as exc:
-                return "next:" + type(exc).__name__
-            return "returned twice"
+            return _run_mismatched(c, h, o, want)
 
-        kinds = _on_all(comms, body)
-    assert "returned twice" not in kinds, kinds
-    assert any(k.endswith("CollectiveMismatchError") for k in kinds), kinds
+        _check_mismatched(_on_all(comms, body))
