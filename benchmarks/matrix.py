@@ -6,6 +6,7 @@ Run under mpiexec; rank 0 prints::
     mpiexec -n 2 python benchmarks/matrix.py
     mpiexec -n 4 python benchmarks/matrix.py --json out/matrix_n4.json
     mpiexec -n 2 python benchmarks/matrix.py --sizes 8,1K --collectives allreduce
+    mpiexec -n 2 python benchmarks/matrix.py --gloo --json out/matrix_gloo_n2.json
 
 Cells are **MPI time / pycoll time**: above 1 pycoll is faster.
 
@@ -37,6 +38,13 @@ How it times (``versus.py``'s machinery), for each collective and size:
    buffers on huge pages (``hugepage_frac``; column ``huge``): a cross-memory
    copy, which both systems use from about 256 KiB, runs at 2-3x the rate
    when the other side's pages are huge (benchmarks/RESULTS.md).
+
+``--gloo`` adds torch.distributed's Gloo (``all_reduce``,
+``all_gather_into_tensor``, ``broadcast``, ``reduce_scatter_tensor``,
+``reduce``, ``all_to_all_single``, ``gather``, ``scatter``) on the same arrays,
+a third system in the shuffled order: its cells are **Gloo time / pycoll
+time**.  Gloo's ranks sleep between calls, so the block after a Gloo block
+warms up for at least ``--settle`` seconds (as in ``versus.py``).
 
 Each system's output is checked against NumPy before the rounds and after
 them (poisoned first; reductions to a relative 1e-5, since the order of the
@@ -93,6 +101,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time pycoll's prepared calls (comm.prepare) against MPI's plain calls and "
         "MPI 4's persistent ones (Allreduce_init, ...)",
     )
+    ap.add_argument(
+        "--gloo",
+        action="store_true",
+        help="also time torch.distributed's Gloo on the same arrays (xgloo = Gloo time / "
+        "pycoll time)",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.25,
+        help="after a Gloo block, the next block warms up at least this many seconds (0.25)",
+    )
     ap.add_argument("--json", default=None, help="write the matrix and every block here")
     a = ap.parse_args(argv)
     try:
@@ -109,8 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--persistent: the first five collectives (no MPI persistent form of the rest)")
     if not a.sizes or any(s <= 0 for s in a.sizes) or not a.collectives:
         ap.error("--sizes and --collectives: at least one each, sizes above 0")
-    if a.rounds < 1 or a.block_time <= 0 or a.warm < 0:
-        ap.error("--rounds must be >= 1, --block-time > 0, --warm >= 0")
+    if a.persistent and a.gloo:
+        ap.error("--persistent and --gloo: one at a time (Gloo has no persistent calls)")
+    if a.rounds < 1 or a.block_time <= 0 or a.warm < 0 or a.settle < 0:
+        ap.error("--rounds must be >= 1, --block-time > 0, --warm >= 0, --settle >= 0")
     return a
 
 
@@ -168,6 +190,25 @@ def _poison_outputs(case: Case, bufs: Buffers, rank: int) -> None:
         bufs.poison(bufs.send)
 
 
+def _prepare(
+    runner: Runner, system: System, case: Case, bufs: Buffers, rank: int, load: Any
+) -> Prepared:
+    """``system``'s call on the shared arrays, its outputs poisoned before a
+    check by ``load``; but Gloo's allreduce and reduce work in place, each rank
+    on an array of its own (an input reduce leaves off the root too), which a
+    check fills with the input (a poisoned one would be reduced)."""
+    from dataclasses import replace
+
+    if system.kind == "gloo" and case.collective in ("allreduce", "reduce"):
+        mine = Buffers(bufs.send, np.empty(case.send_count, DTYPE), np)
+
+        def fill() -> None:
+            np.copyto(mine.recv, mine.send)
+
+        return replace(runner.prepare(system, case, mine), load=fill)
+    return replace(runner.prepare(system, case, bufs), load=load)
+
+
 def _wrong(w: Any, p: Prepared, ref: np.ndarray | None) -> int:
     """Call once on poisoned outputs; elements off NumPy's, summed over ranks."""
     from mpi4py import MPI
@@ -186,8 +227,6 @@ def _cell(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from dataclasses import replace
-
     from mpi4py import MPI
 
     import pycoll
@@ -216,10 +255,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             System("mpi-persistent"),
         ]
         ours_label = "pycoll-prepared"
+    gloo = False
+    if args.gloo:
+        why = runner.init_torch(False, False)
+        if why:
+            say(f"# gloo: skipped: {why}")
+        else:
+            systems.append(System("gloo"))
+            gloo = True
+    sleepers = frozenset({"gloo"} if gloo else ())
     meta = host_meta()
     say(
         f"# matrix: pycoll {'prepared calls' if args.persistent else 'auto'} against MPI"
-        f"{' (plain and persistent calls)' if args.persistent else ''}, n = {n}, "
+        f"{' (plain and persistent calls)' if args.persistent else ''}"
+        f"{' and Gloo' if gloo else ''}, n = {n}, "
         f"transport {transport}, float32, "
         f"{args.rounds} rounds of one block of about {args.block_time * 1e3:g} ms per "
         "system, a new order each round"
@@ -227,11 +276,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     say(
         "# time: median over rounds of the block's per-call mean on the slowest rank; "
         "xmpi = MPI time / pycoll time (above 1: pycoll faster), p10 p90 of it per round; "
+        f"{'xgloo = Gloo time / pycoll time; ' if gloo else ''}"
         "huge: the fraction of each rank's buffers on huge pages"
     )
+    gloo_head = f" {'gloo(us)':>10} {'xgloo':>7}" if gloo else ""
     say(
         f"#{'collective':>15} {'size':>10} {'pycoll(us)':>11} {'mpi(us)':>10} {'xmpi':>7} "
-        f"{'p10':>6} {'p90':>6} {'#wrong':>6}  {'huge':>14}  auto ran"
+        f"{'p10':>6} {'p90':>6}{gloo_head} {'#wrong':>6}  {'huge':>14}  auto ran"
     )
     records: list[dict[str, Any]] = []
     cells: list[dict[str, Any]] = []
@@ -244,7 +295,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             bufs = _buffers(case, rank)
             ref = _reference(case, rank, n)
             load = lambda case=case, bufs=bufs: _poison_outputs(case, bufs, rank)
-            prep = {s.label: replace(runner.prepare(s, case, bufs), load=load) for s in systems}
+            prep = {s.label: _prepare(runner, s, case, bufs, rank, load) for s in systems}
             wrong = {lab: _wrong(w, p, ref) for lab, p in prep.items()}
             calls = {
                 lab: (p.call, block_calls(pilot(w, p.call), args.block_time))
@@ -253,7 +304,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             nb = input_bytes(case)
             before = tuned_calls(comm, coll, nb)
             warm = min(args.warm, *(k for _, k in calls.values()))  # no more than a block
-            secs, _ = alternate(w, calls, args.rounds, warm, f"matrix {coll} {nbytes}")
+            secs, _ = alternate(
+                w, calls, args.rounds, warm, f"matrix {coll} {nbytes}", args.settle, sleepers
+            )
             after = tuned_calls(comm, coll, nb)
             ran = {a: c - before.get(a, 0) for a, c in after.items() if c - before.get(a, 0)}
             if not ran:  # untuned: auto runs its model's pick
@@ -273,6 +326,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             per_round = [m / o for m, o in zip(theirs, ours, strict=True)]
             t_ours, t_mpi = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
             ratio = t_mpi / t_ours
+            t_gloo = statistics.median(secs["gloo"]) * 1e6 if gloo else None
+            gloo_cols = "" if t_gloo is None else f" {t_gloo:>10.2f} {t_gloo / t_ours:>7.3f}"
             bad = sum(wrong.values())
             total_wrong += bad
             p10, p90 = np.percentile(per_round, [10, 90])
@@ -285,7 +340,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             say(
                 f" {coll:>15} {nbytes:>10} {t_ours:>11.2f} {t_mpi:>10.2f} {ratio:>7.3f} "
-                f"{p10:>6.3f} {p90:>6.3f} {bad:>6}  {huge:>14}  {what}{extra}"
+                f"{p10:>6.3f} {p90:>6.3f}{gloo_cols} {bad:>6}  {huge:>14}  {what}{extra}"
             )
             cells.append(
                 {
@@ -303,6 +358,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "hugepage_frac": fracs,
                     "mpi_persistent_us": persistent,
                     "pycoll_plain_us": plain,
+                    "gloo_us": t_gloo,
+                    "ratio_gloo": None if t_gloo is None else t_gloo / t_ours,
                 }
             )
             for lab, ts in secs.items():
@@ -336,9 +393,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         }
         for coll in args.collectives:
             say(f" {coll:>15}" + "".join(_cell(byp.get((coll, s))) for s in args.sizes))
+    if gloo:
+        say(f"# Gloo time / pycoll time, n = {n}")
+        byg = {(c["collective"], c["size_asked"]): c["ratio_gloo"] for c in cells}
+        for coll in args.collectives:
+            say(f" {coll:>15}" + "".join(_cell(byg.get((coll, s))) for s in args.sizes))
     ahead = sum(c["ratio"] > 1 for c in cells)
     say(f"# pycoll ahead in {ahead} of {len(cells)} cells")
+    if gloo:
+        ahead_g = sum(c["ratio_gloo"] > 1 for c in cells)
+        say(f"# pycoll ahead of Gloo in {ahead_g} of {len(cells)} cells")
     say(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    if gloo:
+        runner.dist.destroy_process_group()
     comm.close()
     if rank == 0 and args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

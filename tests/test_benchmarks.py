@@ -602,6 +602,46 @@ def test_matrix_of_every_collective_at_n3(tmp_path: Path) -> None:
     assert all(c["wrong"] == 0 and c["pycoll_us"] > 0 for c in doc["matrix"])
 
 
+@pytest.mark.timeout(150)
+def test_matrix_against_gloo_checks_its_outputs_too(tmp_path: Path) -> None:
+    """``--gloo``: torch.distributed's Gloo as a third system on the same arrays,
+    every collective checked against NumPy (its allreduce and reduce work in
+    place, on arrays of their own), with its own table and ratio."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    out_json = tmp_path / "m.json"
+    cmd = mpiexec(3) + [
+        sys.executable, str(BENCH / "matrix.py"), "--sizes", "8,1K", "--rounds", "2",
+        "--block-time", "0.002", "--settle", "0", "--collectives", "all", "--gloo",
+        "--json", str(out_json),
+    ]  # fmt: skip
+    proc = _run(cmd, 140)
+    assert "Out of bounds values : 0 OK" in proc.stdout, proc.stdout
+    assert "# Gloo time / pycoll time, n = 3" in proc.stdout, proc.stdout
+    doc = json.loads(out_json.read_text())
+    assert len(doc["matrix"]) == 16
+    assert {r["system"] for r in doc["records"]} == {"pycoll", "mpi", "gloo"}
+    for c in doc["matrix"]:
+        assert c["wrong"] == 0 and c["gloo_us"] > 0, c
+        assert c["ratio_gloo"] == pytest.approx(c["gloo_us"] / c["pycoll_us"])
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--gloo", "--persistent"], "one at a time"),
+        (["--persistent", "--collectives", "alltoall"], "the first five collectives"),
+    ],
+)
+def test_matrix_refuses_what_it_cannot_time(args: list[str], said: str) -> None:
+    """Refused before any rank starts (argparse): Gloo has no persistent calls,
+    and MPI none of alltoall, gather or scatter."""
+    cmd = [sys.executable, str(BENCH / "matrix.py"), *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_matrix_persistent_times_prepared_calls_against_both_mpi_forms(tmp_path: Path) -> None:
     """``--persistent``: pycoll's prepared calls against MPI's plain and persistent
