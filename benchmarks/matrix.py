@@ -190,13 +190,11 @@ def _poison_outputs(case: Case, bufs: Buffers, rank: int) -> None:
         bufs.poison(bufs.send)
 
 
-def _prepare(
-    runner: Runner, system: System, case: Case, bufs: Buffers, rank: int, load: Any
-) -> Prepared:
-    """``system``'s call on the shared arrays, its outputs poisoned before a
-    check by ``load``; but Gloo's allreduce and reduce work in place, each rank
-    on an array of its own (an input reduce leaves off the root too), which a
-    check fills with the input (a poisoned one would be reduced)."""
+def _prepare(runner: Runner, system: System, case: Case, bufs: Buffers, load: Any) -> Prepared:
+    """``system``'s call on the shared arrays, whose outputs ``load`` poisons
+    before a check.  But Gloo's allreduce and reduce work in place: each rank's
+    call gets an array of its own (off the root too, where a reduce needs one),
+    which a check fills with the input, since a poisoned one would be reduced."""
     from dataclasses import replace
 
     if system.kind == "gloo" and case.collective in ("allreduce", "reduce"):
@@ -295,7 +293,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             bufs = _buffers(case, rank)
             ref = _reference(case, rank, n)
             load = lambda case=case, bufs=bufs: _poison_outputs(case, bufs, rank)
-            prep = {s.label: _prepare(runner, s, case, bufs, rank, load) for s in systems}
+            prep = {s.label: _prepare(runner, s, case, bufs, load) for s in systems}
             wrong = {lab: _wrong(w, p, ref) for lab, p in prep.items()}
             calls = {
                 lab: (p.call, block_calls(pilot(w, p.call), args.block_time))
